@@ -1,0 +1,3 @@
+from mixprec.cli import main
+
+raise SystemExit(main())

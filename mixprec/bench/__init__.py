@@ -1,0 +1,1 @@
+"""mixprec.bench (being built)."""

@@ -1,0 +1,51 @@
+"""The ``mixprec`` command.
+
+Each sub-command lives in the room that owns it and exposes two functions:
+``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int``.
+They are imported only when their command runs, so ``mixprec --help`` stays fast.
+
+Errors derived from :class:`mixprec.errors.MixprecError` (and a few well-known user mistakes) are
+printed as one line, ``mixprec: error: ...``, with exit status 2; ``--debug`` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mixprec.errors import MixprecError
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks on errors")
+        p.set_defaults(_module=module)
+        importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+    except (MixprecError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"mixprec: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,1 @@
+"""mixprec.data (being built)."""

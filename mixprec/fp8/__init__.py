@@ -1,0 +1,1 @@
+"""mixprec.fp8 (being built)."""

@@ -1,0 +1,1 @@
+"""mixprec.models (being built)."""

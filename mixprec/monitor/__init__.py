@@ -1,0 +1,1 @@
+"""mixprec.monitor (being built)."""

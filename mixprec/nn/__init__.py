@@ -1,0 +1,1 @@
+"""mixprec.nn (being built)."""

@@ -1,0 +1,1 @@
+"""mixprec.optim (being built)."""

@@ -1,0 +1,69 @@
+"""What the current hardware does well, so policies and audits can choose honestly.
+
+Cheap checks only (no benchmarks here; measured peaks live in ``mixprec.bench``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["default_device", "cpu_has_native_bf16", "cpu_has_native_fp16", "cuda_supports_bf16",
+           "cuda_supports_fp8", "bf16_is_fast"]
+
+
+def default_device() -> torch.device:
+    """``cuda:LOCAL_RANK``-free default: the current CUDA device if there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has BF16 matrix instructions (AVX512-BF16 or AMX).
+
+    Without them PyTorch emulates BF16 GEMMs, typically 10-100x slower than FP32 GEMMs.
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+@functools.cache
+def cpu_has_native_fp16() -> bool:
+    """True when the CPU has FP16 matrix instructions (AVX512-FP16 or AMX-FP16)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return bool({"avx512_fp16", "amx_fp16"} & _cpu_flags())
+
+
+def cuda_supports_bf16() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def cuda_supports_fp8() -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell)."""
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+def bf16_is_fast(device: torch.device | str | None = None) -> bool:
+    """Whether BF16 math is native (not emulated) on ``device`` (default: the default device)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return cpu_has_native_bf16()

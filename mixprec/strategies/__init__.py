@@ -1,0 +1,1 @@
+"""mixprec.strategies (being built)."""

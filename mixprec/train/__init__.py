@@ -1,0 +1,1 @@
+"""mixprec.train (being built)."""
