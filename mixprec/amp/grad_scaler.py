@@ -1,0 +1,462 @@
+"""A drop-in for ``torch.amp.GradScaler`` with hysteresis, bounds, counters and a pure scale policy.
+
+The loop users know works unchanged::
+
+    scaler = GradScaler()                          # or GradScaler(init_scale=256, growth_interval=500)
+    scaler.scale(loss).backward()                  # accumulate as many micro-batches as you like
+    scaler.unscale_(optimizer)                     # optional: before clipping (see amp.clip)
+    scaler.step(optimizer)                         # skips the step when a gradient is inf/NaN
+    scaler.update()                                # moves the scale (DynamicLossScaler rules)
+
+Where this differs from torch's, on purpose:
+
+* The scale lives on the host as a Python float and its policy is :func:`loss_scale.transition`
+  (hysteresis, ``min_scale`` / ``max_scale``, a stuck-scale policy). ``update()`` and
+  ``get_scale()`` therefore never touch the device.
+* **Host syncs.** Exactly one per ``step(optimizer)``: reading the optimizer's ``found_inf`` flag to
+  decide whether to call ``optimizer.step()``. ``scale``, ``unscale_``, ``update`` and
+  ``get_scale`` add none (``update`` reads a flag only for an optimizer that was ``unscale_``d but
+  never stepped). Torch's scaler makes the same one sync per step plus a device-side update kernel.
+* ``enabled=False`` turns *scaling* off; the non-finite check still runs and still skips the step
+  unless ``check_finite=False`` (one inf in BF16 would poison Adam's moments for good).
+  ``GradScaler.from_policy(policy)`` enables scaling iff ``policy.loss_scaling``.
+* FP16 gradients are unscaled in place rather than refused (pure-FP16 training is the user's
+  choice); with mixprec's master-weight optimizers the scaler works on their FP32 master grads
+  (``optimizer.master_grads()``, see docs/CONTRACTS.md).
+* Unscale is fused with the non-finite check by ``torch._amp_foreach_non_finite_check_and_unscale_``
+  per (device, dtype) group; where that kernel rejects a dtype (BF16 on some CUDA builds) a foreach
+  fallback (``_foreach_mul_`` + ``_foreach_norm(inf)``) does the same without a host sync.
+* Under ``torch.distributed`` (initialised, world > 1) ``unscale_`` all-reduces ``found_inf`` with
+  MAX over ``process_group`` so every rank skips together and the scales never diverge.
+* Each optimizer takes its own skip decision (as in torch); ``update()`` backs off if any of them
+  overflowed. ``last_step_skipped`` is True when any optimizer step of the latest iteration was
+  skipped; ``num_skipped_steps`` counts skipped ``optimizer.step()`` calls; ``num_overflows`` counts
+  iterations whose ``update()`` saw non-finite gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import warnings
+from collections import abc
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import Tensor
+
+from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleState, _to_f32
+from mixprec.errors import CheckpointError, ConfigError
+from mixprec.precision.policy import Policy, get_policy
+
+__all__ = ["GradScaler", "optimizer_grads"]
+
+_T = TypeVar("_T")
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclass(slots=True)
+class _OptState:
+    """Per-optimizer progress within one iteration (reset by ``update()``)."""
+
+    stage: _Stage = _Stage.READY
+    found_inf: Tensor | None = None      # 0-dim float32 on the grads' device; > 0 means non-finite
+    found_inf_host: bool | None = None   # the same, once read on the host (in step())
+    skipped: bool = False
+
+
+# --- gradients and the fused unscale ------------------------------------------------------------
+
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The gradient tensors ``optimizer`` will step with, as plain local tensors.
+
+    Follows the grad protocol of docs/CONTRACTS.md: an optimizer with ``master_grads()`` (FP32
+    masters) provides them; otherwise the ``.grad`` of its ``param_groups``. Sparse grads give their
+    values (FP16 ones coalesced first, as torch does), DTensor grads their local shard.
+    """
+    master_grads = getattr(optimizer, "master_grads", None)
+    if callable(master_grads):
+        raw = [g for g in master_grads() if g is not None]
+    else:
+        raw = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+                    p.grad = g = g.coalesce()   # summing duplicates later could overflow fp16
+                raw.append(g)
+    out = raw
+    if any(g.is_sparse or (_DTENSOR is not None and isinstance(g, _DTENSOR)) for g in raw):
+        out = [g._values() if g.is_sparse else
+               g._local_tensor if _DTENSOR is not None and isinstance(g, _DTENSOR) else g
+               for g in raw]
+    return out
+
+
+_FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's fused check-and-unscale kernel takes ``dtype`` on ``device`` (probed once)."""
+    key = (device.type, dtype)
+    ok = _FUSED_OK.get(key)
+    if ok is None:
+        probe = torch.ones(1, dtype=dtype, device=device)
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_([probe], flag, torch.ones_like(flag))
+            ok = True
+        except (RuntimeError, NotImplementedError):
+            ok = False
+        _FUSED_OK[key] = ok
+    return ok
+
+
+def _unscale_group(grads: list[Tensor], inv_scale: Tensor | None, found_inf: Tensor) -> None:
+    """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and raise
+    ``found_inf`` to 1 if any element is inf/NaN. No host sync on either path."""
+    if _fused_supported(grads[0].device, grads[0].dtype):
+        one = inv_scale if inv_scale is not None else torch.ones_like(found_inf)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        return
+    if inv_scale is not None:
+        torch._foreach_mul_(grads, inv_scale)
+    # The inf-norm propagates NaN and is inf for +-inf: non-finite iff some element is.
+    norms = torch._foreach_norm(grads, math.inf)                       # len(grads) x ()
+    bad = torch.stack(norms).isfinite().logical_not().any()            # ()
+    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
+
+
+def _check_and_unscale(grads: list[Tensor], inv_scale_for, home: torch.device | None) -> Tensor:
+    """Unscale every group; return one 0-dim float32 flag on ``home`` (or the first grad's device)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=home or "cpu")
+    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
+    flags: dict[torch.device, Tensor] = {}
+    with torch.no_grad():
+        for (device, _dtype), ([group], _) in groups.items():
+            flag = flags.get(device)
+            if flag is None:
+                flag = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+            _unscale_group(group, inv_scale_for(device), flag)
+    home = home or grads[0].device
+    found = None
+    for flag in flags.values():
+        flag = flag.to(home, non_blocking=True)
+        found = flag if found is None else found + flag
+    return found
+
+
+def _apply_scale(outputs: _T, scale_for) -> _T:
+    if isinstance(outputs, Tensor):
+        return outputs * scale_for(outputs.device)
+    if isinstance(outputs, abc.Iterable):
+        mapped = (_apply_scale(o, scale_for) for o in outputs)
+        return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else mapped
+    raise TypeError(f"scale() takes a tensor or an iterable of tensors, not {type(outputs).__name__}")
+
+
+# --- the scaler ---------------------------------------------------------------------------------
+
+class GradScaler:
+    """``torch.amp.GradScaler`` API plus ``hysteresis``, ``min_scale``, ``max_scale``,
+    ``on_min_scale``, ``check_finite``, ``process_group`` and the counters ``last_step_skipped``,
+    ``num_skipped_steps``, ``num_overflows``. ``device`` (first, like torch) is ``"auto"`` (the
+    device of the first scaled loss), ``"cpu"``, ``"cuda"``, ...; see the module docstring.
+    """
+
+    def __init__(self, device: str | torch.device = "auto", init_scale: float = 2.0 ** 16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, *, hysteresis: int = 1,
+                 min_scale: float = 1.0, max_scale: float = 2.0 ** 24,
+                 on_min_scale: Literal["raise", "warn"] = "raise", check_finite: bool = True,
+                 process_group: Any = None) -> None:
+        for name, flag in (("enabled", enabled), ("check_finite", check_finite)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"GradScaler {name} must be True or False, not {flag!r}")
+        self._device: torch.device | None = None
+        if device != "auto":
+            try:
+                self._device = torch.device(device)
+            except (RuntimeError, TypeError):
+                raise ConfigError(f"GradScaler device must be 'auto' or a torch device such as "
+                                  f"'cpu' or 'cuda', not {device!r}") from None
+            if self._device.type == "cuda" and enabled and not torch.cuda.is_available():
+                warnings.warn("GradScaler(device='cuda') but CUDA is not available: loss scaling "
+                              "is disabled (pass device='auto' or 'cpu')", stacklevel=2)
+                enabled = False
+        self._loss_scaler = DynamicLossScaler(init_scale, growth_factor, growth_interval,
+                                              backoff_factor=backoff_factor, hysteresis=hysteresis,
+                                              min_scale=min_scale, max_scale=max_scale,
+                                              on_min_scale=on_min_scale)
+        self._scaling = enabled
+        self._check_finite = check_finite
+        self._process_group = process_group
+        self._opt_states: dict[int, _OptState] = {}
+        self._cached_for: float | None = None               # scale the tensor caches were built for
+        self._scale_t: dict[torch.device, Tensor] = {}
+        self._inv_scale_t: dict[torch.device, Tensor] = {}
+        self._iter_skipped = False
+        self._last_step_skipped = False
+        self._num_skipped_steps = 0
+        self._num_overflows = 0
+
+    @classmethod
+    def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",
+                    **kwargs: Any) -> GradScaler:
+        """A scaler for ``policy``: scaling on iff ``policy.loss_scaling`` (FP16); the non-finite
+        check (and skip) stays on either way unless ``check_finite=False`` is passed."""
+        kwargs.setdefault("enabled", bool(get_policy(policy).loss_scaling))
+        return cls(device, **kwargs)
+
+    # --- what happened ----------------------------------------------------------------------
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """True when an optimizer step of the latest iteration was skipped (non-finite grads)."""
+        return self._last_step_skipped
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """``optimizer.step()`` calls skipped so far."""
+        return self._num_skipped_steps
+
+    @property
+    def num_overflows(self) -> int:
+        """Iterations whose ``update()`` saw non-finite gradients."""
+        return self._num_overflows
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler:
+        """The scale state machine (read-only use: inspect ``.state`` and ``.config``)."""
+        return self._loss_scaler
+
+    def is_enabled(self) -> bool:
+        """Whether loss *scaling* is on (the non-finite check may run either way)."""
+        return self._scaling
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when scaling is off). No host sync."""
+        return self._loss_scaler.scale if self._scaling else 1.0
+
+    @property
+    def _active(self) -> bool:
+        return self._scaling or self._check_finite
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def _tensors_for(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        s = self._loss_scaler.scale
+        if self._cached_for != s:
+            self._scale_t.clear()
+            self._inv_scale_t.clear()
+            self._cached_for = s
+        t = self._scale_t.get(device)
+        if t is None:
+            t = self._scale_t[device] = torch.full((), s, dtype=torch.float32, device=device)
+            # 1/s computed in double, then rounded to float32 (as torch does).
+            self._inv_scale_t[device] = torch.full((), _to_f32(1.0 / s), dtype=torch.float32,
+                                                   device=device)
+        return t, self._inv_scale_t[device]
+
+    def scale(self, outputs: _T) -> _T:
+        """Multiply a loss (or a list/tuple/iterable of them) by the current scale."""
+        if not self._scaling:
+            return outputs
+        if self._device is None and isinstance(outputs, Tensor):
+            self._device = outputs.device
+        return _apply_scale(outputs, lambda dev: self._tensors_for(dev)[0])
+
+    def _state(self, optimizer: torch.optim.Optimizer) -> _OptState:
+        st = self._opt_states.get(id(optimizer))
+        if st is None:
+            st = self._opt_states[id(optimizer)] = _OptState()
+        return st
+
+    def grads_are_scaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients still carry the loss scale this iteration."""
+        return self._scaling and self._state(optimizer).stage is _Stage.READY
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, once per step.
+
+        Call it before inspecting or clipping gradients; ``step()`` calls it otherwise. No host sync.
+        """
+        if not self._active:
+            return
+        st = self._state(optimizer)
+        if st.stage is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() was already called for this optimizer in this iteration; "
+                               "gradients are unscaled exactly once — call scaler.update() first")
+        if st.stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() called after step() for this optimizer; call "
+                               "scaler.update() to end the iteration first")
+        inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
+        found = _check_and_unscale(optimizer_grads(optimizer), inv_for, self._device)
+        pg = self._process_group
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size(pg) > 1:
+            # Every rank must take the same skip decision, or their weights and scales diverge.
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=pg)
+        st.found_inf, st.stage = found, _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (if not done yet) and run ``optimizer.step(*args, **kwargs)`` unless a gradient
+        is inf/NaN; a skipped step leaves parameters and optimizer state untouched. Returns what
+        ``optimizer.step`` returned, or None when skipped.
+        """
+        if not self._active:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("closures are not supported with GradScaler: compute the loss, "
+                               "call scaler.scale(loss).backward(), then scaler.step(optimizer)")
+        st = self._state(optimizer)
+        if st.stage is _Stage.STEPPED:
+            raise RuntimeError("step() was already called for this optimizer in this iteration; "
+                               "call scaler.update() once per iteration after stepping every optimizer")
+        if st.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        assert st.found_inf is not None
+        st.found_inf_host = bool(st.found_inf.item() > 0)   # the one host sync of the step
+        st.stage = _Stage.STEPPED
+        st.skipped = st.found_inf_host
+        self._iter_skipped = self._iter_skipped or st.skipped
+        self._last_step_skipped = self._iter_skipped
+        if st.skipped:
+            self._num_skipped_steps += 1
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        """End the iteration: back the scale off if any optimizer saw inf/NaN, else count a clean
+        step (growing after ``growth_interval`` of them). ``new_scale`` sets the scale directly.
+        May raise NumericsError when the scale is stuck at ``min_scale`` (``on_min_scale``)."""
+        if not self._active:
+            return
+        states, self._opt_states = self._opt_states, {}
+        self._last_step_skipped = self._iter_skipped
+        self._iter_skipped = False
+        if new_scale is not None:
+            if self._scaling:
+                self._set_scale(new_scale)
+            return
+        if not states:
+            raise RuntimeError("update() called without unscale_() or step() since the last "
+                               "update(); call scaler.step(optimizer) before scaler.update()")
+        overflow = False
+        for st in states.values():
+            if st.found_inf_host is None and st.found_inf is not None:   # unscale_d, never stepped
+                st.found_inf_host = bool(st.found_inf.item() > 0)
+            overflow = overflow or bool(st.found_inf_host)
+        self._num_overflows += overflow
+        if self._scaling:
+            self._loss_scaler.update_scale(overflow)
+
+    def _set_scale(self, new_scale: float | Tensor) -> None:
+        if isinstance(new_scale, Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ConfigError("update(new_scale) takes a float or a 1-element tensor without "
+                                  "requires_grad")
+            new_scale = float(new_scale.item())
+        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
+            raise ConfigError(f"update(new_scale) takes a float, not {type(new_scale).__name__}")
+        cfg = self._loss_scaler.config
+        if not (math.isfinite(new_scale) and cfg.min_scale <= new_scale <= cfg.max_scale):
+            raise ConfigError(f"new scale {new_scale} must be finite and in [min_scale, max_scale] "
+                              f"= [{cfg.min_scale}, {cfg.max_scale}]")
+        self._loss_scaler.state = dataclasses.replace(self._loss_scaler.state,
+                                                      scale=_to_f32(float(new_scale)))
+
+    # --- torch.amp.GradScaler getters/setters -----------------------------------------------
+
+    def _reconfigure(self, **changes: Any) -> None:
+        self._loss_scaler.config = dataclasses.replace(self._loss_scaler.config, **changes)
+
+    def get_growth_factor(self) -> float:
+        return self._loss_scaler.config.scale_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._reconfigure(scale_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._loss_scaler.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._reconfigure(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._loss_scaler.config.scale_window
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._reconfigure(scale_window=new_interval)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python values (safe for ``torch.load(weights_only=True)``). Contains torch's five
+        keys, so ``torch.amp.GradScaler.load_state_dict`` reads it too, plus mixprec's extras.
+        Call it after ``update()``."""
+        counters = {"num_overflows": self._num_overflows,
+                    "num_skipped_steps": self._num_skipped_steps}
+        if not self._scaling:
+            return {"enabled": False, **counters}
+        cfg, st = self._loss_scaler.config, self._loss_scaler.state
+        return {"scale": st.scale, "growth_factor": cfg.scale_factor,
+                "backoff_factor": cfg.backoff_factor, "growth_interval": cfg.scale_window,
+                "_growth_tracker": st.clean_steps, "hysteresis": cfg.hysteresis,
+                "_hysteresis_left": st.hysteresis_left, "min_scale": cfg.min_scale,
+                "max_scale": cfg.max_scale, "on_min_scale": cfg.on_min_scale,
+                "_scale_overflows": st.num_overflows, **counters}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (also accepts a ``torch.amp.GradScaler`` state dict)."""
+        self._num_overflows = int(state_dict.get("num_overflows", self._num_overflows))
+        self._num_skipped_steps = int(state_dict.get("num_skipped_steps", self._num_skipped_steps))
+        if not self._scaling:
+            return
+        if "scale" not in state_dict:
+            raise CheckpointError("the GradScaler state has no 'scale' (it was saved with scaling "
+                                  "disabled); build this scaler with enabled=False or start afresh")
+        names = {"growth_factor": "scale_factor", "backoff_factor": "backoff_factor",
+                 "growth_interval": "scale_window", "hysteresis": "hysteresis",
+                 "min_scale": "min_scale", "max_scale": "max_scale", "on_min_scale": "on_min_scale"}
+        cfg = self._loss_scaler.config
+        lo, hi = state_dict.get("min_scale", cfg.min_scale), state_dict.get("max_scale", cfg.max_scale)
+        changes = {ours: state_dict[theirs] for theirs, ours in names.items() if theirs in state_dict}
+        try:
+            # init_scale only has to be valid under the new bounds; the loaded scale is checked below.
+            self._reconfigure(**changes, init_scale=min(max(cfg.init_scale, lo), hi))
+        except ConfigError as e:
+            raise CheckpointError(f"the GradScaler state holds invalid settings: {e}") from None
+        self._loss_scaler.load_state_dict(dataclasses.asdict(LossScaleState(
+            scale=_to_f32(float(state_dict["scale"])),
+            clean_steps=int(state_dict.get("_growth_tracker", 0)),
+            hysteresis_left=int(state_dict.get("_hysteresis_left",
+                                               self._loss_scaler.config.hysteresis)),
+            num_overflows=int(state_dict.get("_scale_overflows", 0)))))
+
+    def __repr__(self) -> str:
+        mode = f"scale={self.get_scale():g}" if self._scaling else "scaling off"
+        return (f"GradScaler({mode}, check_finite={self._check_finite}, "
+                f"skipped={self._num_skipped_steps}, overflows={self._num_overflows})")
