@@ -1,0 +1,90 @@
+"""Causal multi-head self-attention whose softmax is FP32-accurate under every policy.
+
+The softmax over attention scores is the one place in a Transformer where low precision hurts
+most: ``exp`` of a BF16/FP16 score amplifies its rounding error, and summing thousands of
+probabilities in 8-11 mantissa bits drops the small ones. Two implementations are offered:
+
+``impl="sdpa"`` (default)
+    :func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal=True``. Under
+    autocast it receives BF16/FP16 ``q, k, v``, but every kernel it dispatches to keeps the
+    softmax in FP32: the CPU flash kernel and the CUDA flash / memory-efficient / cuDNN kernels
+    accumulate ``q @ k^T``, the running max and the running sum of ``exp`` in FP32 and round only
+    the output to the input dtype; the "math" fallback upcasts 16-bit inputs to FP32 unless
+    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` was set. That makes it
+    numerically equivalent to an FP32 softmax up to the rounding of its 16-bit inputs and output
+    (tests/nn/test_attention.py checks it against an FP32 reference), and it never materialises
+    the ``(T, T)`` score matrix on the fused paths.
+``impl="math"``
+    The explicit reference: scores in the compute dtype, upcast to FP32, causal mask, FP32 softmax,
+    probabilities cast back for ``probs @ v``. It materialises ``(B, H, T, T)`` and is meant for
+    testing and for inspecting attention weights, not for speed.
+
+Both support attention dropout (``dropout`` > 0, active only in training).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.errors import ConfigError
+
+__all__ = ["CausalSelfAttention", "ATTENTION_IMPLS", "causal_attention_fp32_softmax"]
+
+ATTENTION_IMPLS = ("sdpa", "math")
+
+
+def causal_attention_fp32_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Causal attention with an explicit FP32 softmax. ``q, k, v``: (B, H, T, hs) -> (B, H, T, hs)."""
+    T, hs = q.shape[-2], q.shape[-1]
+    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(hs))  # (B, H, T, T) fp32
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)  # True above the diagonal
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # fp32; every row has its diagonal, so no all -inf row
+    if dropout_p > 0.0 and training:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs.to(v.dtype) @ v  # (B, H, T, hs)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused QKV projection.
+
+    ``x: (B, T, C) -> (B, T, C)`` with ``C = d_model`` split over ``num_heads`` heads of size
+    ``C // num_heads``. ``dropout`` applies to the attention probabilities and to the output
+    projection (training only).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True,
+                 impl: str = "sdpa") -> None:
+        super().__init__()
+        if d_model % num_heads != 0:
+            raise ConfigError(f"d_model {d_model} is not divisible by num_heads {num_heads}; "
+                              "choose num_heads dividing d_model (e.g. d_model 512 with 8 heads)")
+        if impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"unknown attention impl '{impl}'; valid: {', '.join(ATTENTION_IMPLS)}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"attention dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.num_heads, self.head_dim = d_model, num_heads, d_model // num_heads
+        self.dropout, self.impl = float(dropout), impl
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.proj.is_residual_projection = True  # GPT-2 init scales it by 1/sqrt(2 * num_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hs)
+        p = self.dropout if self.training else 0.0
+        if self.impl == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            y = causal_attention_fp32_softmax(q, k, v, dropout_p=p, training=self.training)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        y = self.proj(y)
+        return F.dropout(y, p=p, training=True) if p > 0.0 else y
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, num_heads={self.num_heads}, impl={self.impl}, dropout={self.dropout}"
