@@ -1,1 +1,13 @@
-"""mixprec.optim (being built)."""
+"""Optimizers that keep FP32 master weights of low-precision model parameters.
+
+``MasterWeights`` wraps any ``torch.optim`` optimizer; ``AdamW`` adds ``fp16_params=True`` (convert
+an FP32 model in place and keep masters) and BF16 moments. Both expose ``master_grads()``, the grad
+protocol ``mixprec.amp.GradScaler`` uses to unscale into the FP32 master grads (docs/CONTRACTS.md).
+"""
+from mixprec.optim.adamw import AdamW
+from mixprec.optim.master import MasterWeights
+
+__all__ = [
+    "AdamW",
+    "MasterWeights",
+]

@@ -1,0 +1,225 @@
+"""AdamW with FP32 master weights and, optionally, BF16 moments (as in DeepSeek-V3).
+
+``AdamW(..., fp16_params=True)`` is the one-line recipe for a model that is entirely FP32: it
+converts the model's params in place to FP16 (or ``param_dtype``), keeps FP32 masters and steps
+them. With a precision ``Policy``, cast the model with ``mixprec.precision.cast_module`` instead and
+leave ``fp16_params=False``: every low-precision param gets a master anyway, and params the policy
+keeps in FP32 stay their own master.
+
+``moments_dtype=torch.bfloat16`` halves the memory of ``exp_avg``/``exp_avg_sq`` (8 -> 4 bytes per
+param). The update is computed in FP32 — the moments are widened into FP32 scratch buffers, updated,
+used for the parameter update, and only then rounded to BF16 for storage — so each step rounds
+each moment once. Rounding is **stochastic** by default: with round-to-nearest, ``exp_avg_sq``
+cannot decay when the gradients shrink, because ``v * beta2`` with ``beta2 = 0.999`` moves ``v`` by
+0.1 %, below half a BF16 ULP (0.39 %), so the product rounds back to ``v`` forever. Stochastic
+rounding keeps every stored moment equal to its FP32 value in expectation
+(docs/benchmarks/optim-bf16-moments.md has the measurement). Scratch buffers are allocated per
+chunk of at most ``_CHUNK_NUMEL`` elements, so the FP32 widening never costs more than a bounded
+amount of transient memory.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixprec.errors import ConfigError
+from mixprec.optim.master import MasterWeights
+
+__all__ = ["AdamW"]
+
+_CHUNK_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB per FP32 scratch buffer
+_LOW_BITS_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 BF16 mantissa bits
+
+
+def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    if not (isinstance(lr, Tensor) or lr >= 0.0):
+        raise ConfigError(f"lr must be >= 0, got {lr}; pass a learning rate such as 1e-3")
+    if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+        raise ConfigError(f"betas must be two numbers in [0, 1), got {betas}; the usual choice is (0.9, 0.999)")
+    if not eps >= 0.0:
+        raise ConfigError(f"eps must be >= 0, got {eps}; the usual choice is 1e-8")
+    if not weight_decay >= 0.0:
+        raise ConfigError(f"weight_decay must be >= 0, got {weight_decay}; use 0.0 to turn it off")
+
+
+def _chunks(numels: list[int], limit: int) -> Iterable[tuple[int, int]]:
+    """Split indices [0, n) into consecutive ranges whose element counts sum to at most ``limit``."""
+    start, total = 0, 0
+    for i, n in enumerate(numels):
+        if total and total + n > limit:
+            yield start, i
+            start, total = i, 0
+        total += n
+    if start < len(numels):
+        yield start, len(numels)
+
+
+def _round_to_bf16_stochastic_(flat: Tensor, generator: torch.Generator | None) -> None:
+    """Stochastically round an FP32 buffer in place so that its values are exactly BF16.
+
+    Adding a uniform random 16-bit integer to the low half of the FP32 bit pattern and
+    truncating it rounds the magnitude up with probability equal to the discarded fraction,
+    which is unbiased. Infinities stay infinite; a finite value may round up to infinity only
+    when it is within one BF16 ULP of the largest BF16 value.
+    """
+    bits = flat.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, flat.shape, dtype=torch.int32, device=flat.device, generator=generator)
+    bits.add_(noise).bitwise_and_(_LOW_BITS_MASK)
+
+
+class _AdamWFP32Math(torch.optim.Optimizer):
+    """AdamW on FP32 params with moments stored in ``moments_dtype``, computed with foreach ops in FP32.
+
+    Private: ``AdamW`` runs it on the FP32 masters. The state layout is torch.optim.AdamW's
+    (``step`` as a CPU tensor, ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two.
+    """
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 *, moments_dtype: torch.dtype, stochastic_rounding: bool, seed: int | None) -> None:
+        self.moments_dtype = moments_dtype
+        self.stochastic_rounding = stochastic_rounding and moments_dtype == torch.bfloat16
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._seed = seed
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self._seed is None:
+            return None
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generators[device]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts floating state to the param dtype (FP32); store the moments narrow again.
+        super().load_state_dict(state_dict)
+        for st in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    st[key] = st[key].to(self.moments_dtype)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p.dtype != torch.float32 or p.grad.dtype != torch.float32:
+                    raise ConfigError("the BF16-moment AdamW steps FP32 params only; use mixprec.optim.AdamW, "
+                                      "which keeps FP32 masters of low-precision params")
+                if p.grad.is_sparse:
+                    raise ConfigError("AdamW does not support sparse gradients; use a dense embedding")
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for p in params:
+                by_device.setdefault(p.device, []).append(p)
+            for device, ps in by_device.items():
+                for a, b in _chunks([p.numel() for p in ps], _CHUNK_NUMEL):
+                    self._update(ps[a:b], group, device)
+        return loss
+
+    def _update(self, params: list[Tensor], group: dict[str, Any], device: torch.device) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        grads = [p.grad for p in params]
+        states = [self.state[p] for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        # Host-side bias corrections: the steps live on the CPU (like torch's non-capturable AdamW),
+        # so reading them is not a device sync.
+        step_values = [float(s) for s in steps]
+        bias1 = [1.0 - beta1**t for t in step_values]
+        bias2_sqrt = [(1.0 - beta2**t) ** 0.5 for t in step_values]
+        step_sizes = [-lr / b for b in bias1]
+
+        # FP32 scratch: one flat buffer per moment for the chunk, viewed per param.
+        numels = [p.numel() for p in params]
+        m_flat = torch.empty(sum(numels), dtype=torch.float32, device=device)
+        v_flat = torch.empty_like(m_flat)
+        m32 = [t.view_as(p) for t, p in zip(m_flat.split(numels), params)]
+        v32 = [t.view_as(p) for t, p in zip(v_flat.split(numels), params)]
+        torch._foreach_copy_(m32, exp_avgs)
+        torch._foreach_copy_(v32, exp_avg_sqs)
+
+        if wd != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)  # decoupled weight decay
+        torch._foreach_lerp_(m32, grads, 1.0 - beta1)  # m = beta1 m + (1 - beta1) g
+        torch._foreach_mul_(v32, beta2)
+        torch._foreach_addcmul_(v32, grads, grads, 1.0 - beta2)  # v = beta2 v + (1 - beta2) g^2
+        denom = torch._foreach_sqrt(v32)
+        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, m32, denom, step_sizes)  # p -= lr / bc1 * m / denom
+        del denom
+
+        if self.stochastic_rounding:
+            _round_to_bf16_stochastic_(m_flat, self._generator(device))
+            _round_to_bf16_stochastic_(v_flat, self._generator(device))
+        torch._foreach_copy_(exp_avgs, m32)  # exact after stochastic rounding, nearest otherwise
+        torch._foreach_copy_(exp_avg_sqs, v32)
+
+
+class AdamW(MasterWeights):
+    """AdamW with FP32 master weights of low-precision params and optional BF16 moments.
+
+    Args:
+        params: model parameters or param-group dicts (``lr``/``weight_decay``/... per group).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        fp16_params: convert the given FP32 params **in place** to ``param_dtype`` after taking
+            exact FP32 masters. Low-precision params always get masters, whatever this says.
+        param_dtype: ``torch.float16`` (default) or ``torch.bfloat16``; used with ``fp16_params``.
+        moments_dtype: ``torch.float32`` (delegates to ``torch.optim.AdamW`` on the masters, with
+            ``foreach``/``fused``) or ``torch.bfloat16`` (our foreach implementation, FP32 math).
+        foreach, fused: passed to ``torch.optim.AdamW`` when the moments are FP32.
+        stochastic_rounding: round BF16 moments stochastically (default) or to nearest.
+        seed: seed of the stochastic-rounding generator (``None``: the global torch generator).
+
+    With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
+    exactly (same kernels on the same tensors).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        *,
+        fp16_params: bool = False,
+        param_dtype: torch.dtype = torch.float16,
+        moments_dtype: torch.dtype = torch.float32,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        stochastic_rounding: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        _check_hyper(lr, betas, eps, weight_decay)
+        if param_dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
+        if moments_dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype} "
+                              "(FP16 moments underflow: exp_avg_sq holds squared gradients)")
+        self.moments_dtype = moments_dtype
+        common: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        if moments_dtype == torch.float32:
+            super().__init__(torch.optim.AdamW, params, param_dtype=param_dtype if fp16_params else None,
+                             foreach=foreach, fused=fused, **common)
+            return
+        if fused:
+            raise ConfigError("fused=True keeps moments in the param dtype; with moments_dtype=torch.bfloat16 "
+                              "leave fused unset (the BF16-moment path always uses foreach ops)")
+        super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
+                         moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)

@@ -1,0 +1,306 @@
+"""FP32 master weights around any ``torch.optim`` optimizer.
+
+Why masters: an FP16 parameter near 1.0 has a ULP of 2**-10. An update ``lr * grad`` below half
+of that rounds away, every step, forever, so a low-precision model stops learning long before its
+loss says so. Keeping an FP32 copy ("master") of every low-precision parameter, stepping the
+optimizer on the masters and rounding the result back into the model after each step lets those
+small updates accumulate until they are large enough to show in the model's dtype.
+
+How it fits the grad protocol with ``mixprec.amp.GradScaler`` (docs/CONTRACTS.md):
+
+1. ``backward()`` writes low-precision grads into the model params.
+2. ``master_grads()`` copies them (one foreach cast-copy) into the masters' FP32 ``.grad`` and
+   returns those tensors; the scaler unscales / checks / clips them in place. Calling it twice in a
+   step is harmless: the copy happens once until the next ``step()`` or ``zero_grad()``.
+3. ``step()`` calls ``master_grads()`` if nobody did, steps the inner optimizer on the masters and
+   copies the masters back into the model params with one foreach cast-copy.
+4. If the scaler skips the step, ``step()`` is never called and the model params, the masters and
+   the optimizer state stay bitwise as they were.
+
+Params already in the master dtype are their own master (no copy, no extra memory). Memory is
+not saved by this scheme: an FP16 param with an FP32 master and Adam moments costs 2 + 4 + 8 = 14
+bytes instead of 12 for plain FP32; the savings of mixed precision are in activations.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixprec.errors import CheckpointError, ConfigError
+
+__all__ = ["MasterWeights"]
+
+_STATE_KEY = "master_weights"
+
+
+def _normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Turn the ``params`` argument of an optimizer into a list of group dicts (copies)."""
+    if isinstance(params, Tensor):
+        raise ConfigError("params must be an iterable of tensors or of param-group dicts, not a single "
+                          "tensor; pass model.parameters() or [tensor]")
+    groups = list(params)
+    if not groups:
+        raise ConfigError("the optimizer got an empty parameter list; pass model.parameters() of a model "
+                          "that has parameters")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for group in groups:
+        group = dict(group)
+        ps = group["params"]
+        group["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
+        out.append(group)
+    return out
+
+
+class MasterWeights(torch.optim.Optimizer):
+    """Step any ``torch.optim`` optimizer on FP32 masters of low-precision model parameters.
+
+    Args:
+        optimizer_cls: the optimizer class to run on the masters (``torch.optim.SGD``, ``Adam``,
+            ``AdamW``, ...). It is constructed with the master param groups and ``**optimizer_kwargs``.
+        params: model parameters or param-group dicts, exactly as a torch optimizer takes them.
+        master_dtype: dtype of the masters. Params already in this dtype are their own master.
+        param_dtype: if given, floating-point params in ``master_dtype`` are converted **in place**
+            to this dtype after their masters have been taken (so the masters keep the exact
+            initial FP32 values). Their existing ``.grad`` is dropped. ``None`` converts nothing.
+
+    It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
+    ``state`` are the inner optimizer's own objects, holding the masters, so editing
+    ``param_groups[i]["lr"]`` reaches the inner optimizer. Params with ``requires_grad=False`` or
+    without a grad are skipped by ``step()`` like torch does; they still get a master, so pass
+    only trainable params if frozen ones are large.
+    """
+
+    def __init__(
+        self,
+        optimizer_cls: type[torch.optim.Optimizer],
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        *,
+        master_dtype: torch.dtype = torch.float32,
+        param_dtype: torch.dtype | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}; "
+                              "pass e.g. torch.optim.AdamW (the class, not an instance)")
+        if optimizer_cls is torch.optim.LBFGS:
+            raise ConfigError("LBFGS re-evaluates its closure many times per step, which master weights "
+                              "cannot follow; use LBFGS on FP32 params without MasterWeights")
+        if not master_dtype.is_floating_point:
+            raise ConfigError(f"master_dtype must be a floating-point dtype, got {master_dtype}; "
+                              "use torch.float32")
+        if param_dtype is not None and not param_dtype.is_floating_point:
+            raise ConfigError(f"param_dtype must be a floating-point dtype, got {param_dtype}; "
+                              "use torch.float16 or torch.bfloat16")
+        self.master_dtype = master_dtype
+        self.param_dtype = param_dtype
+        # Pairs (model param, separate master); self-mastered params are not listed here.
+        self._model_params: list[Tensor] = []
+        self._masters: list[Tensor] = []
+        self._master_of: dict[int, Tensor] = {}  # id(model param) -> master (separate or itself)
+        self._all_model_params: list[Tensor] = []  # flat order of the param groups
+        self._grads_ready = False
+        self._stepped: tuple[list[Tensor], list[Tensor]] = ([], [])  # (model params, masters) to copy back
+
+        master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
+        self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
+        self._constructing = True
+        super().__init__(self._inner.param_groups, self._inner.defaults)
+        self._constructing = False
+        self._alias_inner()
+
+    # ------------------------------------------------------------------ construction helpers
+    def _make_master_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        masters = []
+        for p in group["params"]:
+            if id(p) in self._master_of:
+                raise ConfigError("a parameter appears twice in the optimizer's param groups; "
+                                  "pass each parameter once")
+            masters.append(self._make_master(p))
+        return {**group, "params": masters}
+
+    @torch.no_grad()
+    def _make_master(self, p: Tensor) -> Tensor:
+        if not p.is_leaf:
+            raise ConfigError("can't optimize a non-leaf tensor; pass the model's parameters")
+        self._all_model_params.append(p)
+        if not p.is_floating_point() or (p.dtype == self.master_dtype and self.param_dtype is None):
+            self._master_of[id(p)] = p  # its own master
+            return p
+        master = p.detach().to(self.master_dtype, copy=True).requires_grad_(p.requires_grad)
+        if p.dtype == self.master_dtype:  # convert the model param in place, keep the exact master
+            p.data = p.data.to(self.param_dtype)
+            p.grad = None
+        self._model_params.append(p)
+        self._masters.append(master)
+        self._master_of[id(p)] = master
+        return master
+
+    def _alias_inner(self) -> None:
+        """Share the inner optimizer's ``param_groups`` list and ``state`` dict (not copies)."""
+        self.param_groups = self._inner.param_groups
+        self.state = self._inner.state
+        self.defaults = self._inner.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of model params (e.g. when unfreezing layers); masters are made for it."""
+        if getattr(self, "_constructing", True):
+            # Called by Optimizer.__init__ with the inner optimizer's (master) groups.
+            super().add_param_group(param_group)
+            return
+        (group,) = _normalise_groups([param_group])
+        self._inner.add_param_group(self._make_master_group(group))
+        self._alias_inner()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The optimizer that steps the masters."""
+        return self._inner
+
+    @property
+    def masters(self) -> list[Tensor]:
+        """The separate master tensors (one per low-precision param), in param-group order."""
+        return list(self._masters)
+
+    def master_of(self, param: Tensor) -> Tensor:
+        """The master of a model param (the param itself when it is already in the master dtype)."""
+        try:
+            return self._master_of[id(param)]
+        except KeyError:
+            raise ConfigError("this tensor is not one of the optimizer's parameters") from None
+
+    @torch.no_grad()
+    def master_grads(self) -> list[Tensor]:
+        """Copy low-precision model grads into the masters' FP32 ``.grad``; return all master grads.
+
+        The returned tensors are the ones ``step()`` will use: unscale, check or clip them in
+        place. The copy happens once per step; later calls return the same tensors without copying
+        again, until ``step()`` or ``zero_grad()``. Params whose grad is ``None`` are left out (and
+        their master's grad is set to ``None`` so the inner optimizer skips them).
+        """
+        if not self._grads_ready:
+            src, dst, stepped_params, stepped_masters = [], [], [], []
+            for p, m in zip(self._model_params, self._masters):
+                if p.grad is None:
+                    m.grad = None
+                    continue
+                if p.grad.is_sparse:
+                    raise ConfigError("sparse gradients are not supported with master weights; "
+                                      "use a dense embedding (sparse=False)")
+                if m.grad is None or m.grad.shape != m.shape:
+                    m.grad = torch.empty_like(m)
+                src.append(p.grad)
+                dst.append(m.grad)
+                stepped_params.append(p)
+                stepped_masters.append(m)
+            if dst:
+                torch._foreach_copy_(dst, src)  # one cast-copy launch per (device, dtype) bucket
+            self._stepped = (stepped_params, stepped_masters)
+            self._grads_ready = True
+        return [m.grad for group in self.param_groups for m in group["params"] if m.grad is not None]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Step the masters and round them back into the model params.
+
+        A ``closure`` is evaluated once (with grad enabled) before the grads are moved.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            self._grads_ready = False
+        self.master_grads()
+        self._inner.step()
+        params, masters = self._stepped
+        if params:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)  # round-to-nearest into the model dtype
+        self._grads_ready = False
+        self._stepped = ([], [])
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the grads of the model params and of the masters."""
+        self._grads_ready = False
+        self._stepped = ([], [])
+        tensors = self._all_model_params + self._masters
+        if set_to_none:
+            for t in tensors:
+                t.grad = None
+            return
+        grads = [t.grad for t in tensors if t.grad is not None]
+        for t in tensors:
+            if t.grad is not None and t.grad.grad_fn is not None:
+                t.grad = t.grad.detach()
+        if grads:
+            with torch.no_grad():
+                torch._foreach_zero_(grads)
+
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Overwrite the masters with the model params (after loading model weights only)."""
+        if self._masters:
+            torch._foreach_copy_(self._masters, self._model_params)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus the separate masters (by flat param index).
+
+        Like torch's, the returned tensors are references, not copies. Everything in it loads
+        with ``torch.load(..., weights_only=True)``.
+        """
+        sd = self._inner.state_dict()
+        index = {id(p): i for i, p in enumerate(self._all_model_params)}
+        sd[_STATE_KEY] = {
+            "dtype": str(self.master_dtype).removeprefix("torch."),
+            "index": [index[id(p)] for p in self._model_params],
+            "tensors": list(self._masters),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the inner state and the masters, and round the masters into the model params.
+
+        A plain torch optimizer state dict (no masters in it) also loads: the masters are then
+        left as they are (call ``sync_masters_from_model()`` after loading the model weights).
+        """
+        sd = dict(state_dict)
+        saved = sd.pop(_STATE_KEY, None)
+        try:
+            self._inner.load_state_dict(sd)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"optimizer state does not match this optimizer ({exc}); load it into "
+                                  "an optimizer built over the same parameters in the same order") from None
+        self._alias_inner()
+        self._grads_ready = False
+        if saved is None:
+            return
+        n = len(self._all_model_params)
+        tensors, index = saved["tensors"], saved["index"]
+        if len(tensors) != len(index) or any(not 0 <= i < n for i in index):
+            raise CheckpointError("the saved master weights index params this optimizer does not have; "
+                                  "load the checkpoint into an optimizer over the same model")
+        dst_masters, src, model_params = [], [], []
+        for i, t in zip(index, tensors):
+            p = self._all_model_params[i]
+            if t.shape != p.shape:
+                raise CheckpointError(f"saved master #{i} has shape {tuple(t.shape)} but the param has "
+                                      f"{tuple(p.shape)}; load the checkpoint into the same model architecture")
+            dst_masters.append(self._master_of[id(p)])
+            src.append(t)
+            if self._master_of[id(p)] is not p:
+                model_params.append(p)
+        if not dst_masters:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_(dst_masters, src)
+            if model_params:
+                torch._foreach_copy_(model_params, [self._master_of[id(p)] for p in model_params])
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({type(self._inner).__name__}, {len(self._masters)} masters in "
+                f"{self.master_dtype}, {len(self._all_model_params)} params)")
