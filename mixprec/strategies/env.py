@@ -1,0 +1,224 @@
+"""The launch environment: what ``torchrun`` tells each process, and the process group it joins.
+
+``torchrun`` (and ``torch.multiprocessing`` launchers that imitate it) set, per process:
+
+* ``RANK``         global rank, ``0 .. WORLD_SIZE-1``
+* ``LOCAL_RANK``   rank on this node (picks the GPU)
+* ``WORLD_SIZE``   number of processes in the job
+* ``MASTER_ADDR`` / ``MASTER_PORT``  the rendezvous store of the ``env://`` init method
+
+A process without ``WORLD_SIZE`` (or with ``WORLD_SIZE=1``) is a plain single-device run.
+
+The process group is created with a timeout (``MIXPREC_DIST_TIMEOUT`` seconds, default 300):
+when a peer dies or hangs, collectives fail after at most that long instead of blocking forever,
+and :func:`rank_failure_guard` turns the backend's error into a one-line
+:class:`RankFailureError` that says what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mixprec.errors import ConfigError, MixprecError, closest
+
+__all__ = ["DistEnv", "RankFailureError", "read_env", "default_timeout", "init_process_group",
+           "rank_failure_guard", "get_strategy", "STRATEGIES"]
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class RankFailureError(MixprecError, RuntimeError):
+    """Another rank crashed, hung or lost the network, so this one cannot continue."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """What the launcher told this process."""
+
+    rank: int = 0
+    """Global rank (``RANK``)."""
+    local_rank: int = 0
+    """Rank on this node (``LOCAL_RANK``); selects ``cuda:LOCAL_RANK``."""
+    world_size: int = 1
+    """Number of processes (``WORLD_SIZE``)."""
+    master_addr: str | None = None
+    """Rendezvous host (``MASTER_ADDR``)."""
+    master_port: int | None = None
+    """Rendezvous port (``MASTER_PORT``)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"RANK={self.rank} is not in 0..WORLD_SIZE-1 (WORLD_SIZE="
+                              f"{self.world_size}); launch with torchrun, which sets both")
+        if self.local_rank < 0:
+            raise ConfigError(f"LOCAL_RANK={self.local_rank} must be >= 0")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def read_env() -> DistEnv:
+    """Read ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``."""
+    world = _int_env("WORLD_SIZE", 1)
+    rank = _int_env("RANK", 0)
+    port = os.environ.get("MASTER_PORT")
+    return DistEnv(rank=rank, local_rank=_int_env("LOCAL_RANK", rank if world > 1 else 0),
+                   world_size=world, master_addr=os.environ.get("MASTER_ADDR"),
+                   master_port=int(port) if port else None)
+
+
+def default_timeout() -> float:
+    """Seconds a collective may wait for a peer: ``MIXPREC_DIST_TIMEOUT`` or 300."""
+    raw = os.environ.get("MIXPREC_DIST_TIMEOUT")
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"MIXPREC_DIST_TIMEOUT={raw!r} must be a number of seconds") from None
+    if value <= 0:
+        raise ConfigError(f"MIXPREC_DIST_TIMEOUT={raw!r} must be > 0 seconds")
+    return value
+
+
+def default_backend(device: torch.device) -> str:
+    """NCCL for CUDA devices, gloo for CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(env: DistEnv, device: torch.device, *, backend: str | None = None,
+                       timeout: float | None = None) -> bool:
+    """Join the default process group unless one exists; return True if this call created it.
+
+    ``timeout`` (seconds) bounds every collective and the rendezvous itself.
+    """
+    if not env.distributed or dist.is_initialized():
+        return False
+    if env.master_addr is None or env.master_port is None:
+        raise ConfigError(f"WORLD_SIZE={env.world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+                          "launch with torchrun (it sets them) or export both")
+    backend = backend or default_backend(device)
+    if backend not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise ConfigError(f"unknown backend {backend!r}; valid: gloo, nccl"
+                          + closest(backend, ("gloo", "nccl")))
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("backend 'nccl' needs CUDA devices; use backend='gloo' on CPU")
+    seconds = default_timeout() if timeout is None else float(timeout)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
+                            world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=seconds), **kwargs)
+    return True
+
+
+_PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "timeout",
+                       "broken pipe", "socket", "gloo", "nccl", "peer", "abort")
+
+
+@contextlib.contextmanager
+def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None]:
+    """Turn a collective that failed because a peer died into a one-line :class:`RankFailureError`.
+
+    Errors that do not look like a lost peer (shape bugs, NaN checks, ...) pass through unchanged.
+    """
+    try:
+        yield
+    except MixprecError:
+        raise
+    except (RuntimeError, OSError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        is_dist = isinstance(exc, getattr(dist, "DistError", ())) or \
+            any(h in text.lower() for h in _PEER_FAILURE_HINTS)
+        if not is_dist:
+            raise
+        limit = f"{timeout:g} s" if timeout else "the process-group timeout"
+        raise RankFailureError(
+            f"rank {rank}: a collective failed because another rank crashed, hung or lost the "
+            f"network (waited at most {limit}; backend said: {text[:200]}); fix the failed rank "
+            "and resume from the last checkpoint (mixprec train --resume)") from exc
+
+
+STRATEGIES = ("auto", "single", "mirrored", "ddp", "fsdp")
+
+
+def get_strategy(name_or_obj=None, **kwargs):
+    """A :class:`~mixprec.strategies.base.Strategy` from a name, an instance or None.
+
+    ``None``/``"auto"``: :class:`MirroredStrategy` when ``WORLD_SIZE > 1``, else
+    :class:`SingleDeviceStrategy`. ``"ddp"`` is an alias of ``"mirrored"``. ``kwargs`` go to the
+    constructor.
+    """
+    from mixprec.strategies.base import Strategy
+    from mixprec.strategies.fsdp import FSDPStrategy
+    from mixprec.strategies.mirrored import MirroredStrategy
+    from mixprec.strategies.single import SingleDeviceStrategy
+
+    if isinstance(name_or_obj, Strategy):
+        if kwargs:
+            raise ConfigError("pass either a strategy object or keyword arguments, not both")
+        return name_or_obj
+    name = "auto" if name_or_obj is None else str(name_or_obj).lower()
+    if name == "auto":
+        name = "mirrored" if read_env().distributed else "single"
+    classes = {"single": SingleDeviceStrategy, "mirrored": MirroredStrategy,
+               "ddp": MirroredStrategy, "fsdp": FSDPStrategy}
+    if name not in classes:
+        raise ConfigError(f"unknown strategy {name_or_obj!r}; valid: {', '.join(STRATEGIES)}"
+                          + closest(name, STRATEGIES))
+    return classes[name](**kwargs)
+
+
+class ProcessGroupStrategy:
+    """Mixin for strategies that join a process group: reads the env, picks the device, inits.
+
+    One process (no ``WORLD_SIZE``) is valid and makes the strategy a single-device one: no
+    process group, no wrapping, reductions are the identity.
+    """
+
+    def _init_distributed(self, *, device: torch.device | str | None, backend: str | None,
+                          timeout: float | None) -> tuple[DistEnv, torch.device]:
+        env = read_env()
+        if device is None:
+            if torch.cuda.is_available():
+                device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+            else:
+                device = torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.backend = backend or default_backend(device)
+        self._owns_group = init_process_group(env, device, backend=self.backend, timeout=self.timeout)
+        if dist.is_initialized():  # also when the caller created the group itself
+            env = DistEnv(rank=dist.get_rank(), local_rank=env.local_rank,
+                          world_size=dist.get_world_size(), master_addr=env.master_addr,
+                          master_port=env.master_port)
+        return env, device
+
+    def guard(self):
+        """``with strategy.guard():`` around a training step: a lost peer becomes a
+        :class:`RankFailureError` naming the timeout and the fix."""
+        return rank_failure_guard(self.rank, self.timeout)
+
+    def teardown(self) -> None:
+        """Destroy the process group if this strategy created it."""
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

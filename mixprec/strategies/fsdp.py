@@ -1,0 +1,226 @@
+"""`FSDPStrategy`: parameters, gradients and optimizer state sharded across ranks (FSDP2).
+
+``torch.distributed.fsdp.fully_shard`` turns each chosen module into a unit whose parameters are
+``DTensor`` shards: before a unit's forward (and again before its backward, when
+``reshard_after_forward``) the shards are all-gathered; after its backward the gradients are
+reduce-scattered. Each transformer block (each child of an ``nn.ModuleList``; for a bare
+``nn.Sequential``, each child with parameters) becomes a unit, then the root takes what is left.
+
+How our :class:`~mixprec.precision.Policy` maps onto FSDP2's ``MixedPrecisionPolicy``:
+
+========================  ===============================  ==================================
+Policy                    FSDP2                            Meaning
+========================  ===============================  ==================================
+compute_dtype below FP32  ``param_dtype = compute_dtype``  shards are all-gathered and used in
+                                                           the compute dtype (half the bytes)
+param_dtype below FP32,   ``param_dtype = param_dtype``    the same: the FP32 *sharded* params
+master_weights=True                                        are the master weights; do not wrap
+                                                           the optimizer in MasterWeights
+param_dtype below FP32,   model cast to ``param_dtype``    pure low-precision training
+master_weights=False      before sharding
+reduce_dtype              ``reduce_dtype``                 dtype of the reduce-scatter (FSDP2
+                                                           would otherwise reduce in
+                                                           ``param_dtype``)
+keeps_fp32 modules        own unit, ``param_dtype=FP32``,  FP32 islands: inputs cast up, output
+(norms, gates)            ``output_dtype = compute``       cast back to the compute dtype
+========================  ===============================  ==================================
+
+So for ``bf16-mixed`` the optimizer steps on FP32 shards, forward/backward run on BF16 copies, and
+gradients are reduced in FP32. Run the forward under ``mixprec.autocast(policy)`` as usual: ops
+outside FSDP's module boundaries (functional code in the root) still need it.
+
+Runs on CPU with gloo (checked with torch 2.13) as well as on CUDA with NCCL.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from mixprec.errors import ConfigError
+from mixprec.precision import Policy, cast_module, get_policy
+from mixprec.strategies.base import OptimizerLike, Strategy
+from mixprec.strategies.env import ProcessGroupStrategy
+
+__all__ = ["FSDPStrategy", "fsdp_mixed_precision", "default_shard_units"]
+
+_F32 = torch.float32
+
+
+def fsdp_mixed_precision(policy: Policy | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the ordinary units of a model trained under ``policy`` (table above)."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    gather = policy.compute_dtype if policy.compute_dtype != _F32 else policy.param_dtype
+    if gather == _F32:
+        return MixedPrecisionPolicy(reduce_dtype=None if policy.reduce_dtype == _F32 else policy.reduce_dtype)
+    return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=policy.reduce_dtype)
+
+
+def default_shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that become their own FSDP unit: every child of every outermost ModuleList
+    (transformer blocks); for an ``nn.Sequential`` root without ModuleLists, each child that has
+    parameters. The root is not included (it is always sharded last)."""
+    units: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and id(module) not in inside:
+            for sub in module.modules():
+                inside.add(id(sub))
+            units.extend(child for child in module if any(True for _ in child.parameters()))
+    if not units and isinstance(model, nn.Sequential):
+        units = [c for c in model if any(True for _ in c.parameters())]
+    return units
+
+
+class FSDPStrategy(ProcessGroupStrategy, Strategy):
+    """Fully sharded data parallelism with FSDP2 ``fully_shard``.
+
+    Args:
+        policy: a :class:`Policy` or preset name; also settable through ``setup(policy=...)``.
+        reshard_after_forward: free gathered params after forward (re-gather in backward):
+            less memory, one more all-gather per unit.
+        shard_units: ``model -> modules`` choosing FSDP units (default :func:`default_shard_units`).
+        backend, timeout, device: as for :class:`~mixprec.strategies.MirroredStrategy`.
+    """
+
+    name = "fsdp"
+
+    def __init__(self, policy: Policy | str | None = None, *, reshard_after_forward: bool = True,
+                 shard_units: Callable[[nn.Module], list[nn.Module]] | None = None,
+                 backend: str | None = None, timeout: float | None = None,
+                 device: torch.device | str | None = None) -> None:
+        env, dev = self._init_distributed(device=device, backend=backend, timeout=timeout)
+        Strategy.__init__(self, device=dev, rank=env.rank, local_rank=env.local_rank,
+                          world_size=env.world_size)
+        self.policy = get_policy(policy) if policy is not None else None
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_units = shard_units or default_shard_units
+
+    # --- wrapping -----------------------------------------------------------------------------
+
+    def setup(self, model: nn.Module, optimizer: OptimizerLike = None, *,
+              policy: Policy | None = None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Shard ``model``; rebuild ``optimizer`` on the sharded parameters.
+
+        ``fully_shard`` replaces every parameter with a DTensor shard, so an optimizer built
+        before ``setup`` would step tensors the model no longer uses. A ``torch.optim`` optimizer
+        without state is rebuilt with the same class, groups and hyper-parameters; otherwise pass
+        a factory ``params -> optimizer`` or build the optimizer after ``setup``.
+        """
+        if policy is not None:
+            self.policy = get_policy(policy)
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = None
+        if isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch.optim"):
+            if optimizer.state:
+                raise ConfigError("FSDPStrategy.setup got an optimizer that has already stepped; "
+                                  "build the optimizer after setup() or pass a factory")
+            groups = [{**{k: v for k, v in g.items() if k != "params"},
+                       "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+        elif optimizer is not None and not callable(optimizer):
+            raise ConfigError(f"FSDPStrategy cannot rebuild a {type(optimizer).__name__} on sharded "
+                              "parameters; pass a factory (lambda params: ...) or build it after "
+                              "setup(); FSDP's FP32 shards already are master weights")
+        sharded = self._wrap(model.to(self.device))
+        if groups is not None:
+            params = dict(sharded.named_parameters())
+            new_groups = [{**g, "params": [params[n] for n in g["params"]]} for g in groups]
+            return sharded, type(optimizer)(new_groups, **optimizer.defaults)
+        return sharded, self._make_optimizer(sharded, optimizer)
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if not self.is_distributed or isinstance(model, FSDPModule):
+            return model
+        policy = self.policy
+        if policy is not None and policy.low_precision_params and not policy.master_weights:
+            cast_module(model, policy)
+        self._broadcast_from_main(model)
+        mp = fsdp_mixed_precision(policy)
+        if mp.param_dtype is not None and policy is not None:
+            island = MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=mp.param_dtype)
+            for qname, module in model.named_modules():
+                if module is not model and policy.keeps_fp32(qname, module) and \
+                        any(True for _ in module.parameters(recurse=False)):
+                    fully_shard(module, mp_policy=island, reshard_after_forward=self.reshard_after_forward)
+        for unit in self.shard_units(model):
+            fully_shard(unit, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+        self._per_step = self._payloads(model, mp)
+        return model
+
+    def _payloads(self, model: nn.Module, mp: MixedPrecisionPolicy) -> dict[str, float]:
+        gather = reduce = 0
+        for p in model.parameters():
+            n = p.numel()  # full (global) size of the DTensor
+            g_dtype = mp.param_dtype or p.dtype
+            gather += n * g_dtype.itemsize
+            reduce += n * (mp.reduce_dtype or g_dtype).itemsize
+        passes = 2 if self.reshard_after_forward else 1
+        return {"allgather_bytes_per_step": float(gather * passes),
+                "reduce_scatter_bytes_per_step": float(reduce)}
+
+    @staticmethod
+    def _broadcast_from_main(model: nn.Module) -> None:
+        """Give every rank rank 0's initial weights (each rank keeps its slice of its own copy)."""
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Skip the reduce-scatter on accumulation micro-steps (unsharded grads accumulate)."""
+        if not isinstance(model, FSDPModule):
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def _no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        return _no_sync()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    _LOAD = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full FP32 state on CPU, gathered shard by shard; complete on rank 0, empty elsewhere."""
+        if not self.is_distributed:
+            return super().model_state_dict(model)
+        return get_model_state_dict(model, options=self._FULL)
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
+        """Rank 0's full state is broadcast and each rank keeps its shard; others may pass None."""
+        if not self.is_distributed:
+            return super().load_model_state_dict(model, state)
+        set_model_state_dict(model, dict(state) if self.rank == 0 else {}, options=self._LOAD)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        if not self.is_distributed:
+            return super().optimizer_state_dict(model, optimizer)
+        return get_optimizer_state_dict(model, optimizer, options=self._FULL)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping | None) -> None:
+        if not self.is_distributed:
+            return super().load_optimizer_state_dict(model, optimizer, state)
+        set_optimizer_state_dict(model, optimizer, dict(state) if self.rank == 0 else {},
+                                 options=self._LOAD)
+
+    def comm_stats(self) -> dict[str, float]:
+        """Analytic per-step payloads of the sharded model (FSDP2 exposes no byte counter):
+        ``allgather_bytes_per_step`` (forward, plus backward when resharding) and
+        ``reduce_scatter_bytes_per_step``, as full unsharded sizes per rank."""
+        stats = super().comm_stats()
+        stats.update(getattr(self, "_per_step", {}))
+        return stats
