@@ -1,0 +1,347 @@
+"""Find the module where a NaN/Inf was born, by replaying one step with hooks.
+
+A skipped step says *that* something overflowed; this module says *where*. The clean path costs
+nothing: no hook is installed while training runs. When a step is skipped (or on demand), the
+caller replays the same batch with the same RNG state (:func:`capture_rng_state` /
+:func:`replay_rng_state`) inside :func:`locate_nonfinite`, which installs hooks on every module,
+runs the step once, removes the hooks and names the origin.
+
+What is observed, in execution order (each observation is a handful of reductions kept on the
+device; one host sync at the end resolves them all):
+
+* forward:  every module's inputs and outputs (forward pre-/post-hooks);
+* backward: the gradient w.r.t. every module's output (a tensor hook registered on the output),
+  the module's *own* contribution to the gradient w.r.t. its inputs (the forward pre-hook hands
+  the module an alias ``x.view_as(x)`` of each input and hooks that alias, so a residual branch's
+  gradient is not mixed in), and every parameter's gradient.
+
+Why tensor hooks and not ``register_full_backward_hook``: full backward hooks wrap outputs in a
+custom autograd Function and forbid any in-place op on them, so a model with ``ReLU(inplace=True)``
+raises in the replay. Tensor hooks on aliases survive in-place ops (an in-place module's own
+input alias then simply reports nothing).
+
+The origin:
+
+* if the loss is non-finite: the first module, in forward order, whose output is non-finite while
+  its inputs were finite (a child runs before its parent, so functional code in a parent between
+  two children is attributed to the parent); ``<input>`` if the batch itself was non-finite;
+  ``<loss>`` if every module output was finite (the loss function made it);
+* otherwise: the first non-finite gradient in backward order. A non-finite input-gradient or
+  parameter-gradient of module M means M's backward made it (M's output-gradient was seen finite
+  before). A non-finite *output*-gradient of M seen first means the code that consumed M's output
+  made it and has no alias hook of its own: the innermost enclosing module whose output-gradient
+  was finite, or ``<loss>`` when none (the loss function's backward).
+
+A module returning ``-inf`` on purpose (an additive attention mask module) is reported as the
+origin when the loss is non-finite; keep masks inside the module that consumes them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mixprec.precision.dtypes import dtype_name
+
+__all__ = ["NonFiniteEvent", "RngState", "capture_rng_state", "replay_rng_state", "locate_nonfinite"]
+
+
+# --- RNG capture / replay -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RngState:
+    """The generator states a training step consumes (dropout, random init of buffers, ...)."""
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...]
+    python: object
+
+
+def capture_rng_state() -> RngState:
+    """Snapshot the CPU, every CUDA device's and Python's generators (take it *before* the step)."""
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else ()
+    return RngState(cpu=torch.get_rng_state(), cuda=cuda, python=random.getstate())
+
+
+def _restore(state: RngState) -> None:
+    torch.set_rng_state(state.cpu)
+    if state.cuda:
+        torch.cuda.set_rng_state_all(list(state.cuda))
+    random.setstate(state.python)
+
+
+@contextlib.contextmanager
+def replay_rng_state(state: RngState) -> Iterator[RngState]:
+    """Run the block with the generators set to ``state``; put back what they were on exit.
+
+    So a replay draws the same dropout masks as the original step, and the training run after it
+    continues with exactly the random stream it would have had without the replay.
+    """
+    now = capture_rng_state()
+    _restore(state)
+    try:
+        yield state
+    finally:
+        _restore(now)
+
+
+# --- the event ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class NonFiniteEvent:
+    """Where the first non-finite value of a step appeared."""
+
+    module: str
+    """Qualified module name; ``<input>``, ``<loss>`` when it arose outside every module."""
+    direction: str
+    """``forward`` or ``backward``."""
+    kind: str
+    """``nan`` or ``inf`` (NaN wins when both are present)."""
+    dtype: str
+    """Short dtype name of the tensor that became non-finite (fp16, bf16, fp32, ...)."""
+    tensor: str
+    """Which tensor: ``output``, ``grad_input``, ``grad_output`` or ``grad of <param>``."""
+    input_absmax: float | None
+    """Largest finite |x| of what flowed *into* the origin just before (activations in forward, the
+    output-gradient in backward); None when nothing was observed."""
+    input_absmin: float | None
+    """Smallest non-zero finite |x| of the same tensors (zeros say nothing about underflow)."""
+    loss_scale: float | None = None
+    """Loss scale in effect during the replay, when the caller passed it."""
+    step: int | None = None
+    """Training step, when the caller passed it."""
+
+    def message(self, step: int | None = None, scale_before: float | None = None,
+                scale_after: float | None = None) -> str:
+        """One log line, e.g. ``step 1234 skipped: inf first at blocks.3.mlp.fc2 (backward, fp16) —
+        loss scale 65536 -> 32768``."""
+        step = self.step if step is None else step
+        head = f"step {step} skipped" if step is not None else "non-finite step"
+        line = f"{head}: {self.kind} first at {self.module} ({self.direction}, {self.dtype})"
+        scale_before = self.loss_scale if scale_before is None else scale_before
+        if scale_before is not None:
+            line += f" — loss scale {_num(scale_before)}"
+            if scale_after is not None:
+                line += f" -> {_num(scale_after)}"
+        return line
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able fields plus the human ``message``."""
+        d = asdict(self)
+        d["message"] = self.message()
+        return d
+
+    def to_json(self) -> str:
+        """One ``events.jsonl`` line (no trailing newline)."""
+        return json.dumps(self.to_dict(), allow_nan=False)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+# --- observation ----------------------------------------------------------------------------------
+
+def _stats(t: torch.Tensor) -> torch.Tensor:
+    """(3,) float32 on t's device: [0 finite | 1 inf | 2 nan, finite absmax, non-zero finite absmin]."""
+    t = t.detach()
+    nan = torch.isnan(t).any()
+    inf = torch.isinf(t).any()
+    code = torch.where(nan, 2.0, torch.where(inf, 1.0, 0.0))
+    a = t.abs().float()
+    finite = torch.isfinite(a)
+    amax = torch.where(finite, a, 0.0).amax() if t.numel() else a.new_zeros(())
+    amin = torch.where(finite & (a > 0), a, math.inf).amin() if t.numel() else a.new_zeros(())
+    return torch.stack([code.float(), amax, amin])
+
+
+def _floats(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class _Recorder:
+    """Collects observations as device tensors; resolves them with one host transfer."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, str, str, str, str, torch.dtype]] = []  # obs, dir, kind, module, tensor, dtype
+        self.stats: list[torch.Tensor] = []
+        self.n_obs = 0
+        self.in_backward = False
+
+    def observe(self, direction: str, kind: str, module: str, tensor: str,
+                tensors: list[torch.Tensor]) -> None:
+        if direction == "forward" and self.in_backward:
+            return  # activation recompute replays the forward inside backward: already seen
+        if direction == "backward":
+            self.in_backward = True
+        obs = self.n_obs
+        self.n_obs += 1
+        for t in tensors:
+            self.rows.append((obs, direction, kind, module, tensor, t.dtype))
+            self.stats.append(_stats(t))
+
+    def resolve(self) -> list[dict]:
+        """Per observation: direction, kind, module, tensor, code, dtype, absmax, absmin (merged)."""
+        if not self.stats:
+            return []
+        # one transfer per device (normally exactly one): the only host syncs of the replay
+        by_device: dict[torch.device, list[int]] = {}
+        for i, s in enumerate(self.stats):
+            by_device.setdefault(s.device, []).append(i)
+        table: list[list[float]] = [[]] * len(self.stats)
+        for idx in by_device.values():
+            for i, row in zip(idx, torch.stack([self.stats[i] for i in idx]).tolist()):
+                table[i] = row
+        out: dict[int, dict] = {}
+        for (obs, direction, kind, module, tensor, dtype), (code, amax, amin) in zip(self.rows, table):
+            o = out.setdefault(obs, dict(obs=obs, direction=direction, kind=kind, module=module,
+                                         tensor=tensor, code=0, dtype=dtype, absmax=0.0, absmin=math.inf))
+            if code > o["code"]:
+                o["code"], o["dtype"] = int(code), dtype
+            o["absmax"] = max(o["absmax"], amax)
+            o["absmin"] = min(o["absmin"], amin)
+        return [out[k] for k in sorted(out)]
+
+
+def _parent(name: str) -> str | None:
+    if name == "":
+        return None
+    return name.rpartition(".")[0]
+
+
+def _find_origin(obs: list[dict], loss_nonfinite: bool | None) -> dict | None:
+    fwd = [o for o in obs if o["direction"] == "forward"]
+    if loss_nonfinite or loss_nonfinite is None:
+        open_inputs: dict[str, list[dict]] = {}  # pre/post hooks nest: pair each output with its call
+        root_in = None
+        for o in fwd:
+            if o["kind"] == "in":
+                open_inputs.setdefault(o["module"], []).append(o)
+                root_in = o if o["module"] == "" and root_in is None else root_in
+                continue
+            calls = open_inputs.get(o["module"])
+            src = calls.pop() if calls else None
+            if o["code"] and (src is None or not src["code"]):
+                return dict(o, source=src)
+        if root_in is not None and root_in["code"]:
+            return dict(root_in, module="<input>", tensor="input", source=None)
+        if loss_nonfinite:
+            return dict(module="<loss>", direction="forward", code=2, dtype=None, tensor="output",
+                        source=None)
+    bwd = [o for o in obs if o["direction"] == "backward"]
+    gout = {}
+    for o in bwd:
+        if o["kind"] == "gout" and o["module"] not in gout:
+            gout[o["module"]] = o
+        if not o["code"]:
+            continue
+        if o["kind"] != "gout":
+            return dict(o, source=gout.get(o["module"]))
+        # the consumer of this module's output made it: the innermost ancestor with a finite gout
+        up = _parent(o["module"])
+        while up is not None:
+            g = gout.get(up)
+            if g is not None and not g["code"]:
+                return dict(o, module=up, tensor="grad_input", source=g)
+            up = _parent(up)
+        return dict(o, module="<loss>", tensor="grad_output", source=None)
+    return None
+
+
+# --- the entry point ------------------------------------------------------------------------------
+
+def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | None], *,
+                     loss_scale: float | None = None, step: int | None = None,
+                     rng_state: RngState | None = None) -> NonFiniteEvent | None:
+    """Replay one step with hooks and return where its first NaN/Inf appeared (None if clean).
+
+    ``run_step`` does the forward *and* backward of the one batch to diagnose (e.g.
+    ``lambda: scaler.scale(loss_fn(model, batch)).backward()`` — returning the loss lets the
+    forward/backward decision use it) and must not step the optimizer. Pass ``rng_state`` (taken
+    with :func:`capture_rng_state` before the original step) to replay the same dropout masks.
+
+    The replay leaves the model as it found it: parameter ``.grad`` and floating buffers (e.g.
+    BatchNorm running statistics) are saved before and restored after; all hooks are removed even
+    when ``run_step`` raises.
+    """
+    rec = _Recorder()
+    handles: list = []
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+        name = names[id(module)]
+        rec.observe("forward", "in", name, "input", _floats((args, kwargs)))
+        if not torch.is_grad_enabled() or rec.in_backward:
+            return None
+
+        def alias(t):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+                v = t.view_as(t)
+                v.register_hook(lambda g: rec.observe("backward", "gin", name, "grad_input", [g]))
+                return v
+            return t
+        return tree_map(alias, (args, kwargs))
+
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
+        name = names[id(module)]
+        outs = _floats(output)
+        rec.observe("forward", "out", name, "output", outs)
+        for t in outs:
+            if t.requires_grad and not rec.in_backward:
+                t.register_hook(lambda g: _on_gout(name, g))
+
+    def _on_gout(name: str, g: torch.Tensor) -> None:
+        rec.observe("backward", "gout", name, "grad_output", [g])
+
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
+        for pname, p in module.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                handles.append(p.register_hook(
+                    lambda g, n=name, pn=pname: rec.observe("backward", "param", n, f"grad of {pn}", [g])))
+
+    params = [p for p in model.parameters()]
+    saved_grads = [p.grad for p in params]
+    saved_bufs = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point()]
+    loss = None
+    try:
+        for p in params:
+            p.grad = None
+        with replay_rng_state(rng_state) if rng_state is not None else contextlib.nullcontext():
+            loss = run_step()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(params, saved_grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, copy in saved_bufs:
+                b.copy_(copy)
+
+    loss_nonfinite = None
+    if isinstance(loss, torch.Tensor):
+        loss_nonfinite = not bool(torch.isfinite(loss.detach()).all())
+    origin = _find_origin(rec.resolve(), loss_nonfinite)
+    if origin is None:
+        return None
+    src = origin.get("source")
+    has_src = src is not None and src["absmax"] is not None
+    dtype = origin["dtype"] if origin["dtype"] is not None else (loss.dtype if isinstance(loss, torch.Tensor) else None)
+    return NonFiniteEvent(
+        module=origin["module"] or f"<{type(model).__name__}>", direction=origin["direction"],
+        kind="nan" if origin["code"] == 2 else "inf",
+        dtype=dtype_name(dtype) if dtype is not None else "?",
+        tensor=origin["tensor"],
+        input_absmax=float(src["absmax"]) if has_src else None,
+        input_absmin=(float(src["absmin"]) if has_src and math.isfinite(src["absmin"]) else None),
+        loss_scale=None if loss_scale is None else float(loss_scale), step=step)

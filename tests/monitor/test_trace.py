@@ -1,0 +1,190 @@
+"""locate_nonfinite attributes the first NaN/Inf to the module and direction that made it."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.monitor.trace import capture_rng_state, locate_nonfinite, replay_rng_state
+
+
+def _step(model, x):
+    def run():
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+    return run
+
+
+def _hooks(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               for m in model.modules())
+
+
+def test_clean_step_returns_none_and_leaves_no_hooks_or_grads(tiny):
+    x = torch.randn(4, 8)
+    assert locate_nonfinite(tiny, _step(tiny, x)) is None
+    assert _hooks(tiny) == 0
+    assert all(p.grad is None for p in tiny.parameters())
+    assert all(not p._backward_hooks for p in tiny.parameters())
+
+
+@pytest.mark.parametrize("where", ["blocks.1.fc2", "blocks.0.fc1", "blocks.2.fc1"])
+def test_inf_injected_in_forward_output_is_attributed_to_that_module(tiny, where):
+    tiny.get_submodule(where).poison = "forward"
+    ev = locate_nonfinite(tiny, _step(tiny, torch.randn(4, 8)), loss_scale=1024.0, step=7)
+    assert (ev.module, ev.direction, ev.kind, ev.dtype, ev.tensor) == (where, "forward", "inf", "fp32", "output")
+    assert ev.input_absmax is not None and 0 < ev.input_absmax < 1e3
+    assert ev.message(scale_after=512) == f"step 7 skipped: inf first at {where} (forward, fp32) — loss scale 1024 -> 512"
+
+
+@pytest.mark.parametrize("where", ["blocks.1.fc2", "blocks.0.fc1", "blocks.2.fc2"])
+def test_inf_injected_in_backward_gradient_is_attributed_to_that_module(tiny, where):
+    tiny.get_submodule(where).poison = "backward"
+    ev = locate_nonfinite(tiny, _step(tiny, torch.randn(4, 8)))
+    assert (ev.module, ev.direction, ev.kind, ev.tensor) == (where, "backward", "inf", "grad_input")
+    assert ev.input_absmax is not None and ev.input_absmax > 0  # its grad_output was finite
+
+
+def test_replay_restores_grads_buffers_and_existing_hooks(tiny):
+    bn = nn.BatchNorm1d(8)
+    model = nn.Sequential(tiny.inp, bn, tiny.head)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    mean = bn.running_mean.clone()
+    marker = model[0].register_forward_hook(lambda *a: None)
+    model[0].poison = None
+    assert locate_nonfinite(model, _step(model, x)) is None
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert torch.equal(bn.running_mean, mean)
+    assert list(model[0]._forward_hooks) == [marker.id]
+
+
+class HalfSoftmax(nn.Module):
+    """softmax written naively in FP16: exp overflows for logits > ~11, giving inf/inf = NaN."""
+
+    def forward(self, x):
+        e = x.half().exp()
+        return e / e.sum(-1, keepdim=True)
+
+
+class ToFloat(nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+class HalfSumSquares(nn.Module):
+    """An unscaled FP16 reduction: the sum of squares passes 65504 long before the inputs do."""
+
+    def forward(self, x):
+        return x.half().pow(2).sum(-1, keepdim=True)
+
+
+def test_nan_from_fp16_exp_overflow_is_traced_to_the_naive_softmax():
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(8, 8))
+    model.add_module("attn", nn.Sequential())
+    model.attn.add_module("softmax", HalfSoftmax())
+    model.add_module("cast", ToFloat())
+    model.add_module("out", nn.Linear(8, 1))
+    x = torch.randn(4, 8) * 40  # logits of order 100: FP32 softmax is fine, FP16 exp is inf
+    assert torch.isfinite(torch.softmax(model.proj(x), -1)).all()
+    ev = locate_nonfinite(model, _step(model, x))
+    assert (ev.module, ev.direction, ev.kind, ev.dtype) == ("attn.softmax", "forward", "nan", "fp16")
+    assert ev.input_absmax > 11  # the finite input range shows why: exp(>11.1) overflows FP16
+
+
+def test_fp16_overflow_in_unscaled_reduction_is_traced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), HalfSumSquares(), ToFloat(), nn.Linear(1, 1))
+    x = torch.randn(4, 8) * 200
+    ev = locate_nonfinite(model, _step(model, x))
+    assert (ev.module, ev.direction, ev.kind, ev.dtype) == ("1", "forward", "inf", "fp16")
+    assert ev.input_absmax < 65504  # every input was representable: the reduction overflowed
+
+
+def test_fp16_backward_overflow_under_a_large_loss_scale_is_traced():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)).half()
+    with torch.no_grad():
+        model[2].weight.fill_(30.0)  # grad_input of layer 2 = grad_output (4096) * 30 > 65504
+    x = torch.randn(4, 8, dtype=torch.float16) * 0.1
+    scale = 2.0 ** 14  # mean over 4 rows: grad_output of the last layer is 4096 per row
+
+    def run():
+        loss = model(x).float().mean()
+        (loss * scale).backward()
+        return loss
+
+    ev = locate_nonfinite(model, run, loss_scale=scale)
+    assert (ev.module, ev.direction, ev.dtype, ev.tensor) == ("2", "backward", "fp16", "grad_input")
+    assert ev.input_absmax < 65504
+    run_ok = lambda: (model(x).float().mean()).backward()  # noqa: E731  (unscaled: finite)
+    assert locate_nonfinite(model, run_ok) is None
+
+
+def test_nonfinite_loss_from_code_outside_the_model_is_reported_as_loss(tiny):
+    x = torch.randn(4, 8)
+
+    def run():
+        loss = (tiny(x).half() * 1e3).pow(2).sum()  # FP16 loss overflows
+        loss.backward()
+        return loss
+    ev = locate_nonfinite(tiny, run)
+    assert (ev.module, ev.direction) == ("<loss>", "forward")
+
+
+def test_nonfinite_input_batch_is_reported_as_input(tiny):
+    x = torch.randn(4, 8)
+    x[0, 0] = float("nan")
+    ev = locate_nonfinite(tiny, _step(tiny, x))
+    assert (ev.module, ev.kind) == ("<input>", "nan")
+
+
+def test_inf_made_by_a_parents_own_code_is_attributed_to_the_parent():
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x) / 0.0)  # division in the parent's own code
+
+    model = nn.Sequential(Parent())
+    ev = locate_nonfinite(model, _step(model, torch.randn(2, 4)))
+    assert (ev.module, ev.direction) == ("0", "forward")
+
+
+def test_replay_rng_state_replays_dropout_and_restores_the_stream():
+    drop = nn.Dropout(0.5)
+    x = torch.ones(1000)
+    state = capture_rng_state()
+    first = drop(x)
+    after_first = torch.rand(3)
+    with replay_rng_state(state):
+        again = drop(x)
+    assert torch.equal(first, again)
+    assert not torch.equal(torch.rand(3), after_first)  # stream continued, not rewound
+    with replay_rng_state(state):
+        drop(x)
+        replayed_next = torch.rand(3)
+    assert torch.equal(replayed_next, after_first)
+
+
+def test_dropout_model_replays_the_same_origin(tiny):
+    tiny.blocks[1].fc2.poison = "backward"
+    x = torch.randn(4, 8)
+    state = capture_rng_state()
+    tiny(x)
+    ev = locate_nonfinite(tiny, _step(tiny, x), rng_state=state)
+    assert ev.module == "blocks.1.fc2"
+
+
+def test_event_json_round_trips(tiny):
+    tiny.blocks[0].fc1.poison = "forward"
+    ev = locate_nonfinite(tiny, _step(tiny, torch.randn(4, 8)), loss_scale=65536, step=1234)
+    d = json.loads(ev.to_json())
+    assert d["module"] == "blocks.0.fc1" and d["step"] == 1234 and d["loss_scale"] == 65536
+    assert d["message"].startswith("step 1234 skipped: inf first at blocks.0.fc1 (forward, fp32)")
