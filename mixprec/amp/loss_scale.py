@@ -126,10 +126,16 @@ def _f32_bounds(cfg: LossScaleConfig) -> tuple[float, float]:
     """The bounds rounded *inward* to float32: smallest f32 >= min_scale, largest f32 <= max_scale."""
     lo, hi = _to_f32(cfg.min_scale), _to_f32(cfg.max_scale)
     if lo < cfg.min_scale:
-        lo = _to_f32(lo * (1 + 2.0 ** -23))   # one float32 ULP up
+        lo = _f32_step(lo, +1)
     if hi > cfg.max_scale:
-        hi = _to_f32(hi * (1 - 2.0 ** -24))   # one float32 ULP down
+        hi = _f32_step(hi, -1)
     return lo, hi
+
+
+def _f32_step(x: float, ulps: int) -> float:
+    """The float32 ``ulps`` steps away from the (positive, float32) ``x``."""
+    (bits,) = struct.unpack("I", struct.pack("f", x))
+    return struct.unpack("f", struct.pack("I", bits + ulps))[0]
 
 
 def _clamp_f32(x: float, cfg: LossScaleConfig) -> float:
