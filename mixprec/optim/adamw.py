@@ -92,9 +92,20 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[device]
 
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        # The rounding noise is part of the trajectory: save the seeded generators for exact resume.
+        sd["sr_generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        for device, rng_state in sd.pop("sr_generators", {}).items():
+            gen = self._generator(torch.device(device))
+            if gen is not None:
+                gen.set_state(rng_state)
         # torch casts floating state to the param dtype (FP32); store the moments narrow again.
-        super().load_state_dict(state_dict)
+        super().load_state_dict(sd)
         for st in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
