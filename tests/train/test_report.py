@@ -1,0 +1,100 @@
+"""`mixprec report`: plots and a self-contained HTML page from a run folder; clear errors."""
+from __future__ import annotations
+
+import argparse
+import base64
+import re
+
+import pytest
+
+from mixprec.errors import DataError
+from mixprec.train import report
+from mixprec.train.metrics import MetricsLogger, read_events, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _fake_run(run_dir, *, numerics: bool = True):
+    """A short run with an overflow at step 4 (skipped, scale halved) and validation every 3 steps."""
+    scale, skipped_total = 2.0 ** 16, 0
+    with MetricsLogger(run_dir, tensorboard=False) as log:
+        for step in range(1, 10):
+            skipped = step == 4
+            if skipped:
+                scale /= 2
+                skipped_total += 1
+                log.event({"step": step, "kind": "overflow", "message": f"inf in blocks.1.mlp grad at step {step}; <scale> halved"})
+            log.log(step, epoch=0, loss=3.0 - 0.1 * step, val_loss=3.05 - 0.1 * step if step % 3 == 0 else None,
+                    lr=1e-3, loss_scale=scale, skipped=skipped, skipped_total=skipped_total,
+                    grad_norm=1.0 / step, tokens_per_s=1000.0 + step, mfu=0.2, peak_mem_mb=100.0 + step,
+                    time_s=0.5 * step)
+            if numerics and step % 2 == 0:
+                log.log_numerics([{"step": step, "module": f"blocks.{i}.mlp", "kind": kind,
+                                   "absmax": 10.0 ** (i + step / 4), "overflow_frac": 0.01 if (i, step) == (1, 4) else 0.0,
+                                   "underflow_frac": 0.0, "dtype": "float16"}
+                                  for i in range(3) for kind in ("act", "grad")])
+
+
+def _run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    report.configure(parser)
+    return report.run(parser.parse_args(list(argv)))
+
+
+def test_report_writes_valid_pngs_and_self_contained_html(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _fake_run(run_dir)
+    out = tmp_path / "out"
+    assert _run_cli(str(run_dir), "-o", str(out)) == 0
+    assert str(out / "report.html") in capsys.readouterr().out
+    names = {p.name for p in out.glob("*.png")}
+    assert {"loss.png", "loss_scale.png", "grad_norm.png", "throughput.png", "memory.png",
+            "numerics_act_absmax.png", "numerics_grad_absmax.png", "numerics_grad_overflow_frac.png",
+            "numerics_act_overflow_frac.png"} <= names
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == len(names)
+    assert all(base64.b64decode(i)[:8] == PNG_MAGIC for i in images)
+    assert "src=\"http" not in page and "<script" not in page  # nothing fetched from elsewhere
+    # summary and events (escaped)
+    assert "<th>skipped steps</th><td>1</td>" in page
+    assert "<th>best val loss</th><td>2.15</td>" in page
+    assert "<th>best val loss at step</th><td>9</td>" in page
+    assert "&lt;scale&gt; halved" in page
+
+
+def test_report_defaults_to_a_folder_inside_the_run_and_skips_unmeasured_plots(tmp_path):
+    run_dir = tmp_path / "run"
+    with MetricsLogger(run_dir, tensorboard=False) as log:
+        for step in range(1, 4):
+            log.log(step, loss=2.0 / step, loss_scale=1.0)  # e.g. a bf16 run on CPU: no MFU, no memory
+    assert _run_cli(str(run_dir)) == 0
+    out = run_dir / "report"
+    assert sorted(p.name for p in out.glob("*.png")) == ["loss.png", "loss_scale.png"]
+    assert "No events" in (out / "report.html").read_text()
+
+
+def test_summary_figures(tmp_path):
+    _fake_run(tmp_path, numerics=False)
+    s = report.summarize(read_metrics(tmp_path), read_events(tmp_path))
+    assert s["last step"] == 9 and s["skipped steps"] == 1 and s["events"] == 1
+    assert s["mean tokens/s"] == pytest.approx(1005.0)
+    assert s["peak memory (MB)"] == 109.0 and s["final val loss"] == pytest.approx(2.15)
+    assert report._skipped_steps(read_metrics(tmp_path)) == [4]
+
+
+def test_missing_run_folder_is_a_one_line_error(tmp_path):
+    with pytest.raises(DataError, match=r"^no run folder at .*nope; pass the folder `mixprec train` printed") as info:
+        _run_cli(str(tmp_path / "nope"))
+    assert "\n" not in str(info.value)
+
+
+def test_folder_without_metrics_or_rows_is_a_one_line_error(tmp_path):
+    with pytest.raises(DataError, match="has no metrics.csv"):
+        _run_cli(str(tmp_path))
+    MetricsLogger(tmp_path, tensorboard=False).close()
+    with pytest.raises(DataError, match="has no rows yet; train for at least one logging interval"):
+        _run_cli(str(tmp_path))
