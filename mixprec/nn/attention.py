@@ -15,8 +15,8 @@ probabilities in 8-11 mantissa bits drops the small ones. Two implementations ar
     (tests/nn/test_attention.py checks it against an FP32 reference), and it never materialises
     the ``(T, T)`` score matrix on the fused paths.
 ``impl="math"``
-    The explicit reference: scores in the compute dtype, upcast to FP32, causal mask, FP32 softmax,
-    probabilities cast back for ``probs @ v``. It materialises ``(B, H, T, T)`` and is meant for
+    The explicit reference: FP32 scores from the 16-bit ``q, k``, causal mask, FP32 softmax,
+    probabilities rounded once to ``v``'s dtype for ``probs @ v`` (autocast disabled inside). It materialises ``(B, H, T, T)`` and is meant for
     testing and for inspecting attention weights, not for speed.
 
 Both support attention dropout (``dropout`` > 0, active only in training).
@@ -40,13 +40,16 @@ def causal_attention_fp32_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
     """Causal attention with an explicit FP32 softmax. ``q, k, v``: (B, H, T, hs) -> (B, H, T, hs)."""
     T, hs = q.shape[-2], q.shape[-1]
-    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(hs))  # (B, H, T, T) fp32
-    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)  # True above the diagonal
-    scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # fp32; every row has its diagonal, so no all -inf row
-    if dropout_p > 0.0 and training:
-        probs = F.dropout(probs, p=dropout_p)
-    return probs.to(v.dtype) @ v  # (B, H, T, hs)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        # Scores from the (possibly 16-bit) q, k with FP32 products and sums, as the fused kernels
+        # do: rounding a score of ~50 to BF16 would move it by 0.25 and the softmax by 25%.
+        scores = (q.float() @ k.float().transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, H, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)  # True above the diagonal
+        scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # fp32; every row keeps its diagonal: no all -inf row
+        if dropout_p > 0.0 and training:
+            probs = F.dropout(probs, p=dropout_p)
+        return probs.to(v.dtype) @ v  # (B, H, T, hs), probabilities rounded once for the v matmul
 
 
 class CausalSelfAttention(nn.Module):
