@@ -125,8 +125,9 @@ def builtin_corpus(cache_dir: str | os.PathLike | None = None, *, max_bytes: int
     root = Path(sysconfig.get_paths()["stdlib"])
     chosen, content_hash = _gather(root, max_bytes)
     if len(chosen) < VAL_EVERY:
-        raise DataError(f"the Python standard library at {root} has only {len(chosen)} .py files (a stripped "
-                        "install?); pass a dataset path instead of using the built-in corpus")
+        raise DataError(f"only {len(chosen)} .py files of the Python standard library at {root} fit in "
+                        f"max_bytes={max_bytes} (need {VAL_EVERY}); raise max_bytes, or pass a dataset path if "
+                        "this Python install is stripped of its sources")
     version = ".".join(map(str, sys.version_info[:3]))
     name = f"stdlib-py{sys.version_info[0]}.{sys.version_info[1]}-{content_hash[:12]}"
     folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
