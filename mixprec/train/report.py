@@ -54,16 +54,34 @@ def _values(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     return [p[0] for p in pairs], [float(p[1]) for p in pairs]
 
 
-def _skipped_steps(rows: list[dict[str, Any]]) -> list[int]:
-    """Rows where a step was skipped: ``skipped`` > 0 or ``skipped_total`` went up."""
-    marked, previous_total = [], 0
+_SKIP_EVENT_KINDS = {"skip", "skipped", "overflow", "nonfinite", "non-finite"}
+
+
+def _skipped_steps(rows: list[dict[str, Any]], events: list[dict[str, Any]] = ()) -> list[int]:
+    """Steps known to be skipped: rows with ``skipped`` > 0 or a rising ``skipped_total``, plus
+    skip/overflow events (which also catch skips between two logged rows)."""
+    marked, previous_total = set(), 0
     for r in rows:
         total = r.get("skipped_total")
         if (r.get("skipped") or 0) > 0 or (total is not None and total > previous_total):
-            marked.append(r["step"])
+            marked.add(r["step"])
         if total is not None:
             previous_total = total
-    return marked
+    for e in events:
+        kind = str(e.get("kind", e.get("type", ""))).lower()
+        if isinstance(e.get("step"), int) and (kind in _SKIP_EVENT_KINDS or e.get("skipped") is True):
+            marked.add(e["step"])
+    return sorted(marked)
+
+
+def _scale_at(steps: list[int], scale: list[float], step: int) -> float | None:
+    """The loss scale in force at ``step``: the last logged value at or before it."""
+    value = None
+    for s, v in zip(steps, scale):
+        if s > step:
+            break
+        value = v
+    return value
 
 
 def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,16 +149,16 @@ def _plot_loss(rows, out: Path) -> Path | None:
     return _save(fig, out / "loss.png")
 
 
-def _plot_loss_scale(rows, out: Path) -> Path | None:
+def _plot_loss_scale(rows, events, out: Path) -> Path | None:
     steps, scale = _values(rows, "loss_scale")
     if not scale:
         return None
     fig, ax = _figure("loss scale (skipped steps marked)")
     ax.step(steps, scale, where="post", lw=1.2, label="loss scale")
-    by_step = dict(zip(steps, scale))
-    skipped = [s for s in _skipped_steps(rows) if s in by_step]
-    if skipped:
-        ax.plot(skipped, [by_step[s] for s in skipped], "x", color="tab:red", ms=7, label="skipped step")
+    marks = [(s, _scale_at(steps, scale, s)) for s in _skipped_steps(rows, events)]
+    marks = [(s, v) for s, v in marks if v is not None]
+    if marks:
+        ax.plot([s for s, _ in marks], [v for _, v in marks], "x", color="tab:red", ms=7, label="skipped step")
     if all(v > 0 for v in scale):
         ax.set_yscale("log", base=2)
     ax.set_ylabel("scale")
@@ -294,7 +312,7 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     out = Path(out_dir) if out_dir is not None else run_path / "report"
     out.mkdir(parents=True, exist_ok=True)
 
-    images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, out), _plot_grad_norm(rows, out),
+    images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out), _plot_grad_norm(rows, out),
                           _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
     images += _plot_numerics(numerics, out)
     html_path = out / "report.html"

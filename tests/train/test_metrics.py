@@ -169,3 +169,16 @@ def test_scalars_are_mirrored_to_tensorboard(tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"loss/train", "loss/val", "train/lr"} <= tags
     assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(1, 3.0), (2, 2.0)]
+
+
+def test_resume_purges_tensorboard_events_after_the_resumed_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as log:
+        for step in range(1, 6):
+            log.log(step, loss=float(step))
+    with MetricsLogger(tmp_path, resume_step=3) as log:
+        log.log(4, loss=40.0)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]

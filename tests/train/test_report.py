@@ -84,6 +84,10 @@ def test_summary_figures(tmp_path):
     assert s["mean tokens/s"] == pytest.approx(1005.0)
     assert s["peak memory (MB)"] == 109.0 and s["final val loss"] == pytest.approx(2.15)
     assert report._skipped_steps(read_metrics(tmp_path)) == [4]
+    # a skip between two logged rows is known only from its event
+    events = [{"step": 6, "kind": "skip", "message": "step 6 skipped"}, {"step": 7, "kind": "scale_growth", "message": "x"}]
+    assert report._skipped_steps(read_metrics(tmp_path), events) == [4, 6]
+    assert report._scale_at([1, 4, 8], [4.0, 2.0, 8.0], 6) == 2.0
 
 
 def test_missing_run_folder_is_a_one_line_error(tmp_path):
