@@ -248,11 +248,14 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _remove_stale_tmp(ckpt_dir: Path) -> None:
-    """Delete ``.tmp-*`` folders left by saves whose process died (crash or SIGKILL mid-save)."""
-    for entry in ckpt_dir.glob(".tmp-*"):
+    """Delete temporaries left by saves whose process died (crash or SIGKILL mid-save)."""
+    for entry in [*ckpt_dir.glob(".tmp-*"), *ckpt_dir.glob(f".{LATEST_FILE}.tmp-*")]:
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def _write_latest(ckpt_dir: Path, name: str) -> None:
