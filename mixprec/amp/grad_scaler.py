@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 import warnings
 from collections import abc
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ def _dtensor_type() -> type | None:
 _DTENSOR = _dtensor_type()
 
 
+_LAYOUT = operator.attrgetter("layout")
+
+
 def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The gradient tensors ``optimizer`` will step with, as plain local tensors.
 
@@ -97,21 +101,22 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     if callable(master_grads):
         raw = [g for g in master_grads() if g is not None]
     else:
-        raw = []
+        raw = [g for group in optimizer.param_groups for p in group["params"]
+               if (g := p.grad) is not None]
+    # Fast path (the common case): plain dense tensors. map() keeps this check out of Python loops.
+    if not raw or (set(map(type, raw)) <= {torch.Tensor} and set(map(_LAYOUT, raw)) == {torch.strided}):
+        return raw
+    if not callable(master_grads):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
-                    p.grad = g = g.coalesce()   # summing duplicates later could overflow fp16
-                raw.append(g)
-    out = raw
-    if any(g.is_sparse or (_DTENSOR is not None and isinstance(g, _DTENSOR)) for g in raw):
-        out = [g._values() if g.is_sparse else
-               g._local_tensor if _DTENSOR is not None and isinstance(g, _DTENSOR) else g
-               for g in raw]
-    return out
+                if g is not None and g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+                    p.grad = g.coalesce()   # summing duplicates later could overflow fp16
+        raw = [g for group in optimizer.param_groups for p in group["params"]
+               if (g := p.grad) is not None]
+    return [g._values() if g.is_sparse else
+            g._local_tensor if _DTENSOR is not None and isinstance(g, _DTENSOR) else g
+            for g in raw]
 
 
 _FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
