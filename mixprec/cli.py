@@ -16,7 +16,12 @@ import sys
 from mixprec.errors import MixprecError
 
 # command name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("mixprec.train.command", "train a Transformer (default: small model, built-in corpus)"),
+    "report": ("mixprec.train.report", "write PNG plots and an HTML page for a run folder"),
+    "prepare": ("mixprec.data.prepare", "tokenize text files into a mixprec token file"),
+    "bench": ("mixprec.bench.command", "benchmarks: matmul throughput, training step per precision"),
+}
 
 
 def _build_parser() -> argparse.ArgumentParser:

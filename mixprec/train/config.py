@@ -1,0 +1,270 @@
+"""Configuration of a training run: defaults < TOML file < ``key=value`` on the command line.
+
+:class:`FitConfig` holds what the training loop needs (any model); :class:`TrainConfig` adds what
+``mixprec train`` needs to build the model and the data. Both are frozen keyword-only
+dataclasses; every field is documented where it is declared, and ``validate()`` rejects
+impossible values with a one-line message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mixprec.errors import ConfigError, closest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["FitConfig", "TrainConfig", "load_config", "parse_overrides", "config_to_toml"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """Knobs of the training loop (:class:`mixprec.Trainer`)."""
+
+    precision: str = "auto"
+    """Policy name (see ``mixprec.get_policy``); ``auto`` = best safe mode for this hardware."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (skipped steps count). None: run ``epochs``."""
+    epochs: int = 1
+    """Passes over the training data when ``max_steps`` is None."""
+    lr: float = 1e-3
+    """Peak learning rate (after warm-up)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at ``lr * min_lr_ratio``."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step; the loss is divided by this number."""
+    clip_grad_norm: float | None = 1.0
+    """Clip the global gradient norm (on unscaled gradients); None or 0 disables."""
+    log_interval: int = 10
+    """Write a metrics row every N steps."""
+    eval_interval: int = 100
+    """Evaluate on the validation data every N steps (0: only at the end)."""
+    eval_batches: int = 20
+    """Validation batches per evaluation."""
+    ckpt_interval: int = 100
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 3
+    """Keep this many most recent checkpoints."""
+    run_dir: str | None = None
+    """Run folder; default ``runs/<date>-<time>-<precision>``."""
+    seed: int = 0
+    """Seed of every random generator (model init, data order, dropout)."""
+    init_scale: float = 2.0**16
+    """Initial loss scale (used only when the policy needs loss scaling)."""
+    growth_interval: int = 2000
+    """Clean steps before the loss scale doubles."""
+    hysteresis: int = 1
+    """Overflows tolerated before the scale backs off."""
+    trace_nonfinite: bool = True
+    """On a skipped step, replay the batch with hooks to find the layer that made the inf/NaN."""
+    monitor_every: int = 0
+    """Per-layer range statistics every N steps (0: off)."""
+    audit: bool = True
+    """Run the pre-flight precision audit at the start of training."""
+    progress: bool = True
+    """Show a progress bar (rank 0 only)."""
+
+    def validate(self) -> None:
+        positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches",
+                    "keep_last", "init_scale", "growth_interval", "hysteresis")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("eval_interval", "ckpt_interval", "warmup_steps", "monitor_every",
+                     "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ConfigError(f"max_steps must be > 0, got {self.max_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm < 0:
+            raise ConfigError(f"clip_grad_norm must be >= 0 (0 or none disables), got {self.clip_grad_norm}")
+        from mixprec.precision import get_policy
+        get_policy(self.precision)  # raises with the valid names
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(FitConfig):
+    """Everything ``mixprec train`` needs: the loop, plus the model and the data."""
+
+    model: str = "small"
+    """Model preset (``tiny``, ``small``, ``gpt-ref``); the fields below override it."""
+    num_layers: int | None = None
+    d_model: int | None = None
+    num_heads: int | None = None
+    num_experts: int | None = None
+    """MoE experts per MLP (0: dense)."""
+    norm: str | None = None
+    """``layernorm`` or ``rmsnorm``."""
+    dropout: float | None = None
+    gradient_checkpointing: bool = False
+    """Recompute block activations in backward to save memory."""
+    data: str | None = None
+    """Token file, .npy, text file or folder; None = the built-in corpus (Python's stdlib source)."""
+    val_data: str | None = None
+    """Validation data; None = a held-out split of ``data`` (``val_fraction``)."""
+    val_fraction: float = 0.05
+    seq_len: int = 128
+    """Tokens per sample."""
+    batch_size: int = 16
+    """Samples per micro-batch per rank."""
+    num_workers: int = 0
+    """Data loader worker processes."""
+    strategy: str = "auto"
+    """``auto`` (DDP under torchrun, else single device), ``single``, ``ddp``, ``fsdp``."""
+    grad_compression: str = "none"
+    """DDP gradient compression: ``none``, ``fp16``, ``bf16``, ``topk``."""
+    topk_ratio: float = 0.3
+    """Fraction of gradient values sent with ``grad_compression=topk``."""
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("seq_len", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0.0 < self.topk_ratio <= 1.0:
+            raise ConfigError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
+        for name, choices in (("strategy", ("auto", "single", "ddp", "fsdp")),
+                              ("grad_compression", ("none", "fp16", "bf16", "topk"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {', '.join(choices)}, got "
+                                  f"'{getattr(self, name)}'{closest(getattr(self, name), choices)}")
+
+    def fit_config(self) -> FitConfig:
+        names = {f.name for f in dataclasses.fields(FitConfig)}
+        return FitConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+
+# --- reading and merging ----------------------------------------------------------------------
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(name: str, value: Any, hint: Any, *, from_text: bool) -> Any:
+    """Convert ``value`` to the field's type, with a one-line error naming the field."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        try:
+            if base is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if base is int:
+                return int(text)
+            if base is float:
+                return float(text)
+        except ValueError:
+            raise ConfigError(f"{name} expects {_type_name(base)}, got '{value}'") from None
+        return text
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is bool and not isinstance(value, bool) or base is int and (
+            not isinstance(value, int) or isinstance(value, bool)) or base is float and not isinstance(
+            value, float) or base is str and not isinstance(value, str):
+        raise ConfigError(f"{name} expects {_type_name(base)}, got {value!r}")
+    return value
+
+
+def _type_name(t: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(t, str(t))
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """TOML tables are for grouping only: ``[optim] lr = 1e-3`` is the same as ``lr = 1e-3``."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, prefix=f"{prefix}{key}."))
+        else:
+            flat[key] = value
+    return flat
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """``["lr=3e-4", "max_steps=100"]`` -> ``{"lr": "3e-4", "max_steps": "100"}``."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"cannot read '{item}': settings on the command line are key=value, "
+                              "e.g. lr=3e-4")
+        out[key.strip().replace("-", "_")] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None, *,
+                cls: type[FitConfig] = TrainConfig) -> tuple[FitConfig, dict[str, str]]:
+    """Merge defaults < TOML file < overrides; return the config and where each value came from."""
+    types = _field_types(cls)
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {name: "default" for name in types}
+    layers: list[tuple[str, dict[str, Any], bool]] = []
+    if path is not None:
+        p = Path(path)
+        try:
+            with p.open("rb") as f:
+                layers.append((f"file {p.name}", _flatten(tomllib.load(f)), False))
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    if overrides:
+        layers.append(("command line", dict(overrides), True))
+    for origin, table, from_text in layers:
+        for key, value in table.items():
+            if key not in types:
+                raise ConfigError(f"unknown setting '{key}' ({origin}){closest(key, types)}; valid: "
+                                  f"{', '.join(sorted(types))}")
+            values[key] = _coerce(key, value, types[key], from_text=from_text)
+            source[key] = origin
+    config = cls(**values)
+    config.validate()
+    return config, source
+
+
+def config_to_toml(config: FitConfig) -> str:
+    """The resolved config as TOML (None values are written as comments)."""
+    lines = []
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if v is None:
+            lines.append(f"# {f.name} = (none)")
+        elif isinstance(v, bool):
+            lines.append(f"{f.name} = {'true' if v else 'false'}")
+        elif isinstance(v, (int, float)):
+            lines.append(f"{f.name} = {v!r}")
+        else:
+            lines.append(f'{f.name} = "{v}"')
+    return "\n".join(lines) + "\n"
