@@ -31,7 +31,6 @@ DDP rebuilds its buckets after the first iteration (to follow the order gradient
 and a resumed run may bucket differently, so each residual remembers which parameters it covers;
 when a bucket's layout changes its residual is re-cut per parameter instead of being misapplied.
 """
-from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
