@@ -17,6 +17,10 @@ How it fits the grad protocol with ``mixprec.amp.GradScaler`` (docs/CONTRACTS.md
 4. If the scaler skips the step, ``step()`` is never called and the model params, the masters and
    the optimizer state stay bitwise as they were.
 
+``torch.amp.GradScaler`` knows nothing of ``master_grads()``: it unscales the grads of
+``param_groups`` (the masters), which are empty until the grads are moved. With it, call
+``optimizer.master_grads()`` right after ``backward()`` and before ``scaler.unscale_``/``scaler.step``.
+
 Params already in the master dtype are their own master (no copy, no extra memory). Memory is
 not saved by this scheme: an FP16 param with an FP32 master and Adam moments costs 2 + 4 + 8 = 14
 bytes instead of 12 for plain FP32; the savings of mixed precision are in activations.

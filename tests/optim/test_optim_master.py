@@ -260,3 +260,17 @@ def test_invalid_construction_raises_config_error(call, match):
     params = [torch.nn.Parameter(torch.ones(2, dtype=torch.float16))]
     with pytest.raises(ConfigError, match=match):
         call(params)
+
+
+def test_torch_grad_scaler_works_when_master_grads_is_called_before_it():
+    # torch.amp.GradScaler only sees optimizer.param_groups (the masters): moving the grads first
+    # lets it unscale and check the FP32 master grads; step() then does not copy again.
+    model = _fp16_model()
+    opt = MasterWeights(torch.optim.SGD, model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.ones(2, 8).half()).float().sum()).backward()
+    expected = [opt.master_of(p).add(p.grad.float() / 1024.0, alpha=-0.1) for p in model.parameters()]
+    opt.master_grads()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(opt.master_of(p), e) for p, e in zip(model.parameters(), expected))
