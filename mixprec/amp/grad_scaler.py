@@ -168,7 +168,8 @@ def _check_and_unscale(grads: list[Tensor], inv_scale_for, home: torch.device | 
     home = home or grads[0].device
     found = None
     for flag in flags.values():
-        flag = flag.to(home, non_blocking=True)
+        # non_blocking only towards an accelerator: a host flag must be complete before .item()
+        flag = flag.to(home, non_blocking=home.type != "cpu")
         found = flag if found is None else found + flag
     return found
 

@@ -340,3 +340,65 @@ def test_fp16_model_grad_overflow_is_caught_in_the_master_grads_and_masters_stay
     scaler.update()
     assert scaler.last_step_skipped and scaler.get_scale() == 2.0 ** 9
     assert_bitwise_equal(([m.detach() for m in opt.masters], snapshot(model, opt.inner)), before)
+
+
+# --- hysteresis, stuck scale, mixed dtypes, device ------------------------------------------------
+
+def _nan_steps(scaler, n, p, opt):
+    for _ in range(n):
+        opt.zero_grad()
+        scaler.scale(p.sum()).backward()
+        p.grad[0] = math.nan
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_hysteresis_delays_the_backoff_but_every_overflow_still_skips():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler(init_scale=64.0, hysteresis=3)
+    _nan_steps(scaler, 2, p, opt)
+    assert scaler.get_scale() == 64.0 and scaler.num_skipped_steps == 2
+    _nan_steps(scaler, 1, p, opt)
+    assert scaler.get_scale() == 32.0 and torch.equal(p.detach(), torch.ones(2))
+
+
+def test_scale_stuck_at_min_scale_raises_numerics_error_and_warn_mode_continues():
+    from mixprec.errors import NumericsError
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = GradScaler(init_scale=2.0, min_scale=1.0)
+    _nan_steps(scaler, 1, p, opt)
+    with pytest.raises(NumericsError, match="stuck at min_scale=1"):
+        _nan_steps(scaler, 1, p, opt)
+    assert scaler.num_skipped_steps == 2 and torch.equal(p.detach(), torch.ones(2))
+    _nan_steps(scaler, 0, p, opt)
+    warn = GradScaler(init_scale=1.0, min_scale=1.0, on_min_scale="warn")
+    with pytest.warns(RuntimeWarning, match="stuck"):
+        _nan_steps(warn, 3, p, opt)
+    assert warn.num_skipped_steps == 3 and warn.get_scale() == 1.0
+
+
+@pytest.mark.parametrize("bad_dtype", [torch.float16, torch.float32])
+def test_one_optimizer_with_mixed_grad_dtypes_checks_every_group(bad_dtype):
+    ps = [torch.nn.Parameter(torch.zeros(4, dtype=dt)) for dt in (torch.float16, torch.float32, torch.bfloat16)]
+    opt = torch.optim.SGD(ps, lr=1.0)
+    scaler = GradScaler(init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    for p in ps:
+        p.grad = torch.full((4,), 8.0, dtype=p.dtype)
+        if p.dtype == bad_dtype:
+            p.grad[-1] = math.inf
+    scaler.unscale_(opt)
+    assert all(torch.equal(p.grad[:3].float(), torch.full((3,), 2.0)) for p in ps)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped and all((p == 0).all() for p in ps)
+
+
+def test_cuda_scaler_without_cuda_warns_and_disables_scaling():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        scaler = GradScaler("cuda")
+    assert not scaler.is_enabled() and scaler.get_scale() == 1.0
