@@ -158,9 +158,9 @@ class DistributedDataLoader:
             self._consumed = 0
         self._resume = False
         self.sampler.skip = self._consumed * self.batch_size
-        for batch in self._loader:
+        for inputs, targets in self._loader:  # pin_memory turns the pair into a list; hand out a tuple
             self._consumed += 1
-            yield batch
+            yield inputs, targets
         self.sampler.epoch += 1  # a finished pass moves to the next permutation
         self._consumed = 0
 

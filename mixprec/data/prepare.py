@@ -7,7 +7,9 @@ the order given, folders' files sorted by path, and their tokens concatenated.
 Tokenization is byte-level by default (token = byte, vocabulary 256: no download, no unknown
 characters). ``--tokenizer tokenizer.json`` uses a Hugging Face ``tokenizers`` tokenizer from a
 local file instead (``pip install 'mixprec[tokenizers]'``); its vocabulary size goes into the
-header unless ``--vocab-size`` says more (e.g. a model padded to a multiple of 64).
+header unless ``--vocab-size`` says more (e.g. a model padded to a multiple of 64). Text is encoded
+in ~1 MiB pieces cut at newlines, without the tokenizer's special tokens (a BERT-style ``[CLS]``
+would otherwise appear at every piece boundary).
 
 The output is written to a temporary file and renamed into place when complete; inputs are only
 ever read, and an output path that is one of the inputs is refused.
@@ -124,7 +126,7 @@ def prepare_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
                         bar.update(len(chunk))
             else:
                 text = path.read_text(encoding="utf-8", errors="replace")
-                for enc in tok.encode_batch(_text_pieces(text)):
+                for enc in tok.encode_batch(_text_pieces(text), add_special_tokens=False):
                     writer.write(np.asarray(enc.ids, dtype=np.int64))
                 bar.update(path.stat().st_size)
     return PrepareResult(path=writer.path, num_files=len(files), num_tokens=writer.num_tokens, vocab_size=vocab,

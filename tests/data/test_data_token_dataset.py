@@ -214,3 +214,30 @@ def test_bad_arguments(tmp_path):
                             (dict(max_length=4, vocab_size=-1), "vocab_size must be a positive integer")]:
         with pytest.raises(DataError, match=message):
             TokenDataset(p, **kwargs)
+
+
+def test_batched_fetch_matches_per_sample_fetch_across_files(tmp_path):
+    (tmp_path / "d").mkdir()
+    write_token_file(tmp_path / "d" / "a.tokens", np.arange(0, 95), vocab_size=300)
+    write_token_file(tmp_path / "d" / "b.tokens", np.arange(95, 130), vocab_size=300)
+    write_token_file(tmp_path / "d" / "c.tokens", np.arange(130, 300), vocab_size=300)
+    ds = TokenDataset(tmp_path / "d", max_length=9, stride=7)
+    indices = list(range(len(ds))) + [-1, 3, 3]
+    batched = ds.__getitems__(indices)
+    for i, (x, y) in zip(indices, batched):
+        assert torch.equal(x, ds[i][0]) and torch.equal(y, ds[i][1])
+    _, val = ds.split(0.3)
+    assert all(torch.equal(a[0], val[i][0]) for i, a in enumerate(val.__getitems__(list(range(len(val))))))
+    with pytest.raises(IndexError):
+        ds.__getitems__([len(ds)])
+
+
+def test_batched_fetch_reports_the_exact_bad_position(tmp_path):
+    p = write_token_file(tmp_path / "i.tokens", np.arange(100) % 40, vocab_size=40)
+    raw = bytearray(p.read_bytes())
+    raw[tf.HEADER_SIZE + 2 * 33: tf.HEADER_SIZE + 2 * 34] = (99).to_bytes(2, "little")
+    p.write_bytes(bytes(raw))
+    ds = TokenDataset(p, max_length=8)
+    ds.__getitems__([0, 1, 2])  # windows before position 33 are fine
+    with pytest.raises(DataError, match="token id 99 at position 33"):
+        ds.__getitems__([0, 4, 9])
