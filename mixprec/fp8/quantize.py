@@ -106,8 +106,21 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int =
 
 
 def _expand(s: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
-    """Per-block values (Rb, Cb) -> per-element (R, C)."""
+    """Per-block values (Rb, Cb) -> per-element (R, C) (materialised; used for ragged shapes)."""
     return s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: shape[0], : shape[1]]
+
+
+def _apply_blockwise(x: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """``x * s`` with ``s`` one value per block, as FP32. Broadcasts through a (Rb, br, Cb, bc)
+    view when the shape divides evenly (no per-element scale tensor), else expands ``s``."""
+    x = x.float()
+    if block is None:
+        return x * s
+    R, C = x.shape
+    br, bc = block
+    if R % br == 0 and C % bc == 0:
+        return (x.reshape(R // br, br, C // bc, bc) * s[:, None, :, None]).reshape(R, C)
+    return x * _expand(s, block, x.shape)
 
 
 def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = FP8_E4M3, block: Block = None, *,
@@ -132,17 +145,15 @@ def quantize(x: torch.Tensor, fp8_dtype: torch.dtype = FP8_E4M3, block: Block = 
     scale = scale_from_amax(src_amax, fp8_dtype, margin=margin, power_of_two=power_of_two)
     fmax = torch.finfo(fp8_dtype).max
     inv = scale.reciprocal()  # the quantizing multiplier; NaN stays NaN
-    mult = inv if rb is None else _expand(inv, rb, x.shape)
     # clamp only rounds finite values that sit just above fmax after scaling (or beyond a delayed
     # amax); NaN passes through clamp unchanged, and inf inputs already have a NaN multiplier.
-    data = (x.float() * mult).clamp(-fmax, fmax).to(fp8_dtype)
+    data = _apply_blockwise(x, inv, rb).clamp_(-fmax, fmax).to(fp8_dtype)
     return Fp8Tensor(data=data.contiguous(), scale=scale, block=rb, nonfinite=nonfinite)
 
 
 def dequantize(q: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q.data * q.scale`` block by block, in ``dtype``."""
-    s = q.scale if q.block is None else _expand(q.scale, q.block, q.data.shape)
-    return (q.data.float() * s).to(dtype)
+    return _apply_blockwise(q.data, q.scale, q.block).to(dtype)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
