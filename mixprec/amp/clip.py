@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mixprec.amp.grad_scaler import GradScaler, _Stage, optimizer_grads
+from mixprec.amp.grad_scaler import GradScaler, _Stage
 from mixprec.errors import ConfigError
 
 __all__ = ["clip_grad_norm_"]

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import operator
 import warnings
 from collections import abc
 from dataclasses import dataclass
@@ -48,10 +47,11 @@ import torch
 from torch import Tensor
 
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleState, _to_f32
+from mixprec.amp.unscale import check_and_unscale, optimizer_grads
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.precision.policy import Policy, get_policy
 
-__all__ = ["GradScaler", "optimizer_grads"]
+__all__ = ["GradScaler"]
 
 _T = TypeVar("_T")
 
@@ -70,108 +70,6 @@ class _OptState:
     found_inf: Tensor | None = None      # 0-dim float32 on the grads' device; > 0 means non-finite
     found_inf_host: bool | None = None   # the same, once read on the host (in step())
     skipped: bool = False
-
-
-# --- gradients and the fused unscale ------------------------------------------------------------
-
-def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - very old torch
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
-
-
-_LAYOUT = operator.attrgetter("layout")
-
-
-def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """The gradient tensors ``optimizer`` will step with, as plain local tensors.
-
-    Follows the grad protocol of docs/CONTRACTS.md: an optimizer with ``master_grads()`` (FP32
-    masters) provides them; otherwise the ``.grad`` of its ``param_groups``. Sparse grads give their
-    values (FP16 ones coalesced first, as torch does), DTensor grads their local shard.
-    """
-    master_grads = getattr(optimizer, "master_grads", None)
-    if callable(master_grads):
-        raw = [g for g in master_grads() if g is not None]
-    else:
-        raw = [g for group in optimizer.param_groups for p in group["params"]
-               if (g := p.grad) is not None]
-    # Fast path (the common case): plain dense tensors. map() keeps this check out of Python loops.
-    if not raw or (set(map(type, raw)) <= {torch.Tensor} and set(map(_LAYOUT, raw)) == {torch.strided}):
-        return raw
-    if not callable(master_grads):
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is not None and g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
-                    p.grad = g.coalesce()   # summing duplicates later could overflow fp16
-        raw = [g for group in optimizer.param_groups for p in group["params"]
-               if (g := p.grad) is not None]
-    return [g._values() if g.is_sparse else
-            g._local_tensor if _DTENSOR is not None and isinstance(g, _DTENSOR) else g
-            for g in raw]
-
-
-_FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def _fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's fused check-and-unscale kernel takes ``dtype`` on ``device`` (probed once)."""
-    key = (device.type, dtype)
-    ok = _FUSED_OK.get(key)
-    if ok is None:
-        probe = torch.ones(1, dtype=dtype, device=device)
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_([probe], flag, torch.ones_like(flag))
-            ok = True
-        except (RuntimeError, NotImplementedError):
-            ok = False
-        _FUSED_OK[key] = ok
-    return ok
-
-
-def _unscale_group(grads: list[Tensor], inv_scale: Tensor | None, found_inf: Tensor) -> None:
-    """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and raise
-    ``found_inf`` to 1 if any element is inf/NaN. No host sync on either path."""
-    if _fused_supported(grads[0].device, grads[0].dtype):
-        one = inv_scale if inv_scale is not None else torch.ones_like(found_inf)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-        return
-    if inv_scale is not None:
-        torch._foreach_mul_(grads, inv_scale)
-    # The inf-norm propagates NaN and is inf for +-inf: non-finite iff some element is.
-    norms = torch._foreach_norm(grads, math.inf)                       # len(grads) x ()
-    bad = torch.stack(norms).isfinite().logical_not().any()            # ()
-    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype)))
-
-
-def _check_and_unscale(grads: list[Tensor], inv_scale_for, home: torch.device | None) -> Tensor:
-    """Unscale every group; return one 0-dim float32 flag on ``home`` (or the first grad's device)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=home or "cpu")
-    groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
-    flags: dict[torch.device, Tensor] = {}
-    with torch.no_grad():
-        for (device, _dtype), ([group], _) in groups.items():
-            flag = flags.get(device)
-            if flag is None:
-                flag = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
-            _unscale_group(group, inv_scale_for(device), flag)
-    home = home or grads[0].device
-    found = None
-    for flag in flags.values():
-        # non_blocking only towards an accelerator: a host flag must be complete before .item()
-        flag = flag.to(home, non_blocking=home.type != "cpu")
-        found = flag if found is None else found + flag
-    return found
 
 
 def _apply_scale(outputs: _T, scale_for) -> _T:
@@ -319,7 +217,7 @@ class GradScaler:
             raise RuntimeError("unscale_() called after step() for this optimizer; call "
                                "scaler.update() to end the iteration first")
         inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        found = _check_and_unscale(optimizer_grads(optimizer), inv_for, self._device)
+        found = check_and_unscale(optimizer_grads(optimizer), inv_for, self._device)
         pg = self._process_group
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size(pg) > 1:

@@ -9,7 +9,7 @@ import torch
 from amp_helpers import (FakeMasterOptimizer, assert_bitwise_equal, batches, loss_of, snapshot,
                          tiny_model)
 
-import mixprec.amp.grad_scaler as gs
+import mixprec.amp.unscale as gs
 from mixprec.amp import GradScaler
 from mixprec.errors import ConfigError
 
