@@ -260,24 +260,25 @@ def _scaled_mm_gemm(a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype) -> torc
                                 scale_b=bt.scale.reshape(()).float(), out_dtype=out_dtype)
     if a.block is None or bt.block is None:
         raise ConfigError("cannot mix a tensorwise operand with a blocked one in one FP8 GEMM")
-    K = a.shape[1]
     kb = a.block[1]
-    if kb >= K and bt.block[1] >= K:  # rowwise: one scale per row of each operand
-        return _rowwise_mm(_pad_k(a.data), _pad_k(bt.data).t(), a.scale.reshape(M, 1).contiguous(),
-                           bt.scale.reshape(1, N).contiguous(), out_dtype)
     if bt.block[1] != kb:
-        raise ConfigError(f"blockwise FP8 GEMM needs equal K-blocks for both operands, got {kb} "
+        raise ConfigError(f"blocked FP8 GEMM needs equal K-blocks for both operands, got {kb} "
                           f"and {bt.block[1]}")
-    # Blockwise (1 x kb tiles times br x kb blocks): one rowwise-scaled FP8 GEMM per K-block, each
-    # promoted into an FP32 sum; this is DeepSeek-V3's "promote every 128" done at GEMM level.
-    b_rows = bt.block[0]
+    # One scale per (row, K-block) for each operand: (M, nk) and (N, nk).
+    sa = a.scale if a.block[0] == 1 else a.scale.repeat_interleave(a.block[0], 0)[:M]
+    sb = bt.scale if bt.block[0] == 1 else bt.scale.repeat_interleave(bt.block[0], 0)[:N]
+    nk = sa.shape[1]
+    if nk == 1:  # rowwise (or a single K-block): one GEMM
+        return _rowwise_mm(_pad_k(a.data), _pad_k(bt.data).t(), sa.reshape(M, 1).contiguous(),
+                           sb.reshape(1, N).contiguous(), out_dtype)
+    # Blockwise: one rowwise-scaled FP8 GEMM per K-block, each promoted into an FP32 sum; this is
+    # DeepSeek-V3's "promote every 128" done at GEMM level.
     out = torch.zeros(M, N, dtype=torch.float32, device=a.data.device)
-    for j, k0 in enumerate(range(0, K, kb)):
-        ad = _pad_k(a.data[:, k0:k0 + kb])
-        bd = _pad_k(bt.data[:, k0:k0 + kb])
-        if ad.shape[1] == kb and kb % 16 == 0:  # whole block: slice views keep the strides
-            ad, bd = a.data[:, k0:k0 + kb], bt.data[:, k0:k0 + kb]
-        sa = a.scale[:, j:j + 1].contiguous()                                        # (M, 1)
-        sb = bt.scale[:, j].repeat_interleave(b_rows)[:N].reshape(1, N).contiguous()  # (1, N)
-        out += _rowwise_mm(ad, bd.t(), sa, sb, torch.float32)
+    for j in range(nk):
+        k0 = j * kb
+        ad, bd = a.data[:, k0:k0 + kb], bt.data[:, k0:k0 + kb]  # strided views, no copy
+        if ad.shape[1] % 16:  # ragged last block: pad (copies only this block)
+            ad, bd = _pad_k(ad), _pad_k(bd)
+        out += _rowwise_mm(ad, bd.t(), sa[:, j:j + 1].contiguous(),
+                           sb[:, j].reshape(1, N).contiguous(), torch.float32)
     return out.to(out_dtype)

@@ -52,10 +52,12 @@ def test_output_and_both_grads_within_18db_of_fp32(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
-def test_scaled_mm_code_path_matches_emulation(recipe):
+@pytest.mark.parametrize("k, n", [(320, 192), (64, 208)])
+def test_scaled_mm_code_path_matches_emulation(recipe, k, n):
     """The torch._scaled_mm path (run by PyTorch's CPU FP8 kernel here) computes what the
-    emulation computes: checks operand layouts, scale shapes and K padding of the GPU path."""
-    lin, x, g = _problem(lead=(3, 30))  # 90 tokens: the weight-gradient GEMM needs K padding
+    emulation computes: checks operand layouts, scale shapes and K padding of the GPU path
+    (320: ragged last 128-block; 64: a single K-block; 208: a ragged weight block)."""
+    lin, x, g = _problem(k=k, n=n, lead=(3, 30))  # 90 tokens: the wgrad GEMM needs K padding
     _, emu = _fp8_run(lin, Fp8Config.from_recipe(recipe, backend="emulated"), x, g)
     m, smm = _fp8_run(lin, Fp8Config.from_recipe(recipe, backend="scaled-mm"), x, g)
     assert m.execution_path == "cpu-scaled-mm"
