@@ -22,6 +22,9 @@ samples, and together they cover the epoch:
 the one an uninterrupted run would have seen, with or without workers. Without a loaded state a
 new ``iter()`` starts the current epoch from its first batch.
 
+Iterating never draws from the global torch RNG, so a resumed run's dropout masks and other
+random draws match an uninterrupted run's.
+
 Rank and world size come from ``torch.distributed`` when it is initialised, else from the
 ``RANK`` / ``WORLD_SIZE`` environment variables set by ``torchrun``, else 0 and 1.
 """
@@ -135,9 +138,18 @@ class DistributedDataLoader:
         self.pin_memory = bool(pin_memory and torch.cuda.is_available())
         self._loader = DataLoader(dataset, batch_sampler=self._batch_sampler, num_workers=num_workers,
                                   collate_fn=_stack_pairs, pin_memory=self.pin_memory,
-                                  persistent_workers=num_workers > 0)
+                                  persistent_workers=num_workers > 0, generator=self._private_generator(seed))
         self._consumed = 0       # batches of the current epoch handed to the caller
         self._resume = False     # next iter() continues from _consumed instead of batch 0
+
+    @staticmethod
+    def _private_generator(seed: int) -> torch.Generator:
+        # torch's DataLoader draws a worker base seed from its generator at every iter(); with the
+        # default (global) generator that would shift the training RNG (dropout, ...) depending on
+        # where a run was resumed. Samples never use this seed: the order comes from _ShardSampler.
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        return gen
 
     @property
     def epoch(self) -> int:

@@ -161,3 +161,14 @@ def test_too_few_samples_and_bad_arguments():
         DistributedDataLoader(_Ids(7), 0)
     with pytest.raises(ConfigError, match="num_workers"):
         DistributedDataLoader(_Ids(7), 1, num_workers=-1)
+
+
+def test_iterating_does_not_move_the_global_rng():
+    loader = DistributedDataLoader(_Ids(32), 4, seed=3, rank=0, world_size=1)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    for _ in range(2):
+        list(loader)
+    next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)
