@@ -12,7 +12,10 @@ Where this differs from torch's, on purpose:
 
 * The scale lives on the host as a Python float and its policy is :func:`loss_scale.transition`
   (hysteresis, ``min_scale`` / ``max_scale``, a stuck-scale policy). ``update()`` and
-  ``get_scale()`` therefore never touch the device.
+  ``get_scale()`` therefore never touch the device. Torch's scale is unbounded (it can drift
+  below 1 or towards inf); ours defaults to ``[1, 2**24]`` and ``update()`` raises NumericsError
+  when an overflow arrives with the scale already at ``min_scale`` (``on_min_scale="warn"`` keeps
+  going). With ``hysteresis=1`` and bounds that are never reached the trajectory is torch's.
 * **Host syncs.** Exactly one per ``step(optimizer)``: reading the optimizer's ``found_inf`` flag to
   decide whether to call ``optimizer.step()``. ``scale``, ``unscale_``, ``update`` and
   ``get_scale`` add none (``update`` reads a flag only for an optimizer that was ``unscale_``d but
@@ -26,6 +29,8 @@ Where this differs from torch's, on purpose:
 * Unscale is fused with the non-finite check by ``torch._amp_foreach_non_finite_check_and_unscale_``
   per (device, dtype) group; where that kernel rejects a dtype (BF16 on some CUDA builds) a foreach
   fallback (``_foreach_mul_`` + ``_foreach_norm(inf)``) does the same without a host sync.
+  Optimizers that can unscale inside their own fused kernel (torch's ``fused=True`` Adam/SGD) get
+  already-unscaled grads and a plain ``step()``: one code path for every optimizer.
 * Under ``torch.distributed`` (initialised, world > 1) ``unscale_`` all-reduces ``found_inf`` with
   MAX over ``process_group`` so every rank skips together and the scales never diverge.
 * Each optimizer takes its own skip decision (as in torch); ``update()`` backs off if any of them

@@ -402,3 +402,22 @@ def test_cuda_scaler_without_cuda_warns_and_disables_scaling():
     with pytest.warns(UserWarning, match="CUDA is not available"):
         scaler = GradScaler("cuda")
     assert not scaler.is_enabled() and scaler.get_scale() == 1.0
+
+
+def test_torch_fused_adam_steps_on_unscaled_grads_and_skips_atomically():
+    model, ref = tiny_model(), tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    ropt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    scaler = GradScaler(init_scale=2.0 ** 10)
+    for i, (x, y) in enumerate(batches(3)):
+        opt.zero_grad()
+        scaler.scale(loss_of(model, x, y) * (math.inf if i == 1 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+        ropt.zero_grad()
+        loss_of(ref, x, y).backward()
+        if i != 1:
+            ropt.step()
+    assert scaler.num_skipped_steps == 1
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
