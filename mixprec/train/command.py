@@ -99,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     model, train_loader, val_loader, strategy = build_run(cfg)
     if strategy.is_main:
         print("[mixprec] settings (non-default):", file=sys.stderr)
+        defaults = TrainConfig()
         for k, s in source.items():
-            if s != "default":
+            if s != "default" and getattr(cfg, k) != getattr(defaults, k):
                 print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
-    trainer = Trainer(model, config=cfg.fit_config(), strategy=strategy)
+    trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
     result = trainer.fit(train_loader, val_loader, resume=bool(args.resume))
     if strategy.is_main:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"

@@ -112,6 +112,7 @@ class Trainer:
         self.epoch = 0
         self.run_dir: Path | None = None
         self.fp8_report = None
+        self._loader_resumed = False
 
     # ------------------------------------------------------------------ set-up
 
@@ -136,11 +137,9 @@ class Trainer:
                     (decay if p.dim() >= 2 else no_decay).append(p)
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
-            # Low-precision params get FP32 masters inside the optimizer (policy.master_weights).
-            self.optimizer = AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                   fp16_params=bool(policy.master_weights),
-                                   param_dtype=policy.param_dtype if policy.low_precision_params
-                                   else torch.float16)
+            # cast_module already stored params in policy.param_dtype (norms stay FP32); AdamW
+            # keeps an FP32 master for every low-precision param and steps on the masters.
+            self.optimizer = AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
@@ -252,27 +251,33 @@ class Trainer:
         try:
             self.strategy.load_model_state_dict(self.model, model_state)
         except (RuntimeError, KeyError) as e:
-            first = str(e).strip().splitlines()[0][:200]
+            lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+            first = " ".join(lines[:2])[:240]
             raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
                                   "the model settings it was saved with") from None
         self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
         if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["loader"])
+            self._loader_resumed = True
+            # The loader moves to the next epoch as soon as it hands out an epoch's last batch.
+            self.epoch = int(state["loader"].get("epoch", self.epoch))
         if state.get("strategy") is not None and hasattr(self.strategy, "load_state_dict"):
             self.strategy.load_state_dict(state["strategy"])
         ckpt.restore_rng_state(state["rng"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
 
     # ------------------------------------------------------------------ the loop
 
     def _micro_batches(self, loader: Any) -> Iterator[list[Batch]]:
         """Endless groups of ``grad_accum_steps`` micro-batches, advancing epochs as needed."""
         k = self.config.grad_accum_steps
+        resumed = self._loader_resumed  # a restored loader already knows its epoch and position
         while True:
-            if hasattr(loader, "set_epoch"):
+            if hasattr(loader, "set_epoch") and not resumed:
                 loader.set_epoch(self.epoch)
+            resumed = False
             with torch.random.fork_rng(devices=[]):  # iterator creation must not shift the RNG
                 it = iter(loader)
             group: list[Batch] = []
