@@ -139,7 +139,11 @@ class Trainer:
                       {"params": no_decay, "weight_decay": 0.0}]
             # cast_module already stored params in policy.param_dtype (norms stay FP32); AdamW
             # keeps an FP32 master for every low-precision param and steps on the masters.
-            self.optimizer = AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+            if policy.low_precision_params and not policy.master_weights:
+                # Explicitly asked for no masters: updates below the param's ULP are lost.
+                self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+            else:
+                self.optimizer = AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
