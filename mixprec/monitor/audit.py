@@ -16,9 +16,11 @@ Checks (``code``: severity):
 * ``fp16-without-loss-scaler``: error. FP16 parameters or compute with no loss scaler, or one
   whose scaling is disabled — small gradients flush to zero in FP16.
 * ``norm-eps-underflow``: error when a LayerNorm/RMSNorm ``eps`` rounds to zero in the dtype the
-  norm computes in, warning when it is subnormal there. The rule: the norm computes in its
-  parameters' effective dtype (FP32 for norms the policy keeps in FP32, whose statistics mixprec
-  computes in FP32). ``var + eps`` matters only where ``var`` is ~0; there the sum *is* eps, so eps
+  norm computes in, warning when it is subnormal there. The rule: PyTorch's own norm layers
+  (their kernels add eps in FP32 "opmath" even for 16-bit inputs, checked) and modules declaring
+  ``keep_in_fp32`` (mixprec's norms upcast) compute in FP32; any other ``...Norm`` class, typically
+  a hand-written ``x * rsqrt(x.pow(2).mean() + eps) * w``, computes in its parameters' effective
+  dtype (as stored, or as the policy will cast them). ``var + eps`` matters only where ``var`` is ~0; there the sum *is* eps, so eps
   must survive on its own: a zero eps gives ``rsqrt(0) = inf``, a subnormal one is flushed to zero
   by kernels running flush-to-zero and has few significant bits. That ``1 + 1e-5 == 1`` in FP16 is
   harmless (eps is irrelevant when var is ~1) and is not reported.
@@ -185,7 +187,8 @@ def _check_layers(model: nn.Module, policy: Policy, findings: list[Finding]) -> 
             gates.append(fqn)
         eps = getattr(module, "eps", None)
         if is_norm and isinstance(eps, float) and eps > 0:
-            calc = dt or torch.float32
+            fp32_math = isinstance(module, _NORM_TYPES) or getattr(module, "keep_in_fp32", False)
+            calc = torch.float32 if fp32_math or dt is None else dt
             fi = format_info(calc)
             if eps <= fi.smallest_subnormal / 2 or eps < fi.tiny:
                 zero = eps <= fi.smallest_subnormal / 2

@@ -268,12 +268,27 @@ class NumericsMonitor:
                 for n, m in self.modules.items() for pn, p in m.named_parameters(recurse=False)}
 
     @contextlib.contextmanager
-    def track_updates(self) -> Iterator[None]:
-        """Wrap ``optimizer.step()`` (or ``scaler.step(optimizer)``): on a sampled step, snapshot the
-        monitored parameters before and record ``update`` rows after; otherwise do nothing at all."""
+    def track_updates(self, optimizer: object | None = None) -> Iterator[None]:
+        """Wrap ``optimizer.step()`` (or ``scaler.step(optimizer)``): on a sampled step, snapshot
+        before and record ``update`` rows after; otherwise do nothing at all.
+
+        With a master-weight optimizer (one with ``master_of(param)``, e.g. mixprec.optim's), pass
+        it: the FP32 master updates are measured against the ULP of each parameter's *storage*
+        dtype, i.e. the share of this step's updates that a 16-bit copy without masters would lose.
+        Without it the stored parameters themselves are compared (an update lost to rounding shows
+        as no change, which counts as below half an ULP).
+        """
         if self._current is None:
             yield
             return
-        before = self.snapshot()
+        master_of = getattr(optimizer, "master_of", None)
+        if master_of is None:
+            before = self.snapshot()
+            yield
+            self.record_updates(before)
+            return
+        live = self.snapshot_refs()
+        masters = {k: master_of(p) for k, p in live.items() if p.requires_grad}
+        before = {k: m.detach().clone() for k, m in masters.items()}
         yield
-        self.record_updates(before)
+        self.record_updates(before, masters, storage_dtypes={k: live[k].dtype for k in masters})
