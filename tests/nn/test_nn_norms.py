@@ -6,7 +6,6 @@ one unit in the last place of the output dtype of the FP64 reference (relative 2
 """
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mixprec.nn import MixedPrecisionLayerNorm, RMSNorm, make_norm
