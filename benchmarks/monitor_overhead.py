@@ -131,6 +131,15 @@ def main() -> None:
     print(f"sampled / plain (paired): median {statistics.median(smp_r):.3f} "
           f"(min {min(smp_r):.3f}, max {max(smp_r):.3f}); amortised at every=100: "
           f"+{(statistics.median(smp_r) - 1) / 100:.2%} per step")
+    # The off-step cost in isolation: the two context managers with no model work inside.
+    n = 20_000
+    t0 = time.perf_counter()
+    for s in range(n):
+        with monitor.sample(s * 100 + 1), monitor.track_updates():
+            pass
+    wrap_us = (time.perf_counter() - t0) / n * 1e6
+    print(f"off-step wrapper cost alone: {wrap_us:.1f} us per step "
+          f"({wrap_us / 1e3 / base:.3%} of a plain step), hooks registered: 0")
     print(f"replay / plain step (paired): median {statistics.median(rep_r):.3f} "
           f"(min {min(rep_r):.3f}, max {max(rep_r):.3f})")
 

@@ -5,9 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-audit_mod = importlib.import_module("mixprec.monitor.audit")  # the module, not the function
 from mixprec.monitor.audit import Finding, audit, audit_after_first_step, format_findings
 from mixprec.precision import Policy, get_policy
+
+audit_mod = importlib.import_module("mixprec.monitor.audit")  # the module, not the function
 
 
 class RMSNorm(nn.Module):
