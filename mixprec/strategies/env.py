@@ -152,7 +152,7 @@ def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None
         raise RankFailureError(
             f"rank {rank}: a collective failed because another rank crashed, hung or lost the "
             f"network (waited at most {limit}; backend said: {text[:200]}); fix the failed rank "
-            "and resume from the last checkpoint (mixprec train --resume)") from exc
+            "and resume from the last checkpoint (mixprec train --resume RUN_DIR)") from exc
 
 
 STRATEGIES = ("auto", "single", "mirrored", "ddp", "fsdp")

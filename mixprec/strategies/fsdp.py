@@ -144,13 +144,13 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
             cast_module(model, policy)
         self._broadcast_from_main(model)
         mp = fsdp_mixed_precision(policy)
-        islands: set[int] = set()
+        islands: set[str] = set()   # parameter names (fully_shard replaces the tensors)
         if mp.param_dtype is not None and policy is not None:
             island = MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=mp.param_dtype)
             for qname, module in model.named_modules():
                 if module is not model and policy.keeps_fp32(qname, module) and \
                         any(True for _ in module.parameters(recurse=False)):
-                    islands.update(id(p) for p in module.parameters())
+                    islands.update(f"{qname}.{n}" for n, _ in module.named_parameters())
                     fully_shard(module, mp_policy=island, reshard_after_forward=self.reshard_after_forward)
         for unit in self.shard_units(model):
             fully_shard(unit, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
@@ -159,11 +159,11 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         return model
 
     def _payloads(self, model: nn.Module, mp: MixedPrecisionPolicy,
-                  islands: set[int]) -> dict[str, float]:
+                  islands: set[str]) -> dict[str, float]:
         gather = reduce = 0
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             n = p.numel()  # full (global) size of the DTensor
-            g_dtype = _F32 if id(p) in islands else (mp.param_dtype or p.dtype)
+            g_dtype = _F32 if name in islands else (mp.param_dtype or p.dtype)
             gather += n * g_dtype.itemsize
             reduce += n * (mp.reduce_dtype or g_dtype).itemsize
         passes = 2 if self.reshard_after_forward else 1
