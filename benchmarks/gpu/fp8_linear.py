@@ -1,6 +1,7 @@
 """FP8 on a Hopper-class GPU: Fp8Linear vs BF16 nn.Linear, and a Transformer training step.
 
     python benchmarks/gpu/fp8_linear.py            # ~5-7 minutes on one H200
+    python benchmarks/gpu/fp8_linear.py --cpu-smoke  # seconds: checks the script on a CPU
 
 1. Correctness first: on one shape, every recipe's ``cuda-scaled-mm`` result (output and both
    gradients) is compared with the emulated result (SQNR, dB) and with the FP32 reference.
@@ -38,6 +39,8 @@ RECIPES = ("tensorwise", "rowwise", "blockwise")
 SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384)]
 LLM = [(16384, 4096, 14336), (16384, 14336, 4096), (16384, 8192, 28672), (16384, 4096, 6144)]
 T0 = time.perf_counter()
+DEVICE = "cuda"
+BACKEND = "auto"  # --cpu-smoke forces "scaled-mm" so the CPU runs the GPU code path
 
 
 def elapsed() -> float:
@@ -48,8 +51,15 @@ def time_cuda(fn, *, warmup: int, iters: int, repeats: int) -> list[float]:
     """Seconds per call, one value per repeat (each the mean over ``iters`` calls)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     out = []
+    if DEVICE == "cpu":  # --cpu-smoke: wall clock
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - t) / iters)
+        return out
+    torch.cuda.synchronize()
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -62,15 +72,15 @@ def time_cuda(fn, *, warmup: int, iters: int, repeats: int) -> list[float]:
 
 
 def make_layer(kind: str, K: int, N: int) -> nn.Module:
-    lin = nn.Linear(K, N, bias=False, device="cuda", dtype=torch.float32)
+    lin = nn.Linear(K, N, bias=False, device=DEVICE, dtype=torch.float32)
     if kind == "bf16":
         return lin
-    return Fp8Linear.from_linear(lin, Fp8Config.from_recipe(kind))
+    return Fp8Linear.from_linear(lin, Fp8Config.from_recipe(kind, backend=BACKEND))
 
 
 def linear_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             y = layer(x)
         y.backward(g)
         layer.weight.grad = None
@@ -79,11 +89,11 @@ def linear_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
 
 
 def check_correctness(report: dict) -> None:
-    M, K, N = 4096, 4096, 4096
+    M, K, N = (4096, 4096, 4096) if DEVICE == "cuda" else (96, 256, 128)
     torch.manual_seed(0)
-    lin = nn.Linear(K, N, device="cuda")
-    x = torch.randn(M, K, device="cuda")
-    g = torch.randn(M, N, device="cuda")
+    lin = nn.Linear(K, N, device=DEVICE)
+    x = torch.randn(M, K, device=DEVICE)
+    g = torch.randn(M, N, device=DEVICE)
     rows = []
 
     def run(layer):
@@ -96,7 +106,7 @@ def check_correctness(report: dict) -> None:
     ref = run(lin)
     for recipe in RECIPES:
         emu_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe, backend="emulated"))
-        real_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe))
+        real_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe, backend=BACKEND))
         emu, real = run(emu_layer), run(real_layer)
         row = {"recipe": recipe, "path": real_layer.execution_path,
                "vs_emulated_db": [round(sqnr_db(e, r), 1) for e, r in zip(emu, real)],
@@ -109,14 +119,16 @@ def check_correctness(report: dict) -> None:
 
 def bench_linears(report: dict, args: argparse.Namespace) -> None:
     rows = []
-    for group, shapes in (("square", SQUARE), ("llm", LLM)):
+    groups = (("square", SQUARE), ("llm", LLM)) if DEVICE == "cuda" else \
+        (("square", [(64, 128, 128)]), ("llm", [(96, 128, 256)]))
+    for group, shapes in groups:
         for M, K, N in shapes:
             if elapsed() > args.budget_s * 0.6:
                 print(f"skipped {M}x{K}x{N}: time budget", flush=True)
                 rows.append({"shape": [M, K, N], "skipped": "time budget"})
                 continue
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            g = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
             flops = 6 * M * K * N
             kinds = ["bf16", *RECIPES]
             layers = {k: make_layer(k, K, N) for k in kinds}
@@ -139,24 +151,30 @@ def bench_linears(report: dict, args: argparse.Namespace) -> None:
                 f"{k} {row[k]['tflops']:.0f} TF ({row[k]['speedup_vs_bf16']:.2f}x)" for k in kinds),
                 flush=True)
             del layers, x, g
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     report["linear"] = rows
 
 
 def bench_transformer(report: dict, args: argparse.Namespace) -> None:
     from mixprec.models import Transformer
 
-    cfg = dict(num_layers=args.layers, d_model=args.d_model, num_heads=args.d_model // 128,
-               vocab_size=32768, max_seq_len=args.seq)
+    vocab = 32768 if DEVICE == "cuda" else 256
+    cfg = dict(num_layers=args.layers, d_model=args.d_model, num_heads=max(1, args.d_model // 128),
+               vocab_size=vocab, max_seq_len=args.seq)
     B, T = args.batch, args.seq
-    idx = torch.randint(0, 32768, (B, T), device="cuda")
+    idx = torch.randint(0, vocab, (B, T), device=DEVICE)
     modes = ["bf16-mixed", "fp8-tensorwise", "fp8-rowwise", "fp8-blockwise"]
     models = {}
     for mode in modes:
         torch.manual_seed(0)
-        model = Transformer(**cfg).cuda()
+        model = Transformer(**cfg).to(DEVICE)
         rep = prepare_fp8(model, get_policy(mode))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if rep is not None and BACKEND != "auto":
+            for m in model.modules():
+                if isinstance(m, Fp8Linear):
+                    m.config = m.config.replace(backend=BACKEND)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
         models[mode] = (model, opt, rep.num_converted if rep else 0)
     times: dict[str, list[float]] = {m: [] for m in modes}
     losses: dict[str, float] = {}
@@ -206,12 +224,21 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--skip-transformer", action="store_true")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny shapes on the CPU through the scaled-mm code path: checks this script "
+                        "runs end to end before spending GPU time (its timings mean nothing)")
     args = p.parse_args()
-    if not cuda_supports_fp8():
+    global DEVICE, BACKEND
+    if args.cpu_smoke:
+        DEVICE, BACKEND = "cpu", "scaled-mm"
+        args.layers, args.d_model, args.seq, args.batch = 1, 128, 32, 2
+        args.repeats, args.iters = 2, 1
+    elif not cuda_supports_fp8():
         raise SystemExit("needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
     out_dir = Path(os.environ.get("OUT") or "bench-out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)",
+                    "torch": torch.__version__,
                     "cuda": torch.version.cuda, "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
     print(f"{report['device']}, torch {report['torch']}, CUDA {report['cuda']}", flush=True)
