@@ -172,3 +172,20 @@ def test_iterating_does_not_move_the_global_rng():
         list(loader)
     next(iter(loader))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_resume_with_a_short_last_batch_and_drop_last_false():
+    def make():
+        return DistributedDataLoader(_Ids(23), 4, seed=4, drop_last=False, rank=0, world_size=2)
+
+    ref = _ids(make())
+    assert [len(b) for b in ref] == [4, 4, 4]  # shard of ceil(23 / 2) = 12 samples
+    odd = DistributedDataLoader(_Ids(23), 5, seed=4, drop_last=False, rank=1, world_size=2)
+    full = _ids(odd)
+    assert [len(b) for b in full] == [5, 5, 2]
+    loader = DistributedDataLoader(_Ids(23), 5, seed=4, drop_last=False, rank=1, world_size=2)
+    it = iter(loader)
+    first = [next(it)[0][:, 0].tolist() for _ in range(2)]
+    resumed = DistributedDataLoader(_Ids(23), 5, seed=4, drop_last=False, rank=1, world_size=2)
+    resumed.load_state_dict(loader.state_dict())
+    assert first + _ids(resumed) == full
