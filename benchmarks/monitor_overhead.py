@@ -139,7 +139,7 @@ def main() -> None:
             pass
     wrap_us = (time.perf_counter() - t0) / n * 1e6
     print(f"off-step wrapper cost alone: {wrap_us:.1f} us per step "
-          f"({wrap_us / 1e3 / base:.3%} of a plain step), hooks registered: 0")
+          f"({wrap_us / 1e6 / base:.3%} of a plain step), hooks registered: 0")
     print(f"replay / plain step (paired): median {statistics.median(rep_r):.3f} "
           f"(min {min(rep_r):.3f}, max {max(rep_r):.3f})")
 
