@@ -1,18 +1,31 @@
 """mixprec: mixed-precision training for PyTorch.
 
-The public API is what this module lists in ``__all__``; everything else is internal.
+The public API is what this module lists in ``__all__`` plus the sub-packages; names that start
+with ``_`` and modules not re-exported here are internal.
 """
-from mixprec import precision
+from mixprec import amp, data, fp8, models, monitor, nn, optim, precision, strategies, train
+from mixprec.amp import GradScaler
 from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
-from mixprec.precision import Policy, autocast, get_policy
+from mixprec.models import Transformer
+from mixprec.precision import Policy, autocast, cast_module, get_policy
+from mixprec.strategies import FSDPStrategy, MirroredStrategy, SingleDeviceStrategy
+from mixprec.train import FitConfig, Trainer, TrainConfig, fit
 
 __version__ = "0.1.0"
 
 __all__ = [
     # precision policy
-    "Policy", "get_policy", "autocast",
+    "Policy", "get_policy", "autocast", "cast_module",
+    # loss scaling
+    "GradScaler",
+    # training
+    "Trainer", "fit", "FitConfig", "TrainConfig",
+    # models
+    "Transformer",
+    # strategies
+    "SingleDeviceStrategy", "MirroredStrategy", "FSDPStrategy",
     # errors
     "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
     # sub-packages
-    "precision",
+    "precision", "amp", "optim", "nn", "fp8", "models", "data", "strategies", "monitor", "train",
 ]

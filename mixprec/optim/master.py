@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec.optim import registry
 from mixprec.errors import CheckpointError, ConfigError
 
 __all__ = ["MasterWeights"]
@@ -116,6 +117,7 @@ class MasterWeights(torch.optim.Optimizer):
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self._constructing = False
         self._alias_inner()
+        registry.remember(self, self._all_model_params)
 
     # ------------------------------------------------------------------ construction helpers
     def _make_master_group(self, group: dict[str, Any]) -> dict[str, Any]:

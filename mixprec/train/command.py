@@ -84,6 +84,7 @@ def build_run(cfg: TrainConfig):
                                          shuffle=True, seed=cfg.seed, rank=strategy.rank,
                                          world_size=strategy.world_size)
     val_loader = DistributedDataLoader(val_ds, cfg.batch_size, shuffle=False, seed=cfg.seed,
+                                       drop_last=False,
                                        rank=strategy.rank, world_size=strategy.world_size)
     return model, train_loader, val_loader, strategy
 

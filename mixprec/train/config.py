@@ -102,7 +102,20 @@ class FitConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(FitConfig):
-    """Everything ``mixprec train`` needs: the loop, plus the model and the data."""
+    """Everything ``mixprec train`` needs: the loop, plus the model and the data.
+
+    The defaults are the README's main job: the ``small`` model on the built-in corpus for 300
+    steps, a few minutes on two CPU cores.
+    """
+
+    max_steps: int | None = 300
+    """Stop after this many optimizer steps (None: run ``epochs`` over the data)."""
+    lr: float = 2e-3
+    """Peak learning rate (after warm-up)."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    eval_interval: int = 50
+    """Evaluate on the validation data every N steps (0: only at the end)."""
 
     model: str = "small"
     """Model preset (``tiny``, ``small``, ``gpt-ref``); the fields below override it."""

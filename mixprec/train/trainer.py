@@ -26,6 +26,7 @@ from torch import nn
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW
+from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy, autocast, cast_module, get_policy
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.peak import peak_flops
@@ -128,6 +129,12 @@ class Trainer:
         self._forward_takes_targets = sum(
             p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params) >= 2
         self.model, _ = self.strategy.setup(model, policy=policy)  # DDP / FSDP wrapping (or none)
+        if self._user_optimizer is None:
+            # An optimizer the user built for this model (seed 002 builds one, then calls fit()).
+            self._user_optimizer = find_optimizer_for(model.parameters())
+            if self._user_optimizer is not None and self.strategy.is_main:
+                print(f"[mixprec] using the {type(self._user_optimizer).__name__} built for this "
+                      "model", file=sys.stderr)
         if self._user_optimizer is not None:
             self.optimizer = self._user_optimizer
         else:
