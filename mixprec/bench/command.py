@@ -6,6 +6,7 @@ import importlib
 
 _SUB = {
     "matmul": ("mixprec.bench.matmul", "GEMM throughput per dtype (warm-up, synchronised, 2n^3/t)"),
+    "train": ("mixprec.bench.modes", "training step per precision mode (and peers): time, MFU, memory"),
 }
 
 

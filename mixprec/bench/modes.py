@@ -1,0 +1,426 @@
+"""``mixprec bench train``: the same training step under each precision mode, side by side.
+
+Every contender (a mixprec precision mode, or with ``--peers`` the plain ``torch.autocast`` loop,
+Accelerate and Lightning Fabric when installed) is built once on the identical model (same preset,
+same seed) and the identical batch. Timing then *alternates* the contenders inside each repeat,
+so a noisy, shared machine slows all of them alike, and reports the median and the spread
+(min-max, quartiles) of the per-step time. The matmul peak of each compute dtype (the MFU
+denominator) is measured inside the same rounds, not read from a cache, so it sees the same load. The mixprec modes run :meth:`mixprec.train.Trainer.train_step`
+itself, so the benchmark measures the step users run, not a re-implementation of it.
+
+Peak memory is measured separately, one fresh process per contender, because a process's peak
+RSS never goes down and the contenders of one process share it: on CPU it is the growth of
+the peak RSS over the RSS of the freshly imported process, on CUDA ``max_memory_allocated``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mixprec.errors import ConfigError
+
+__all__ = ["TrainBenchConfig", "Contender", "build_contender", "bench_train", "PEERS",
+           "configure", "run"]
+
+PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true")
+"""Peer loops added by ``--peers``; the last three are skipped when their package is absent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBenchConfig:
+    """What ``bench train`` measures. Validated at construction."""
+
+    model: str = "small"
+    """Model preset (``tiny``, ``small``, ``gpt-ref``)."""
+    modes: tuple[str, ...] = ("32-true", "bf16-mixed")
+    """mixprec precision modes, and/or peer names from :data:`PEERS`."""
+    batch: int = 8
+    """Samples per step."""
+    seq: int = 128
+    """Tokens per sample (the model's ``max_seq_len`` grows to fit)."""
+    repeats: int = 5
+    """Rounds; in each, every contender is timed once (alternation)."""
+    steps: int = 2
+    """Timed steps per contender per round (their mean is one sample)."""
+    warmup: int = 2
+    """Untimed steps per contender before the first round."""
+    clip: float | None = None
+    """Gradient clipping in the mixprec step (None: off, as in the peer loops)."""
+    device: str | None = None
+    """``cpu``, ``cuda``...; default: CUDA when available."""
+    lr: float = 1e-4
+    """Learning rate of every contender's AdamW."""
+    threads: int | None = None
+    """CPU threads (``torch.set_num_threads``); None keeps torch's default. On an oversubscribed
+    machine, 1 thread avoids OpenMP barriers waiting for descheduled threads."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq", "repeats", "steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if not self.modes:
+            raise ConfigError("--modes is empty; name at least one mode, e.g. 32-true,bf16-mixed")
+        from mixprec.models.config import get_model_config
+        from mixprec.precision import get_policy
+        get_model_config(self.model)  # raises with the valid presets
+        for m in self.modes:
+            if m not in PEERS:
+                get_policy(m)  # raises with the valid names
+
+
+@dataclass
+class Contender:
+    """One way of running the step: ``step()`` runs one optimizer step on the fixed batch."""
+
+    name: str
+    compute_dtype: torch.dtype
+    step: Callable[[], None]
+    times: list[float] = field(default_factory=list)
+
+
+def _device(cfg: TrainBenchConfig) -> torch.device:
+    return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _model_and_batch(cfg: TrainBenchConfig, device: torch.device):
+    from mixprec.models import Transformer
+    from mixprec.models.config import get_model_config
+    mcfg = get_model_config(cfg.model)
+    if cfg.seq > mcfg.max_seq_len:
+        mcfg = mcfg.replace(max_seq_len=cfg.seq)
+    torch.manual_seed(0)                               # identical weights for every contender
+    model = Transformer.from_config(mcfg)
+    g = torch.Generator().manual_seed(1)               # identical batch for every contender
+    x = torch.randint(0, mcfg.vocab_size, (cfg.batch, cfg.seq), generator=g)
+    y = torch.randint(0, mcfg.vocab_size, (cfg.batch, cfg.seq), generator=g)
+    return model, x.to(device), y.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mixprec(mode: str, cfg: TrainBenchConfig, device: torch.device) -> Contender:
+    from mixprec.train.config import FitConfig
+    from mixprec.train.trainer import Trainer
+    model, x, y = _model_and_batch(cfg, device)
+    fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
+                    log_interval=10**9, audit=False, progress=False, trace_nonfinite=False)
+    trainer = Trainer(model, config=fit, strategy="single")
+    trainer._prepare(total_steps=10**6)
+    trainer.model.train()
+    batch = [(x, y)]
+    return Contender(mode, trainer.policy.compute_dtype, lambda: trainer.train_step(batch))
+
+
+def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:
+    """A peer loop on the identical model, or None when its package is not installed."""
+    model, x, y = _model_and_batch(cfg, device)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    if name == "torch-autocast-bf16":
+        def step() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return Contender(name, torch.bfloat16, step)
+    if name == "accelerate-bf16":
+        try:
+            from accelerate import Accelerator
+        except ImportError:
+            return None
+        acc = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
+        amodel, aopt = acc.prepare(model, opt)
+
+        def step() -> None:
+            with acc.autocast():
+                _, loss = amodel(x, y)
+            acc.backward(loss)
+            aopt.step()
+            aopt.zero_grad(set_to_none=True)
+        return Contender(name, torch.bfloat16, step)
+    if name.startswith("fabric-"):
+        try:
+            from lightning.fabric import Fabric
+        except ImportError:
+            return None
+        fab = Fabric(accelerator=device.type, devices=1, precision=name.removeprefix("fabric-"))
+        fmodel, fopt = fab.setup(model, opt)
+
+        def step() -> None:
+            _, loss = fmodel(x, y)
+            fab.backward(loss)
+            fopt.step()
+            fopt.zero_grad(set_to_none=True)
+        return Contender(name, torch.bfloat16, step)
+    raise ConfigError(f"unknown peer '{name}'; valid: {', '.join(PEERS)}")
+
+
+def build_contender(name: str, cfg: TrainBenchConfig) -> Contender | None:
+    """The contender ``name`` (a precision mode or a peer) ready to step; None if not installed."""
+    device = _device(cfg)
+    return _peer(name, cfg, device) if name in PEERS else _mixprec(name, cfg, device)
+
+
+def _time_steps(c: Contender, n: int, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        c.step()
+    _sync(device)                       # time finished work, not queued kernels
+    return (time.perf_counter() - t0) / n
+
+
+def _flops_per_token(cfg: TrainBenchConfig) -> float:
+    from mixprec.models import Transformer
+    from mixprec.models.config import get_model_config
+    mcfg = get_model_config(cfg.model)
+    with torch.device("meta"):
+        model = Transformer.from_config(mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len)))
+    return model.flops_per_token(seq_len=cfg.seq)
+
+
+def measure_peak_memory(name: str, cfg: TrainBenchConfig, steps: int = 3, timeout: float = 900.0) -> float | None:
+    """Peak bytes of ``steps`` training steps of ``name``, in a fresh process (None if unavailable).
+
+    CPU: peak RSS (``VmHWM``, reset after imports) minus the RSS after imports, so the ~300 MB of
+    torch itself is not counted. CUDA: ``torch.cuda.max_memory_allocated``.
+    """
+    spec = json.dumps({"name": name, "cfg": {k: (list(v) if isinstance(v, tuple) else v)
+                                             for k, v in vars(cfg).items()}, "steps": steps})
+    code = "import sys; from mixprec.bench.modes import _memory_probe; _memory_probe(sys.argv[1])"
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads or torch.get_num_threads()))
+    out = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory probe for {name} failed: {out.stderr.strip()[-500:]}")
+    value = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
+    return None if value is None else float(value)
+
+
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_rss_peak() -> int:
+    """Reset the process's peak RSS (Linux ``clear_refs`` 5) and return the current RSS in bytes.
+
+    Without the reset, the peak would include transient memory of imports (~300 MB for torch),
+    and small models would measure as 0. Where the reset is unavailable, the baseline is the
+    peak so far, which can only under-count.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        now = _status_kib("VmRSS")
+        if now is not None:
+            return now * 1024
+    except OSError:
+        pass
+    return _rss_peak_bytes()
+
+
+def _rss_peak_bytes() -> int:
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _memory_probe(spec_json: str) -> None:
+    """Child side of :func:`measure_peak_memory`: prints ``{"peak_bytes": ...}``."""
+    spec = json.loads(spec_json)
+    kw = spec["cfg"]
+    kw["modes"] = tuple(kw["modes"])
+    cfg = TrainBenchConfig(**kw)
+    device = _device(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    import mixprec.train.trainer  # noqa: F401  (imports belong to the baseline)
+    # One step of the same contender on a 1 x 8-token tiny model first: lazy imports (dynamo,
+    # optimizer helpers, peers' packages) and one-off allocations then belong to the baseline.
+    import gc
+    warm = build_contender(spec["name"], TrainBenchConfig(model="tiny", modes=cfg.modes, batch=1, seq=8,
+                                                          device=cfg.device, threads=cfg.threads))
+    if warm is not None:
+        warm.step()
+    del warm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = _reset_rss_peak()
+    c = build_contender(spec["name"], cfg)
+    if c is None:
+        print(json.dumps({"peak_bytes": None}))
+        return
+    for _ in range(spec["steps"]):
+        c.step()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_peak_bytes() - base
+    print(json.dumps({"peak_bytes": peak}))
+
+
+def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
+                log: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Rows of {mode, step_s_median, step_s_min, step_s_max, tokens_per_s, mfu, peak_mem_mb, ...}."""
+    from mixprec.precision.dtypes import dtype_name
+    from mixprec.precision.peak import peak_flops
+    device = _device(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    contenders, skipped = [], []
+    for name in cfg.modes:
+        c = build_contender(name, cfg)
+        if c is None:
+            skipped.append(name)
+            log(f"skipped {name}: its package is not installed")
+        else:
+            contenders.append(c)
+    for c in contenders:                 # warm-up: allocator, autocast caches, lazy optimizer state
+        for _ in range(cfg.warmup):
+            c.step()
+    dtypes = sorted({c.compute_dtype for c in contenders}, key=str)
+    peaks: dict[torch.dtype, list[float]] = {dt: [] for dt in dtypes}
+    for r in range(cfg.repeats):
+        order = contenders if r % 2 == 0 else contenders[::-1]   # alternate, and reverse the order
+        for c in order:
+            c.times.append(_time_steps(c, cfg.steps, device))
+        for dt in dtypes:                # the MFU denominator, under this round's load
+            peaks[dt].append(peak_flops(dt, device, use_cache=False))
+        log(f"round {r + 1}/{cfg.repeats}: " + ", ".join(f"{c.name} {c.times[-1] * 1e3:.0f} ms"
+                                                          for c in contenders))
+    tokens = cfg.batch * cfg.seq
+    fpt = _flops_per_token(cfg)
+    base = next((c for c in contenders if c.name == "32-true"), None)
+    rows = []
+    for c in contenders:
+        med = statistics.median(c.times)
+        q = statistics.quantiles(c.times, n=4) if len(c.times) >= 2 else [med, med, med]
+        peak = statistics.median(peaks[c.compute_dtype])
+        rows.append({
+            "mode": c.name, "compute_dtype": dtype_name(c.compute_dtype),
+            "step_ms_median": med * 1e3, "step_ms_min": min(c.times) * 1e3, "step_ms_max": max(c.times) * 1e3,
+            "step_ms_q1": q[0] * 1e3, "step_ms_q3": q[2] * 1e3,
+            "tokens_per_s": tokens / med,
+            "speedup_vs_32_true": statistics.median(base.times) / med if base else None,
+            "mfu": fpt * tokens / med / peak, "peak_gflops": peak / 1e9,
+            "peak_mem_mb": None, "repeats": len(c.times),
+        })
+    if memory:
+        for row in rows:
+            log(f"measuring peak memory of {row['mode']} in a fresh process")
+            b = measure_peak_memory(row["mode"], cfg)
+            row["peak_mem_mb"] = None if b is None else b / 2**20
+    return rows
+
+
+COLUMNS = ("mode", "compute_dtype", "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_q1",
+           "step_ms_q3", "tokens_per_s", "speedup_vs_32_true", "mfu", "peak_gflops", "peak_mem_mb", "repeats")
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r[k] is None else (f"{r[k]:.6g}" if isinstance(r[k], float) else r[k]))
+                        for k in COLUMNS})
+
+
+def write_png(rows: list[dict], path: Path, title: str) -> None:
+    """Two bar charts: tokens/s with min-max error bars, and peak memory."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["mode"] for r in rows]
+    tps = [r["tokens_per_s"] for r in rows]
+    tokens = [r["tokens_per_s"] * r["step_ms_median"] / 1e3 for r in rows]
+    lo = [t - n / (r["step_ms_max"] / 1e3) for t, n, r in zip(tps, tokens, rows)]
+    hi = [n / (r["step_ms_min"] / 1e3) - t for t, n, r in zip(tps, tokens, rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].bar(names, tps, yerr=[lo, hi], capsize=4, color="tab:blue")
+    axes[0].set_ylabel("tokens/s (median, min-max)")
+    axes[0].set_title("throughput")
+    mem = [r["peak_mem_mb"] or 0.0 for r in rows]
+    axes[1].bar(names, mem, color="tab:orange")
+    axes[1].set_ylabel("peak memory (MiB)")
+    axes[1].set_title("peak memory (fresh process per mode)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'mode':<22} {'step ms':>9} {'min-max':>15} {'tokens/s':>10} {'vs 32-true':>10} "
+             f"{'MFU':>7} {'peak GF/s':>9} {'peak MiB':>9}"]
+    for r in rows:
+        sp = f"{r['speedup_vs_32_true']:.2f}x" if r["speedup_vs_32_true"] else "-"
+        mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
+        lines.append(f"{r['mode']:<22} {r['step_ms_median']:>9.1f} "
+                     f"{r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['tokens_per_s']:>10.0f} "
+                     f"{sp:>10} {r['mfu'] * 100:>6.1f}% {r['peak_gflops']:>9.1f} {mem:>9}")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="small", help="model preset: tiny, small, gpt-ref")
+    parser.add_argument("--modes", default="32-true,bf16-mixed,bf16-true",
+                        help="comma-separated precision modes (and peer names)")
+    parser.add_argument("--peers", action="store_true",
+                        help=f"add the peer loops: {', '.join(PEERS)} (missing packages are skipped)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per repeat")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--clip", type=float, default=None, help="gradient clipping in mixprec modes")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory processes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="bench-train", help="folder for bench_train.csv and .png")
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.peers:
+        modes += [p for p in PEERS if p not in modes]
+    cfg = TrainBenchConfig(model=args.model, modes=tuple(modes), batch=args.batch, seq=args.seq,
+                           repeats=args.repeats, steps=args.steps, warmup=args.warmup, clip=args.clip,
+                           device=args.device, threads=args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = bench_train(cfg, memory=not args.no_memory, log=lambda s: print(f"[bench] {s}", file=sys.stderr))
+    print(format_table(rows))
+    write_csv(rows, out / "bench_train.csv")
+    write_png(rows, out / "bench_train.png",
+              f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {_device(cfg).type}, {cfg.repeats} repeats")
+    print(f"wrote {out / 'bench_train.csv'} and {out / 'bench_train.png'}")
+    return 0
