@@ -292,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
                             shards=args.gpus) for m in modes]
     big = rows[0].peak > 1e9
-    print(f"model: {shape.num_parameters() / 1e9:.2f}B parameters ({shape.num_layers} layers, d={shape.d_model}"
+    n = shape.num_parameters()
+    print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"
           f"{f', {shape.num_experts} experts top-{shape.top_k}' if shape.num_experts else ''}); "
           f"batch {args.batch} x {seq} per device; {args.gpus} device(s); optimizer {args.optimizer} "
           f"(moments {args.moments_dtype}); checkpointing {'on' if args.checkpointing else 'off'}")
