@@ -119,3 +119,17 @@ def test_audit_flags_norms_cast_to_fp16_by_fp16_params(monkeypatch):
     monkeypatch.setattr(audit_mod, "cpu_has_native_fp16", lambda: True)
     found = audit(model, policy="16-true", scaler=GradScaler(device="cpu"), device="cpu")
     assert [f.code for f in found] == ["half-precision-norm"]  # eps is fine: these norms upcast
+
+
+def test_tracing_survives_activation_checkpointing():
+    torch.manual_seed(0)
+    model = Transformer(num_layers=2, d_model=32, num_heads=2, vocab_size=64, max_seq_len=16,
+                        gradient_checkpointing=True)
+    x, y = _batch()
+    fc = model.blocks[1].mlp.fc
+    forward = fc.forward
+    fc.forward = lambda inp: forward(InfGrad.apply(inp))
+    ev = locate_nonfinite(model, lambda: model(x, y)[1].backward())
+    del fc.forward
+    assert (ev.module, ev.direction, ev.tensor) == ("blocks.1.mlp.fc", "backward", "grad_input")
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
