@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("mixprec.train.report", "write PNG plots and an HTML page for a run folder"),
     "prepare": ("mixprec.data.prepare", "tokenize text files into a mixprec token file"),
     "bench": ("mixprec.bench.command", "benchmarks: matmul throughput, training step per precision"),
+    "memory": ("mixprec.bench.memory", "estimate memory per precision mode: params, grads, masters, moments, activations"),
 }
 
 
