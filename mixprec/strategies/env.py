@@ -161,8 +161,8 @@ STRATEGIES = ("auto", "single", "mirrored", "ddp", "fsdp")
 def get_strategy(name_or_obj=None, **kwargs):
     """A :class:`~mixprec.strategies.base.Strategy` from a name, an instance or None.
 
-    ``None``/``"auto"``: :class:`MirroredStrategy` when ``WORLD_SIZE > 1``, else
-    :class:`SingleDeviceStrategy`. ``"ddp"`` is an alias of ``"mirrored"``. ``kwargs`` go to the
+    ``None``/``"auto"``: :class:`MirroredStrategy` when ``WORLD_SIZE > 1`` or DDP settings are
+    given, else :class:`SingleDeviceStrategy`. ``"ddp"`` is an alias of ``"mirrored"``. ``kwargs`` go to the
     constructor.
     """
     from mixprec.strategies.base import Strategy
@@ -175,8 +175,9 @@ def get_strategy(name_or_obj=None, **kwargs):
             raise ConfigError("pass either a strategy object or keyword arguments, not both")
         return name_or_obj
     name = "auto" if name_or_obj is None else str(name_or_obj).lower()
-    if name == "auto":
-        name = "mirrored" if read_env().distributed else "single"
+    if name == "auto":  # DDP settings (grad_compression=...) need the class that takes them; in
+        # one process MirroredStrategy is a single-device strategy anyway
+        name = "mirrored" if read_env().distributed or kwargs else "single"
     classes = {"single": SingleDeviceStrategy, "mirrored": MirroredStrategy,
                "ddp": MirroredStrategy, "fsdp": FSDPStrategy}
     if name not in classes:

@@ -131,3 +131,7 @@ class MirroredStrategy(ProcessGroupStrategy, Strategy):
                               "call load_comm_state_dict after setup()")
         for hook_state, sd in zip(self.hook_states, mine, strict=True):
             hook_state.load_state_dict(sd)
+
+    # the names the trainer's checkpoint code looks for
+    state_dict = comm_state_dict
+    load_state_dict = load_comm_state_dict

@@ -63,6 +63,9 @@ def test_auto_is_single_device_in_one_process():
     assert isinstance(s, SingleDeviceStrategy) and s.is_main and s.world_size == 1
     assert get_strategy(s) is s
     assert isinstance(get_strategy("ddp"), MirroredStrategy)
+    # DDP settings in one process: a mirrored strategy, which is single-device here
+    s = get_strategy("auto", grad_compression="fp16")
+    assert isinstance(s, MirroredStrategy) and s.compression == "fp16" and not s.is_distributed
     with pytest.raises(ConfigError, match="did you mean 'fsdp'"):
         get_strategy("fsdb")
 
@@ -110,6 +113,9 @@ def test_one_process_mirrored_and_fsdp_are_plain_single_device():
         sd = s.model_state_dict(wrapped)
         s.load_model_state_dict(wrapped, sd)
         assert s.comm_stats()["bytes_sent"] == 0
+    mirrored = MirroredStrategy(grad_compression="topk")
+    mirrored.setup(nn.Linear(3, 1))
+    mirrored.load_state_dict(mirrored.state_dict())   # the trainer's checkpoint hooks
 
 
 @pytest.mark.parametrize("kwargs,match", [({"grad_compression": "fp61"}, "did you mean 'fp16'"),
