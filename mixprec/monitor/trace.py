@@ -7,7 +7,7 @@ caller replays the same batch with the same RNG state (:func:`capture_rng_state`
 runs the step once, removes the hooks and names the origin.
 
 What is observed, in execution order (each observation is a handful of reductions kept on the
-device; one host sync at the end resolves them all):
+device; one host transfer at the end resolves them all, one more reads the loss):
 
 * forward:  every module's inputs and outputs (forward pre-/post-hooks);
 * backward: the gradient w.r.t. every module's output (a tensor hook registered on the output),
