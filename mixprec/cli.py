@@ -2,7 +2,7 @@
 
 Each sub-command lives in the room that owns it and exposes two functions:
 ``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int``.
-They are imported only when their command runs, so ``mixprec --help`` stays fast.
+Each is imported when the parser is built; their top-level imports are kept light.
 
 Errors derived from :class:`mixprec.errors.MixprecError` (and a few well-known user mistakes) are
 printed as one line, ``mixprec: error: ...``, with exit status 2; ``--debug`` shows the traceback.
@@ -18,6 +18,7 @@ from mixprec.errors import MixprecError
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mixprec.train.command", "train a Transformer (default: small model, built-in corpus)"),
+    "audit": ("mixprec.train.audit_command", "pre-flight precision audit of a training set-up"),
     "report": ("mixprec.train.report", "write PNG plots and an HTML page for a run folder"),
     "prepare": ("mixprec.data.prepare", "tokenize text files into a mixprec token file"),
     "bench": ("mixprec.bench.command", "benchmarks: matmul throughput, training step per precision"),
@@ -41,7 +42,13 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    # key=value settings may stand anywhere, also after options (`--precision bf16 lr=3e-4`).
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "settings"):
+        args.settings += [e for e in extra if "=" in e and not e.startswith("-")]
+        extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "command", None):
         parser.print_help()
         return 0

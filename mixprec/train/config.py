@@ -68,6 +68,10 @@ class FitConfig:
     """Clean steps before the loss scale doubles."""
     hysteresis: int = 1
     """Overflows tolerated before the scale backs off."""
+    min_scale: float = 1.0
+    """Floor of the loss scale."""
+    on_stuck_scale: str = "warn"
+    """When the scale sits at its floor or too many recent steps were skipped: ``warn`` or ``raise``."""
     trace_nonfinite: bool = True
     """On a skipped step, replay the batch with hooks to find the layer that made the inf/NaN."""
     monitor_every: int = 0
@@ -91,6 +95,10 @@ class FitConfig:
             raise ConfigError(f"max_steps must be > 0, got {self.max_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.on_stuck_scale not in ("warn", "raise"):
+            raise ConfigError(f"on_stuck_scale must be 'warn' or 'raise', got '{self.on_stuck_scale}'")
+        if not 0 < self.min_scale <= self.init_scale:
+            raise ConfigError(f"min_scale must be in (0, init_scale], got {self.min_scale}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -39,9 +39,8 @@ METRICS_COLUMNS: tuple[str, ...] = (
     "step", "epoch", "loss", "val_loss", "lr", "loss_scale", "skipped", "skipped_total",
     "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s",
 )
-NUMERICS_COLUMNS: tuple[str, ...] = (
-    "step", "module", "kind", "absmax", "overflow_frac", "underflow_frac", "dtype",
-)
+# The monitor defines what a per-layer statistics row holds; the logger writes it as is.
+from mixprec.monitor.stats import NUMERICS_COLUMNS  # noqa: E402
 NUMERICS_KINDS = ("act", "grad", "update")
 _INT_COLUMNS = {"step", "skipped", "skipped_total"}
 _TEXT_COLUMNS = {"module", "kind", "dtype"}

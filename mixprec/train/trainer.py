@@ -25,6 +25,8 @@ from torch import nn
 
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
+from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step, format_findings
+from mixprec.monitor.trace import capture_rng_state
 from mixprec.optim import AdamW
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy, autocast, cast_module, get_policy
@@ -114,6 +116,8 @@ class Trainer:
         self.run_dir: Path | None = None
         self.fp8_report = None
         self._loader_resumed = False
+        self.monitor = None
+        self.scale_watch = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -157,15 +161,22 @@ class Trainer:
         # Scaling is on only when the policy needs it (FP16); the non-finite check is always on.
         self.scaler = GradScaler.from_policy(policy, init_scale=cfg.init_scale,
                                              growth_interval=cfg.growth_interval,
-                                             hysteresis=cfg.hysteresis)
+                                             hysteresis=cfg.hysteresis, min_scale=cfg.min_scale,
+                                             on_min_scale=cfg.on_stuck_scale)
+        # Watching the numbers: per-layer statistics on sampled steps, a stuck-scale watch.
+        unwrapped = self.strategy.unwrap(self.model)
+        self.monitor = (NumericsMonitor(unwrapped, every=cfg.monitor_every, compute_dtype=policy)
+                        if cfg.monitor_every else None)
+        self.scale_watch = (ScaleWatch(cfg.min_scale, on_stuck=cfg.on_stuck_scale)
+                            if policy.loss_scaling else None)
 
     # ------------------------------------------------------------------ the step
 
-    def _loss(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, model: nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
-            out = self.model(inputs, targets) if self._forward_takes_targets else self.model(inputs)
+            out = model(inputs, targets) if self._forward_takes_targets else model(inputs)
             return _extract_loss(out)
-        out = self.model(inputs)
+        out = model(inputs)
         if isinstance(out, torch.Tensor):
             out = self.policy.cast_output(out)
         return self.loss_fn(out, targets)
@@ -177,31 +188,66 @@ class Trainer:
         scale_before = scaler.get_scale()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for i, batch in enumerate(micro_batches):
-            inputs, targets = self.strategy.to_device(batch)
-            # Gradients are all-reduced only in the last micro-batch's backward.
-            sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync(model)
-            with sync:
-                with autocast(policy, device_type=self.device.type):   # matmuls in compute dtype
-                    loss = self._loss(inputs, targets)
-                loss = loss.float() / n                   # FP32 loss, averaged over micro-batches
-                scaler.scale(loss).backward()             # x loss scale (FP16) or x 1 (BF16/FP32)
-            loss_sum += loss.detach()
-            tokens += targets.numel()
-        # Unscale exactly once, fused with the inf/NaN check; found_inf is MAX-reduced across ranks.
-        scaler.unscale_(opt)
-        grad_norm = None
-        if self.config.clip_grad_norm:                    # clip sees unscaled gradients
-            grad_norm = clip_grad_norm_(scaler, opt, self.config.clip_grad_norm)
-        elif self.step % self.config.log_interval == self.config.log_interval - 1:
-            grad_norm = clip_grad_norm_(scaler, opt, math.inf)   # measure only, on logged steps
-        scaler.step(opt)          # steps FP32 masters and copies back, or skips (one host sync)
-        scaler.update()           # back off at once on overflow, grow after clean intervals
+        opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
+        with self._sample_numerics():                     # hooks only on sampled steps
+            for i, batch in enumerate(micro_batches):
+                inputs, targets = self.strategy.to_device(batch)
+                # Gradients are all-reduced only in the last micro-batch's backward.
+                sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync(model)
+                with sync:
+                    with autocast(policy, device_type=self.device.type):  # matmuls in compute dtype
+                        loss = self._loss(model, inputs, targets)
+                    loss = loss.float() / n               # FP32 loss, averaged over micro-batches
+                    scaler.scale(loss).backward()         # x loss scale (FP16) or x 1 (BF16/FP32)
+                loss_sum += loss.detach()
+                tokens += targets.numel()
+            # Unscale exactly once, fused with the inf/NaN check; found_inf is MAX-reduced across ranks.
+            scaler.unscale_(opt)
+            grad_norm = None
+            if self.config.clip_grad_norm:                # clip sees unscaled gradients
+                grad_norm = clip_grad_norm_(scaler, opt, self.config.clip_grad_norm)
+            elif self.step % self.config.log_interval == self.config.log_interval - 1:
+                grad_norm = clip_grad_norm_(scaler, opt, math.inf)  # measure only, on logged steps
+            with self._track_updates():
+                scaler.step(opt)   # steps FP32 masters and copies back, or skips (one host sync)
+        scaler.update()            # back off at once on overflow, grow after clean intervals
         skipped = scaler.last_step_skipped
         if not skipped:
             self.scheduler.step()  # a skipped step must not advance the LR schedule
-        opt.zero_grad(set_to_none=True)
         return StepOutput(loss_sum, grad_norm, skipped, scale_before, tokens)
+
+    def _sample_numerics(self) -> contextlib.AbstractContextManager:
+        if self.monitor is None:
+            return contextlib.nullcontext()
+        return self.monitor.sample(self.step + 1)
+
+    def _track_updates(self) -> contextlib.AbstractContextManager:
+        if self.monitor is None:
+            return contextlib.nullcontext()
+        return self.monitor.track_updates(self.optimizer)
+
+    def trace_nonfinite(self, micro_batches: list[Batch], out: StepOutput, rng_state: Any):
+        """Replay a skipped step's batches with hooks to find the layer that made the inf/NaN.
+
+        Runs on the unwrapped model (no gradient communication) with the RNG state of the original
+        step, and leaves parameters, gradients and the RNG stream as they were.
+        """
+        from mixprec.monitor import locate_nonfinite
+        model = self.strategy.unwrap(self.model)
+        n = len(micro_batches)
+
+        def run_step() -> torch.Tensor:
+            total = None
+            for batch in micro_batches:
+                inputs, targets = self.strategy.to_device(batch)
+                with autocast(self.policy, device_type=self.device.type):
+                    loss = self._loss(model, inputs, targets).float() / n
+                (loss * out.scale_before).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            return total
+
+        return locate_nonfinite(model, run_step, loss_scale=out.scale_before, step=self.step,
+                                rng_state=rng_state)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -218,7 +264,7 @@ class Trainer:
                     break
                 inputs, targets = self.strategy.to_device(batch)
                 with autocast(self.policy, device_type=self.device.type):
-                    total += self._loss(inputs, targets).float()
+                    total += self._loss(self.model, inputs, targets).float()
                 count += 1
         self.model.train()
         if count == 0:
@@ -351,14 +397,29 @@ class Trainer:
         last_out: StepOutput | None = None
         self.model.train()
         groups = self._micro_batches(train_loader)
+        if cfg.audit:
+            self._audit(logger)
+        first_step = self.step == 0
         while self.step < total:
-            out = self.train_step(next(groups))
+            batches = next(groups)
+            rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skipped step
+            out = self.train_step(batches)
             self.step += 1
+            if first_step and cfg.audit:
+                self._report(audit_after_first_step(self.strategy.unwrap(self.model)), logger)
+                first_step = False
             last_out = out
             window.append(out.loss)
             tokens_window += out.tokens
+            origin = None
             if out.skipped:
-                self._on_skip(out, logger)
+                origin = self._on_skip(batches, out, rng, logger)
+            if self.scale_watch is not None:
+                warning = self.scale_watch.observe(self.step, self.scaler.get_scale(), out.skipped, origin)
+                if warning:
+                    logger.event({"kind": "stuck-scale", "step": self.step, "message": warning})
+            if self.monitor is not None and self.monitor.should_sample(self.step):
+                logger.log_numerics(self.monitor.last_rows)
             do_eval = val_loader is not None and (
                 (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
             if do_eval:
@@ -402,11 +463,38 @@ class Trainer:
             print(f"[mixprec] {line}", file=sys.stderr)
         logger.event({"kind": "start", "step": self.step, "message": "; ".join(lines)})
 
-    def _on_skip(self, out: StepOutput, logger: MetricsLogger) -> None:
-        msg = (f"step {self.step} skipped: non-finite gradients ({dtype_name(self.policy.compute_dtype)})"
-               f" — loss scale {out.scale_before:g} -> {self.scaler.get_scale():g}")
-        logger.event({"kind": "skip", "step": self.step, "loss_scale_before": out.scale_before,
-                      "loss_scale_after": self.scaler.get_scale(), "message": msg})
+    def _on_skip(self, batches: list[Batch], out: StepOutput, rng: Any,
+                 logger: MetricsLogger) -> str | None:
+        """Log a skipped step, traced to the layer that produced the inf/NaN when enabled."""
+        after = self.scaler.get_scale()
+        event = self.trace_nonfinite(batches, out, rng) if self.config.trace_nonfinite else None
+        if event is not None:
+            msg = event.message(self.step, out.scale_before, after)
+            record = {**event.to_dict(), "kind": "skip", "loss_scale_before": out.scale_before,
+                      "loss_scale_after": after, "message": msg}
+        else:
+            msg = (f"step {self.step} skipped: non-finite gradients "
+                   f"({dtype_name(self.policy.compute_dtype)}) — loss scale {out.scale_before:g} -> {after:g}")
+            record = {"kind": "skip", "step": self.step, "loss_scale_before": out.scale_before,
+                      "loss_scale_after": after, "message": msg}
+        logger.event(record)
+        if self.strategy.is_main and self.config.progress:
+            from tqdm import tqdm
+            tqdm.write(f"[mixprec] {msg}", file=sys.stderr)
+        return event.module if event is not None else None
+
+    def _audit(self, logger: MetricsLogger) -> None:
+        findings = audit(self.strategy.unwrap(self.model), policy=self.policy,
+                         optimizer=self.optimizer, scaler=self.scaler, device=self.device)
+        self._report(findings, logger)
+
+    def _report(self, findings: list, logger: MetricsLogger) -> None:
+        if not findings or not self.strategy.is_main:
+            return
+        print(format_findings(findings), file=sys.stderr)
+        for f in findings:
+            logger.event({"kind": "audit", "step": self.step, "code": f.code,
+                          "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,

@@ -26,7 +26,8 @@ def _header(path):
 def test_columns_match_the_contract():
     assert METRICS_COLUMNS == ("step", "epoch", "loss", "val_loss", "lr", "loss_scale", "skipped",
                                "skipped_total", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s")
-    assert NUMERICS_COLUMNS == ("step", "module", "kind", "absmax", "overflow_frac", "underflow_frac", "dtype")
+    assert NUMERICS_COLUMNS == ("step", "module", "kind", "absmax", "overflow_frac", "underflow_frac", "dtype",
+                                "subnormal_frac")
 
 
 def test_log_writes_fixed_columns_missing_cells_empty_and_reads_back_typed(tmp_path):
@@ -130,7 +131,8 @@ def test_log_numerics_accepts_dicts_and_dataclasses_and_validates(tmp_path):
             log.log_numerics([{"step": 1, "module": "x", "kind": "act", "max": 1.0}])
     rows = read_numerics(tmp_path)
     assert rows[0] == {"step": 1, "module": "blocks.0.mlp", "kind": "grad", "absmax": 3.5e4,
-                       "overflow_frac": 0.01, "underflow_frac": 0.2, "dtype": "float16"}
+                       "overflow_frac": 0.01, "underflow_frac": 0.2, "dtype": "float16",
+                       "subnormal_frac": None}
     assert rows[1]["overflow_frac"] is None and rows[1]["dtype"] is None
 
 

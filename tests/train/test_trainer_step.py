@@ -119,3 +119,35 @@ def test_model_without_loss_needs_loss_fn(tmp_path):
                            loss_fn=lambda out, y: nn.functional.mse_loss(out.squeeze(-1), y))
     trainer._prepare(1)
     assert not trainer.train_step(batches(1)).skipped
+
+
+def test_skipped_step_is_traced_to_the_module_that_made_the_nan(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+
+    def poison(module, args, output):   # NaN whenever the batch carries the marker value
+        return torch.where(args[0][:, :1] == 1234.0, torch.full_like(output, math.nan), output)
+
+    model.net[0].register_forward_hook(poison)
+    data = batches(3)
+    data[1][0][0, 0] = 1234.0
+    from mixprec.train import fit
+    result = fit(model, data, epochs=1, mixed_precision="32-true", run_dir=str(tmp_path / "r"),
+                 progress=False, audit=False, log_interval=1, ckpt_interval=0, clip_grad_norm=None)
+    assert result.skipped_steps == 1
+    from mixprec.train.metrics import read_events
+    skips = [e for e in read_events(tmp_path / "r") if e["kind"] == "skip"]
+    assert len(skips) == 1
+    assert skips[0]["module"] == "net.0" and skips[0]["direction"] == "forward"
+    assert skips[0]["message"].startswith("step 2 skipped: nan first at net.0 (forward, fp32)")
+
+
+def test_numerics_monitor_writes_rows_only_on_sampled_steps(tmp_path):
+    torch.manual_seed(0)
+    from mixprec.train import fit
+    from mixprec.train.metrics import read_numerics
+    fit(Regressor(), batches(4), epochs=1, mixed_precision="32-true", run_dir=str(tmp_path / "r"),
+        progress=False, audit=False, ckpt_interval=0, monitor_every=2)
+    rows = read_numerics(tmp_path / "r")
+    assert {r["step"] for r in rows} == {2, 4}
+    assert {r["kind"] for r in rows} == {"act", "grad", "update"}
