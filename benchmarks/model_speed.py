@@ -14,7 +14,8 @@ one process, contenders alternating, ``--repeats`` rounds after a warm-up; media
 Memory: each configuration runs in a fresh subprocess (so no earlier peak hides this one). The
 subprocess builds the model, allocates zeroed gradients, does a tiny no-grad forward to load the
 kernels, records its resident set size, then runs one forward + backward; the activation peak is
-``ru_maxrss`` minus that baseline. On a GPU the same run reports ``torch.cuda.max_memory_allocated``.
+``ru_maxrss`` minus that baseline (with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed activations leave
+the RSS; see ``memory()``). It also reports the bytes autograd saved for backward. On a GPU the same run reports ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
 
@@ -137,15 +138,23 @@ def memory_child(ckpt: bool, L, d, h, V, T, B) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base_cuda = torch.cuda.memory_allocated()
+    saved = [0]
+
+    def pack(t):  # count the bytes autograd keeps for backward (outside recomputed regions)
+        saved[0] += t.numel() * t.element_size()
+        return t
+
     t0 = time.perf_counter()
-    _, loss = model(data[:, :-1], data[:, 1:])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(data[:, :-1], data[:, 1:])
     loss.backward()
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     res = {"checkpointing": ckpt, "device": device, "step_s": round(elapsed, 3),
-           "baseline_rss_mb": round(base / 2**20, 1), "activation_peak_mb": round((peak - base) / 2**20, 1)}
+           "baseline_rss_mb": round(base / 2**20, 1), "activation_peak_mb": round((peak - base) / 2**20, 1),
+           "autograd_saved_mb": round(saved[0] / 2**20, 1)}
     if device == "cuda":
         res["cuda_activation_peak_mb"] = round((torch.cuda.max_memory_allocated() - base_cuda) / 2**20, 1)
     return res
@@ -156,15 +165,22 @@ def memory(repeats, shape):
     for _ in range(repeats):
         for ckpt in (False, True):
             cmd = [sys.executable, __file__, "_memory_child", json.dumps({"ckpt": ckpt, **shape})]
-            line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            # glibc keeps freed large blocks in its heap (its mmap threshold grows after frees), so
+            # RSS would not fall when activations are freed and the peak would hide the saving.
+            # A fixed threshold makes every block >= 64 KiB its own mapping, returned on free.
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            line = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                                  env=env).stdout.strip().splitlines()[-1]
             results[ckpt].append(json.loads(line))
     out = {"shape": shape, "repeats": repeats}
     for ckpt, rs in results.items():
         peaks = [r["activation_peak_mb"] for r in rs]
         steps = [r["step_s"] for r in rs]
+        saved = [r["autograd_saved_mb"] for r in rs]
         out["checkpointing" if ckpt else "no_checkpointing"] = {
             "activation_peak_mb_median": statistics.median(peaks), "min_max_mb": [min(peaks), max(peaks)],
-            "step_s_median": statistics.median(steps), "baseline_rss_mb": rs[0]["baseline_rss_mb"]}
+            "step_s_median": statistics.median(steps), "step_s_min_max": [min(steps), max(steps)],
+            "autograd_saved_mb": statistics.median(saved), "baseline_rss_mb": rs[0]["baseline_rss_mb"]}
     a = out["no_checkpointing"]["activation_peak_mb_median"]
     b = out["checkpointing"]["activation_peak_mb_median"]
     out["saved_mb"] = round(a - b, 1)
