@@ -101,8 +101,9 @@ class TransformerConfig:
 MODEL_PRESETS: dict[str, TransformerConfig] = {
     # For tests: a few hundred thousand parameters; runs under emulated BF16/FP16 in well under a second.
     "tiny": TransformerConfig(num_layers=2, d_model=64, num_heads=4, vocab_size=256, max_seq_len=64),
-    # The default `mixprec train` model on the built-in byte corpus. Measured on the 2-core dev CPU
-    # (docs/benchmarks/model.md): FP32 train step, batch 16 x 128, ~0.2-0.4 s => 500 steps in 2-4 min.
+    # The default `mixprec train` model on the built-in byte corpus (858,880 parameters). Measured on
+    # the 2-core dev CPU (docs/benchmarks/model.md): one FP32 AdamW step at batch 16 x 128 costs
+    # 0.43 s of CPU, so 300-600 steps take roughly 2-4 minutes on an idle machine.
     "small": TransformerConfig(num_layers=4, d_model=128, num_heads=4, vocab_size=256, max_seq_len=256),
     # Exactly /work/shared/bench/gpt_ref.py's shapes (untied head, like the reference).
     "gpt-ref": TransformerConfig(num_layers=6, d_model=512, num_heads=8, vocab_size=8192, max_seq_len=256,
