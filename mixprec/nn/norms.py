@@ -40,6 +40,11 @@ def _as_shape(normalized_shape: _ShapeLike) -> tuple[int, ...]:
     return tuple(int(s) for s in normalized_shape)
 
 
+def _stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """FP32 for 16-bit (and FP32) inputs; FP64 inputs keep FP64 rather than losing precision."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 class MixedPrecisionLayerNorm(nn.Module):
     """LayerNorm over the trailing ``normalized_shape`` dims with FP32 statistics and parameters.
 
@@ -71,12 +76,13 @@ class MixedPrecisionLayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., *normalized_shape)
-        w = None if self.weight is None else self.weight.float()  # no-op unless someone cast us
-        b = None if self.bias is None else self.bias.float()
+        sd = _stats_dtype(x)
+        w = None if self.weight is None else self.weight.to(sd)  # no-op unless someone cast us
+        b = None if self.bias is None else self.bias.to(sd)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            if x.dtype == torch.float32:
+            if x.dtype == sd:  # FP32 (or FP64) input: the fused kernel is already the exact thing
                 return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
-            return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+            return F.layer_norm(x.to(sd), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
@@ -109,11 +115,12 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., *normalized_shape)
-        w = None if self.weight is None else self.weight.float()
+        sd = _stats_dtype(x)
+        w = None if self.weight is None else self.weight.to(sd)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            if x.dtype == torch.float32:
+            if x.dtype == sd:
                 return F.rms_norm(x, self.normalized_shape, w, self.eps)
-            return F.rms_norm(x.float(), self.normalized_shape, w, self.eps).to(x.dtype)
+            return F.rms_norm(x.to(sd), self.normalized_shape, w, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, stats=fp32"

@@ -150,3 +150,13 @@ def test_cast_module_keeps_norm_parameters_fp32(preset):
 def test_unknown_norm_name_is_a_config_error():
     with pytest.raises(ConfigError, match="rmsnorm"):
         make_norm("rmsnrom", D)
+
+
+@pytest.mark.parametrize("cls", [MixedPrecisionLayerNorm, RMSNorm])
+def test_fp64_input_is_not_degraded_to_fp32(cls):
+    norm = cls(D)
+    x = rows(torch.float64)
+    out = norm(x)
+    ref = (ref_layer_norm(x, norm.weight, norm.bias, norm.eps) if cls is MixedPrecisionLayerNorm
+           else ref_rms_norm(x, norm.weight, norm.eps))
+    assert out.dtype == torch.float64 and (out - ref).abs().max() < 1e-12
