@@ -1,7 +1,10 @@
 """MirroredStrategy (DDP) in a real 2-process gloo job, checked against one-process FP32 references.
 
 One job runs every scenario (spawning processes costs more than the training here); each test
-below asserts on one part of its results.
+below asserts on one part of its results. The overflow scenario writes an inf into rank 1's
+gradients *after* the DDP all-reduce, so only rank 1 sees it: what keeps the ranks together is
+``mixprec.amp.GradScaler`` all-reducing ``found_inf`` with MAX. The same run with
+``torch.amp.GradScaler`` (which decides per rank) is the control: its ranks diverge.
 """
 from __future__ import annotations
 
@@ -70,6 +73,30 @@ def full_loss(model, x, y) -> float:
         return nn.functional.mse_loss(model(x), y).item()
 
 
+OVF_STEPS = 8
+INJECT_AT = (2, 5)
+
+
+def _overflow_run(strategy, scaler, rank: int) -> dict:
+    x, y = make_data()
+    model, opt = strategy.setup(make_model(), sgd)
+    scales, skipped = [], []
+    for step in range(OVF_STEPS):
+        rows = local_rows(step, rank)
+        with strategy.guard():
+            scaler.scale(nn.functional.mse_loss(model(x[rows]), y[rows])).backward()
+        if rank == 1 and step in INJECT_AT:
+            next(model.parameters()).grad[0, 0] = float("inf")   # after the all-reduce: rank 1 only
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        scales.append(scaler.get_scale())
+        skipped.append(scaler.get_scale() < before)
+    return {"params": [p.detach().clone() for p in model.parameters()], "scales": scales,
+            "skipped": skipped}
+
+
 def mirrored_job(rank: int) -> dict:
     from mixprec.strategies import MirroredStrategy, current_strategy
 
@@ -124,6 +151,15 @@ def mirrored_job(rank: int) -> dict:
     target = {k: torch.full_like(v, 0.5) for k, v in strategy.unwrap(model).state_dict().items()}
     strategy.load_model_state_dict(model, target if rank == 0 else None)
     out["loaded"] = all(torch.equal(v, target[k]) for k, v in strategy.model_state_dict(model).items())
+
+    # 6) overflow on rank 1 only, injected after the all-reduce: mixprec's scaler agrees across
+    #    ranks (found_inf MAX); torch.amp.GradScaler decides per rank (the control that diverges)
+    from mixprec.amp import GradScaler
+    ours = GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    out["overflow"] = _overflow_run(strategy, ours, rank)
+    out["overflow"]["num_skipped"] = ours.num_skipped_steps
+    out["overflow_torch"] = _overflow_run(strategy, torch.amp.GradScaler("cpu", init_scale=2.0 ** 8,
+                                                                         growth_interval=2), rank)
     return out
 
 
@@ -220,3 +256,30 @@ def test_topk_residuals_round_trip_through_a_checkpoint(results):
 
 def test_checkpoint_read_on_rank0_only_reaches_every_rank(results):
     assert all(r["loaded"] for r in results)
+
+
+def test_inf_on_one_rank_skips_the_step_on_every_rank(results):
+    want = [step in INJECT_AT for step in range(OVF_STEPS)]
+    for r in results:
+        assert r["overflow"]["skipped"] == want
+        assert r["overflow"]["num_skipped"] == len(INJECT_AT)
+
+
+def test_loss_scale_is_identical_on_all_ranks(results):
+    a, b = (r["overflow"]["scales"] for r in results)
+    assert a == b
+    for step in INJECT_AT:                 # backed off at each overflow (and grew in between)
+        assert a[step] == a[step - 1] / 2
+    assert max(a) > 2.0 ** 8
+
+
+def test_parameters_stay_identical_across_ranks(results):
+    for p0, p1 in zip(results[0]["overflow"]["params"], results[1]["overflow"]["params"]):
+        torch.testing.assert_close(p0, p1, rtol=0, atol=0)
+
+
+def test_control_per_rank_decisions_diverge(results):
+    """torch.amp.GradScaler decides per rank: rank 0 steps while rank 1 skips."""
+    assert results[0]["overflow_torch"]["skipped"] != results[1]["overflow_torch"]["skipped"]
+    assert any(not torch.equal(p0, p1) for p0, p1 in
+               zip(results[0]["overflow_torch"]["params"], results[1]["overflow_torch"]["params"]))
