@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mixprec.precision.policy import mark_fp32_params
 from torch.utils.checkpoint import checkpoint
 
 from mixprec.errors import ConfigError
@@ -105,6 +107,7 @@ class Transformer(nn.Module):
                 m.keep_in_fp32 = True  # read by Policy.keeps_fp32
         self.aux_loss: torch.Tensor | None = None
         self._init_weights()
+        mark_fp32_params(self)  # so AdamW(fp16_params=True) leaves norms and the router in FP32
 
     # --- construction -------------------------------------------------------------------------
 

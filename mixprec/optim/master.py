@@ -134,7 +134,8 @@ class MasterWeights(torch.optim.Optimizer):
         if not p.is_leaf:
             raise ConfigError("can't optimize a non-leaf tensor; pass the model's parameters")
         self._all_model_params.append(p)
-        if not p.is_floating_point() or (p.dtype == self.master_dtype and self.param_dtype is None):
+        keep = getattr(p, "keep_in_fp32", False)  # tagged by mixprec.precision.mark_fp32_params
+        if not p.is_floating_point() or (p.dtype == self.master_dtype and (self.param_dtype is None or keep)):
             self._master_of[id(p)] = p  # its own master
             return p
         master = p.detach().to(self.master_dtype, copy=True).requires_grad_(p.requires_grad)

@@ -27,7 +27,7 @@ from mixprec.errors import ConfigError, closest
 from mixprec.precision import hardware
 from mixprec.precision.dtypes import dtype_name, parse_dtype
 
-__all__ = ["Policy", "get_policy", "cast_module", "PRESETS", "ALIASES", "FP8_RECIPES",
+__all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES",
            "register_fp8_preset"]
 
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
@@ -256,4 +256,20 @@ def cast_module(module: nn.Module, policy: Policy) -> nn.Module:
         for bname, b in list(sub.named_buffers(recurse=False)):
             if b is not None and b.is_floating_point() and b.dtype != target:
                 setattr(sub, bname, b.to(target))
+    return module
+
+
+def mark_fp32_params(module: nn.Module, policy: Policy | None = None) -> nn.Module:
+    """Tag the parameters of modules kept in FP32 with ``param.keep_in_fp32 = True``.
+
+    Optimizers only see parameters, not modules: ``mixprec.optim.AdamW(model.parameters(),
+    fp16_params=True)`` reads this tag to leave norm and gate parameters in FP32 while it stores
+    the rest in 16 bits. ``policy`` defaults to the standard rules (norm types and modules with a
+    truthy ``keep_in_fp32``). Returns ``module``.
+    """
+    policy = policy or PRESETS["32-true"]
+    for qname, sub in module.named_modules():
+        if policy.keeps_fp32(qname, sub):
+            for p in sub.parameters(recurse=False):
+                p.keep_in_fp32 = True
     return module

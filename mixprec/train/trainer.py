@@ -125,7 +125,10 @@ class Trainer:
         """Apply the policy to the model, wrap it, and build optimizer, scheduler and scaler."""
         cfg, policy = self.config, self.policy
         model = self.raw_model.to(self.device)
-        cast_module(model, policy)                       # storage dtype of every parameter
+        # FSDP2 keeps FP32 shards as the masters and casts to the compute dtype itself.
+        sharded = getattr(self.strategy, "name", "") == "fsdp"
+        if not sharded:
+            cast_module(model, policy)                   # storage dtype of every parameter
         if policy.fp8_recipe:                            # FP8 GEMMs for eligible Linear layers
             from mixprec.fp8 import prepare_fp8
             self.fp8_report = prepare_fp8(model, policy)
@@ -150,7 +153,7 @@ class Trainer:
                       {"params": no_decay, "weight_decay": 0.0}]
             # cast_module already stored params in policy.param_dtype (norms stay FP32); AdamW
             # keeps an FP32 master for every low-precision param and steps on the masters.
-            if policy.low_precision_params and not policy.master_weights:
+            if sharded or policy.low_precision_params and not policy.master_weights:
                 # Explicitly asked for no masters: updates below the param's ULP are lost.
                 self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
             else:
@@ -400,48 +403,49 @@ class Trainer:
         if cfg.audit:
             self._audit(logger)
         first_step = self.step == 0
-        while self.step < total:
-            batches = next(groups)
-            rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skipped step
-            out = self.train_step(batches)
-            self.step += 1
-            if first_step and cfg.audit:
-                self._report(audit_after_first_step(self.strategy.unwrap(self.model)), logger)
-                first_step = False
-            last_out = out
-            window.append(out.loss)
-            tokens_window += out.tokens
-            origin = None
-            if out.skipped:
-                origin = self._on_skip(batches, out, rng, logger)
-            if self.scale_watch is not None:
-                warning = self.scale_watch.observe(self.step, self.scaler.get_scale(), out.skipped, origin)
-                if warning:
-                    logger.event({"kind": "stuck-scale", "step": self.step, "message": warning})
-            if self.monitor is not None and self.monitor.should_sample(self.step):
-                logger.log_numerics(self.monitor.last_rows)
-            do_eval = val_loader is not None and (
-                (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
-            if do_eval:
-                last_val = self.evaluate(val_loader, cfg.eval_batches)
-            if self.step % cfg.log_interval == 0 or self.step == total or do_eval:
-                # One host sync per logged interval: the losses of the interval come back together.
-                losses = torch.stack(window).tolist()
-                loss = self.strategy.reduce_mean(sum(losses) / len(losses))
-                elapsed = time.perf_counter() - t_window
-                tps = tokens_window * self.strategy.world_size / elapsed
-                logger.log(self.step, epoch=self.epoch, loss=loss, val_loss=last_val if do_eval else None,
-                           lr=self.scheduler.get_last_lr()[0], loss_scale=self.scaler.get_scale(),
-                           skipped=int(out.skipped), skipped_total=self.scaler.num_skipped_steps,
-                           grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
-                           tokens_per_s=tps, mfu=tps / self.strategy.world_size * flops_per_token / peak,
-                           peak_mem_mb=_peak_memory_mb(self.device), time_s=elapsed)
-                bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_val:.4f}" if last_val else "-",
-                                scale=f"{self.scaler.get_scale():g}", refresh=False)
-                window, tokens_window, t_window = [], 0, time.perf_counter()
-            if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total:
-                self.save_checkpoint(train_loader)
-            bar.update(1)
+        with self.strategy.guard():  # a lost peer ends the job with one line, not a hang
+            while self.step < total:
+                batches = next(groups)
+                rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skipped step
+                out = self.train_step(batches)
+                self.step += 1
+                if first_step and cfg.audit:
+                    self._report(audit_after_first_step(self.strategy.unwrap(self.model)), logger)
+                    first_step = False
+                last_out = out
+                window.append(out.loss)
+                tokens_window += out.tokens
+                origin = None
+                if out.skipped:
+                    origin = self._on_skip(batches, out, rng, logger)
+                if self.scale_watch is not None:
+                    warning = self.scale_watch.observe(self.step, self.scaler.get_scale(), out.skipped, origin)
+                    if warning:
+                        logger.event({"kind": "stuck-scale", "step": self.step, "message": warning})
+                if self.monitor is not None and self.monitor.should_sample(self.step):
+                    logger.log_numerics(self.monitor.last_rows)
+                do_eval = val_loader is not None and (
+                    (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
+                if do_eval:
+                    last_val = self.evaluate(val_loader, cfg.eval_batches)
+                if self.step % cfg.log_interval == 0 or self.step == total or do_eval:
+                    # One host sync per logged interval: the losses of the interval come back together.
+                    losses = torch.stack(window).tolist()
+                    loss = self.strategy.reduce_mean(sum(losses) / len(losses))
+                    elapsed = time.perf_counter() - t_window
+                    tps = tokens_window * self.strategy.world_size / elapsed
+                    logger.log(self.step, epoch=self.epoch, loss=loss, val_loss=last_val if do_eval else None,
+                               lr=self.scheduler.get_last_lr()[0], loss_scale=self.scaler.get_scale(),
+                               skipped=int(out.skipped), skipped_total=self.scaler.num_skipped_steps,
+                               grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
+                               tokens_per_s=tps, mfu=tps / self.strategy.world_size * flops_per_token / peak,
+                               peak_mem_mb=_peak_memory_mb(self.device), time_s=elapsed)
+                    bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_val:.4f}" if last_val else "-",
+                                    scale=f"{self.scaler.get_scale():g}", refresh=False)
+                    window, tokens_window, t_window = [], 0, time.perf_counter()
+                if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total:
+                    self.save_checkpoint(train_loader)
+                bar.update(1)
         bar.close()
         logger.close()
         final_loss = float(last_out.loss) if last_out is not None else None
