@@ -67,11 +67,14 @@ def _cpu_model() -> str:
 
 
 def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
-               use_cache: bool = True) -> float:
+               use_cache: bool = True, refresh: bool = False) -> float:
     """Measured GEMM FLOP/s for ``dtype`` on ``device``, cached on disk after the first call.
 
     Sizes adapt to the hardware: the matrix grows until one product takes a few milliseconds, so
-    an emulated BF16 GEMM on a CPU does not take minutes to measure.
+    an emulated BF16 GEMM on a CPU does not take minutes to measure. The best of three runs at that
+    size counts. A measurement taken while other jobs share the machine comes out low, so
+    ``refresh=True`` measures again and keeps the higher of the new and the cached value (the
+    trainer does this when it sees an MFU above 100%).
     """
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -83,7 +86,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
             cached = json.loads(path.read_text())
         except (OSError, ValueError):
             cached = {}
-        if key in cached:
+        if key in cached and not refresh:
             return float(cached[key])
     n, best = 256, 0.0
     while True:
@@ -92,8 +95,11 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
         if 2.0 * n**3 / flops > 0.02 or n >= 4096:  # one product takes > 20 ms: big enough
             break
         n *= 2
+    for _ in range(2):  # best of three at the final size: noise only ever slows a GEMM down
+        best = max(best, matmul_flops(dtype, device, n=n, min_time=0.1))
     if use_cache:
-        cached[key] = best
+        cached[key] = max(best, float(cached.get(key, 0.0)))
+        best = cached[key]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")

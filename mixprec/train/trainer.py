@@ -116,6 +116,7 @@ class Trainer:
         self.run_dir: Path | None = None
         self.fp8_report = None
         self._loader_resumed = False
+        self._peak_refreshed = False
         self.monitor = None
         self.scale_watch = None
 
@@ -434,11 +435,17 @@ class Trainer:
                     loss = self.strategy.reduce_mean(sum(losses) / len(losses))
                     elapsed = time.perf_counter() - t_window
                     tps = tokens_window * self.strategy.world_size / elapsed
+                    mfu = tps / self.strategy.world_size * flops_per_token / peak
+                    if mfu > 1.0 and not self._peak_refreshed:
+                        # The cached peak was measured on a busy machine: measure it again.
+                        self._peak_refreshed = True
+                        peak = peak_flops(self.policy.compute_dtype, self.device, refresh=True)
+                        mfu = tps / self.strategy.world_size * flops_per_token / peak
                     logger.log(self.step, epoch=self.epoch, loss=loss, val_loss=last_val if do_eval else None,
                                lr=self.scheduler.get_last_lr()[0], loss_scale=self.scaler.get_scale(),
                                skipped=int(out.skipped), skipped_total=self.scaler.num_skipped_steps,
                                grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
-                               tokens_per_s=tps, mfu=tps / self.strategy.world_size * flops_per_token / peak,
+                               tokens_per_s=tps, mfu=mfu,
                                peak_mem_mb=_peak_memory_mb(self.device), time_s=elapsed)
                     bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_val:.4f}" if last_val else "-",
                                     scale=f"{self.scaler.get_scale():g}", refresh=False)
