@@ -38,7 +38,7 @@ def test_found_inf_is_max_reduced_so_all_ranks_skip_together(tmp_path):
     # fork: the children inherit the imported torch instead of paying for a fresh import each
     mp.start_processes(_worker, args=(2, init_file, result_file), nprocs=2, join=True,
                        start_method="fork")
-    logs = [torch.load(f"{result_file}.{r}") for r in range(2)]
+    logs = [torch.load(f"{result_file}.{r}", weights_only=True) for r in range(2)]
     assert logs[0] == logs[1]
     scales, skipped, params = zip(*logs[0])
     assert scales == (256.0, 128.0, 128.0, 256.0)
