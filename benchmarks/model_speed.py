@@ -14,7 +14,7 @@ one process, contenders alternating, ``--repeats`` rounds after a warm-up; media
 Memory: each configuration runs in a fresh subprocess (so no earlier peak hides this one). The
 subprocess builds the model, allocates zeroed gradients, does a tiny no-grad forward to load the
 kernels, records its resident set size, then runs one forward + backward; the activation peak is
-``ru_maxrss`` minus that baseline (with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed activations leave
+peak RSS (``VmHWM``, not ``ru_maxrss``) minus that baseline (with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed activations leave
 the RSS; see ``memory()``). It also reports the bytes autograd saved for backward. On a GPU the same run reports ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
@@ -121,6 +121,20 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_bytes() -> int:
+    """Peak RSS of this process image: ``VmHWM`` (per address space, fresh after exec).
+
+    Not ``ru_maxrss``: Linux carries the parent's peak RSS across fork + exec into the child's
+    ``ru_maxrss``, so a child started by a parent that had run the gpt-ref speed test (RSS ~1.6 GB,
+    ``all``) reported that parent's peak for both configurations.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def memory_child(ckpt: bool, L, d, h, V, T, B) -> dict:
     """Runs inside a fresh process: one forward + backward, peak memory above the baseline."""
     torch.manual_seed(0)
@@ -151,7 +165,7 @@ def memory_child(ckpt: bool, L, d, h, V, T, B) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = _peak_rss_bytes()
     res = {"checkpointing": ckpt, "device": device, "step_s": round(elapsed, 3),
            "baseline_rss_mb": round(base / 2**20, 1), "activation_peak_mb": round((peak - base) / 2**20, 1),
            "autograd_saved_mb": round(saved[0] / 2**20, 1)}
