@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.distributed
 
@@ -48,3 +49,18 @@ def test_torchrun_two_processes_train_and_resume(tmp_path):
     assert proc.stderr.count("[mixprec] done: 6 steps") == 1
     with open(run / "metrics.csv", newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_torchrun_fsdp_bf16_mixed_trains_and_saves_full_weights(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).resolve().parents[2].joinpath("README.md").read_text() * 4)
+    run = tmp_path / "run"
+    proc = torchrun("model=tiny", f"data={corpus}", "seq_len=32", "batch_size=4", "max_steps=2",
+                    "log_interval=1", "eval_interval=0", "eval_batches=2", "progress=false",
+                    "audit=false", "strategy=fsdp", "--precision", "bf16-mixed", f"run_dir={run}")
+    assert "x 2 (FSDPStrategy)" in proc.stderr
+    from safetensors.torch import load_file
+    weights = load_file(str(run / "checkpoints" / "step-00000002" / "model.safetensors"))
+    # Full (unsharded) FP32 tensors: the FP32 shards are the master weights under FSDP2.
+    assert weights["blocks.0.attn.qkv.weight"].shape == (192, 64)
+    assert all(t.dtype == torch.float32 for t in weights.values())
