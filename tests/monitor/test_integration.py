@@ -113,9 +113,21 @@ def test_audit_of_a_correct_fp16_setup_is_clean(monkeypatch):
     assert {"no-master-weights", "fp16-without-loss-scaler"} <= codes
 
 
-def test_audit_flags_norms_cast_to_fp16_by_fp16_params(monkeypatch):
+def test_fp16_params_keep_transformer_norms_fp32_so_the_audit_stays_silent(monkeypatch):
     model = _model()
-    AdamW(model.parameters(), lr=1e-3, fp16_params=True)  # converts *every* param, norms included
+    AdamW(model.parameters(), lr=1e-3, fp16_params=True)  # norms/router are tagged keep_in_fp32
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if ".ln" in n or "ln_f" in n)
+    monkeypatch.setattr(audit_mod, "cpu_has_native_fp16", lambda: True)
+    found = audit(model, policy="16-true", scaler=GradScaler(device="cpu"), device="cpu")
+    assert found == []
+
+
+def test_audit_flags_norms_cast_to_fp16_by_hand(monkeypatch):
+    model = _model()
+    for m in model.modules():
+        if m.__class__.__name__.endswith("LayerNorm"):
+            m.half()
+    AdamW(model.parameters(), lr=1e-3, fp16_params=True)
     monkeypatch.setattr(audit_mod, "cpu_has_native_fp16", lambda: True)
     found = audit(model, policy="16-true", scaler=GradScaler(device="cpu"), device="cpu")
     assert [f.code for f in found] == ["half-precision-norm"]  # eps is fine: these norms upcast
