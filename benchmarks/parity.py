@@ -9,7 +9,6 @@ final validation loss of each mode, its difference from 32-true, and its tokens/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import platform
 import statistics
 import sys

@@ -7,7 +7,6 @@ to find parameters that receive no gradient. Exit status 1 when a finding is an 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 

@@ -24,18 +24,18 @@ import torch
 from torch import nn
 
 from mixprec.amp import GradScaler, clip_grad_norm_
-from mixprec.errors import CheckpointError, ConfigError
-from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step, format_findings
+from mixprec.errors import ConfigError
+from mixprec.monitor import NumericsMonitor, ScaleWatch, audit_after_first_step
 from mixprec.monitor.trace import capture_rng_state
 from mixprec.optim import AdamW
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy, autocast, cast_module, get_policy
-from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.peak import peak_flops
 from mixprec.strategies import Strategy, get_strategy
-from mixprec.train import checkpoint as ckpt
 from mixprec.train.config import FitConfig, config_to_toml
+from mixprec.train.events import RunEventsMixin
 from mixprec.train.metrics import MetricsLogger
+from mixprec.train.resume import CheckpointMixin
 from mixprec.train.schedule import warmup_cosine_scheduler
 
 __all__ = ["Trainer", "fit", "FitResult", "StepOutput"]
@@ -85,7 +85,7 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-class Trainer:
+class Trainer(CheckpointMixin, RunEventsMixin):
     """Trains any ``nn.Module`` whose forward returns a loss (or with ``loss_fn``)."""
 
     def __init__(self, model: nn.Module, *, config: FitConfig | None = None,
@@ -276,59 +276,6 @@ class Trainer:
                               "smaller batch_size/seq_len")
         return self.strategy.reduce_mean(total / count)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _train_state(self, loader: Any) -> dict[str, Any]:
-        cfg = dataclasses.asdict(self.config)
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "policy": self.policy.spec(),
-            "optimizer": self.strategy.optimizer_state_dict(self.model, self.optimizer),
-            "scaler": self.scaler.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": ckpt.capture_rng_state(),
-            "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
-            "strategy": self.strategy.state_dict() if hasattr(self.strategy, "state_dict") else None,
-            "config": {k: v for k, v in cfg.items() if v is not None},
-        }
-
-    def save_checkpoint(self, loader: Any) -> Path | None:
-        state = self._train_state(loader)            # collectives (FSDP) run on every rank
-        model_state = self.strategy.model_state_dict(self.model)
-        path = None
-        if self.strategy.is_main and self.run_dir is not None:
-            path = ckpt.save_checkpoint(self.run_dir, self.step, model_state=model_state,
-                                        train_state=state, keep_last=self.config.keep_last)
-        self.strategy.barrier()
-        return path
-
-    def load_checkpoint(self, path: str | Path, loader: Any) -> None:
-        model_state, state, _meta = ckpt.load_checkpoint(path)
-        if state.get("policy") != self.policy.spec():
-            raise CheckpointError(
-                f"checkpoint {path} was trained with precision {state.get('policy')}, this run uses "
-                f"{self.policy.spec()}; resume with the same --precision")
-        try:
-            self.strategy.load_model_state_dict(self.model, model_state)
-        except (RuntimeError, KeyError) as e:
-            lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
-            first = " ".join(lines[:2])[:240]
-            raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
-                                  "the model settings it was saved with") from None
-        self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(state["loader"])
-            self._loader_resumed = True
-            # The loader moves to the next epoch as soon as it hands out an epoch's last batch.
-            self.epoch = int(state["loader"].get("epoch", self.epoch))
-        if state.get("strategy") is not None and hasattr(self.strategy, "load_state_dict"):
-            self.strategy.load_state_dict(state["strategy"])
-        ckpt.restore_rng_state(state["rng"])
-
     # ------------------------------------------------------------------ the loop
 
     def _micro_batches(self, loader: Any) -> Iterator[list[Batch]]:
@@ -458,55 +405,6 @@ class Trainer:
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.scaler.num_skipped_steps, final_loss,
                          last_val, self.policy.name)
-
-    def _log_start(self, total: int, logger: MetricsLogger) -> None:
-        if not self.strategy.is_main:
-            return
-        params = sum(p.numel() for p in self.strategy.unwrap(self.model).parameters())
-        lines = [f"precision: {self.policy.describe()}",
-                 f"device: {self.device} x {self.strategy.world_size} ({type(self.strategy).__name__})",
-                 f"model: {params / 1e6:.2f}M parameters; steps: {self.step} -> {total}; "
-                 f"peak-FLOPs dtype for MFU: {dtype_name(self.policy.compute_dtype)}",
-                 f"run folder: {self.run_dir}"]
-        if self.fp8_report is not None:
-            lines.append(f"fp8: {self.fp8_report}")
-        for line in lines:
-            print(f"[mixprec] {line}", file=sys.stderr)
-        logger.event({"kind": "start", "step": self.step, "message": "; ".join(lines)})
-
-    def _on_skip(self, batches: list[Batch], out: StepOutput, rng: Any,
-                 logger: MetricsLogger) -> str | None:
-        """Log a skipped step, traced to the layer that produced the inf/NaN when enabled."""
-        after = self.scaler.get_scale()
-        event = self.trace_nonfinite(batches, out, rng) if self.config.trace_nonfinite else None
-        if event is not None:
-            msg = event.message(self.step, out.scale_before, after)
-            record = {**event.to_dict(), "kind": "skip", "loss_scale_before": out.scale_before,
-                      "loss_scale_after": after, "message": msg}
-        else:
-            msg = (f"step {self.step} skipped: non-finite gradients "
-                   f"({dtype_name(self.policy.compute_dtype)}) — loss scale {out.scale_before:g} -> {after:g}")
-            record = {"kind": "skip", "step": self.step, "loss_scale_before": out.scale_before,
-                      "loss_scale_after": after, "message": msg}
-        logger.event(record)
-        if self.strategy.is_main and self.config.progress:
-            from tqdm import tqdm
-            tqdm.write(f"[mixprec] {msg}", file=sys.stderr)
-        return event.module if event is not None else None
-
-    def _audit(self, logger: MetricsLogger) -> None:
-        findings = audit(self.strategy.unwrap(self.model), policy=self.policy,
-                         optimizer=self.optimizer, scaler=self.scaler, device=self.device)
-        self._report(findings, logger)
-
-    def _report(self, findings: list, logger: MetricsLogger) -> None:
-        if not findings or not self.strategy.is_main:
-            return
-        print(format_findings(findings), file=sys.stderr)
-        for f in findings:
-            logger.event({"kind": "audit", "step": self.step, "code": f.code,
-                          "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})
-
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,
         epochs: int | None = None, strategy: Strategy | str | None = None,
