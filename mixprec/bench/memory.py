@@ -270,7 +270,12 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
     if args.model == "moe-67b":
         shape = MOE_67B
     else:
-        from mixprec.models.config import get_model_config
+        from mixprec.errors import ConfigError, closest
+        from mixprec.models.config import MODEL_PRESETS, get_model_config
+        if args.model.strip().lower() not in MODEL_PRESETS:
+            valid = [*MODEL_PRESETS, "moe-67b"]
+            raise ConfigError(f"unknown model '{args.model}'{closest(args.model, valid)}; valid: "
+                              f"{', '.join(valid)}")
         shape = ModelShape.from_config(get_model_config(args.model))
     changes = {k: v for k, v in (("num_experts", args.moe), ("num_layers", args.layers),
                                  ("d_model", args.d_model)) if v is not None}
