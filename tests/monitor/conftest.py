@@ -59,6 +59,12 @@ class TinyNet(nn.Module):
 
 
 @pytest.fixture
+def inf_grad():
+    """``inf_grad(x)``: identity forward whose backward gradient is +inf."""
+    return InfGrad.apply
+
+
+@pytest.fixture
 def tiny():
     torch.manual_seed(0)
     return TinyNet()

@@ -12,18 +12,6 @@ from mixprec.precision import cast_module, get_policy
 audit_mod = importlib.import_module("mixprec.monitor.audit")  # the module, not the function
 
 
-class InfGrad(torch.autograd.Function):
-    """Identity forward; +inf gradient backward (a seeded backward fault)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.full_like(g, float("inf"))
-
-
 def _model():
     torch.manual_seed(0)
     return Transformer(num_layers=2, d_model=32, num_heads=2, vocab_size=64, max_seq_len=16)
@@ -62,14 +50,14 @@ def test_skipped_step_is_traced_and_logged_like_the_trainer_would():
     assert watch.observe(0, scaler.get_scale(), True, ev.module) is None
 
 
-def test_backward_fault_in_attention_is_found_in_the_transformer():
+def test_backward_fault_in_attention_is_found_in_the_transformer(inf_grad):
     model = _model()
     x, y = _batch()
     proj = model.blocks[0].attn
     target = next(n for n, m in proj.named_modules() if isinstance(m, torch.nn.Linear))
     lin = proj.get_submodule(target)
     forward = lin.forward
-    lin.forward = lambda inp: forward(InfGrad.apply(inp))  # this Linear's input-gradient becomes inf
+    lin.forward = lambda inp: forward(inf_grad(inp))  # this Linear's input-gradient becomes inf
     ev = locate_nonfinite(model, lambda: model(x, y)[1].backward())
     del lin.forward
     assert (ev.module, ev.direction, ev.tensor) == (f"blocks.0.attn.{target}", "backward", "grad_input")
@@ -133,14 +121,14 @@ def test_audit_flags_norms_cast_to_fp16_by_hand(monkeypatch):
     assert [f.code for f in found] == ["half-precision-norm"]  # eps is fine: these norms upcast
 
 
-def test_tracing_survives_activation_checkpointing():
+def test_tracing_survives_activation_checkpointing(inf_grad):
     torch.manual_seed(0)
     model = Transformer(num_layers=2, d_model=32, num_heads=2, vocab_size=64, max_seq_len=16,
                         gradient_checkpointing=True)
     x, y = _batch()
     fc = model.blocks[1].mlp.fc
     forward = fc.forward
-    fc.forward = lambda inp: forward(InfGrad.apply(inp))
+    fc.forward = lambda inp: forward(inf_grad(inp))
     ev = locate_nonfinite(model, lambda: model(x, y)[1].backward())
     del fc.forward
     assert (ev.module, ev.direction, ev.tensor) == ("blocks.1.mlp.fc", "backward", "grad_input")
