@@ -187,9 +187,9 @@ def estimate_memory(shape: ModelShape, precision: str, *, batch: int, seq: int, 
     ``batch`` is the micro-batch per device; ``shards`` > 1 divides every state (parameters,
     gradients, masters, moments) as FSDP / ZeRO-3 does; activations are per device.
     """
-    from mixprec.precision import get_policy
+    from mixprec.engine import Precision
     from mixprec.precision.dtypes import parse_dtype
-    policy = get_policy(precision)
+    policy = precision if isinstance(precision, Precision) else Precision(precision)
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:
@@ -204,16 +204,16 @@ def estimate_memory(shape: ModelShape, precision: str, *, batch: int, seq: int, 
     pb, cb = _BYTES[policy.param_dtype], _BYTES[policy.compute_dtype]
     params = low_p * pb + norm_params * 4
     grads = params
-    masters = low_p * 4 if policy.master_weights and pb < 4 else 0
+    masters = low_p * 4 if policy.keeps_masters else 0
     master_grads = masters
     per_moment = _BYTES[mdt]
     moments = (2 * per_moment * P) if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
     # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks.
     scratch = 4 * P if optimizer == "adamw" else 0
-    copies = shape.matmul_weights() * cb if (policy.is_mixed and pb > cb) else 0
+    copies = shape.matmul_weights() * cb if policy.autocast_copies_weights else 0
     tokens = batch * seq
-    residual = pb if policy.low_precision_params else 4
+    residual = pb if policy.stores_low_precision else 4
     kept, recompute = activation_bytes_per_token(shape, cb, residual_bytes=residual, checkpointing=checkpointing)
     d, V = shape.d_model, shape.vocab_size
     head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids

@@ -122,10 +122,10 @@ def _mixprec(mode: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False)
     trainer = Trainer(model, config=fit, strategy="single")
-    trainer._prepare(total_steps=10**6)
+    trainer.prepare(total_steps=10**6)
     trainer.model.train()
     batch = [(x, y)]
-    return Contender(mode, trainer.policy.compute_dtype, lambda: trainer.train_step(batch))
+    return Contender(mode, trainer.precision.compute_dtype, lambda: trainer.train_step(batch))
 
 
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:

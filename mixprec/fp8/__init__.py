@@ -2,7 +2,8 @@
 blockwise scaling; real FP8 GEMMs through ``torch._scaled_mm`` on GPUs with FP8 tensor cores,
 faithful emulation elsewhere.
 
-Importing this package registers the ``fp8-*`` precision policies. Their non-FP8 compute dtype is
+The ``fp8-*`` precision policies are declared with the other presets in
+:mod:`mixprec.precision.policy`; :class:`mixprec.Precision` applies them. Their non-FP8 compute dtype is
 BF16 (attention, norms' surroundings, the head: what DeepSeek-V3 runs outside its FP8 GEMMs) with
 FP32 parameters (master weights) and FP32 gradient reduction. The FP8 GEMMs themselves do not use
 the compute dtype: emulation runs them in FP32 after FP8 rounding. On CPUs without BF16
@@ -14,9 +15,6 @@ from mixprec.fp8.convert import Fp8ConversionReport, convert_to_fp8, prepare_fp8
 from mixprec.fp8.emulation import emulated_mm, limited_precision_matmul, round_mantissa
 from mixprec.fp8.linear import Fp8Linear, fp8_gemm
 from mixprec.fp8.quantize import Fp8Tensor, compute_amax, dequantize, quantize, scale_from_amax, sqnr_db
-from mixprec.precision.policy import FP8_RECIPES, Policy, register_fp8_preset
-
-import torch as _torch
 
 __all__ = [
     # configuration
@@ -29,8 +27,3 @@ __all__ = [
     "fp8_gemm", "emulated_mm", "limited_precision_matmul", "round_mantissa",
 ]
 
-for _name in FP8_RECIPES:
-    register_fp8_preset(Policy(name=_name, param_dtype=_torch.float32, compute_dtype=_torch.bfloat16,
-                               output_dtype=_torch.float32, reduce_dtype=_torch.float32,
-                               fp8_recipe=_name.removeprefix("fp8-")))
-del _name

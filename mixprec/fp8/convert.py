@@ -16,7 +16,8 @@ from mixprec.errors import ConfigError
 from mixprec.fp8.config import Fp8Config
 from mixprec.fp8.linear import Fp8Linear
 from mixprec.precision import hardware
-from mixprec.precision.policy import _NORM_TYPES, Policy
+from mixprec.precision.exempt import is_norm
+from mixprec.precision.policy import Policy
 
 __all__ = ["convert_to_fp8", "prepare_fp8", "Fp8ConversionReport", "HEAD_NAMES", "GATE_NAMES"]
 
@@ -98,7 +99,7 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         if isinstance(module, nn.Embedding):
             report.skipped.append((name, "embedding (kept in high precision)"))
             continue
-        if isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower():
+        if is_norm(module):
             report.skipped.append((name, "normalization layer (kept in high precision)"))
             continue
         if not isinstance(module, nn.Linear) or isinstance(module, Fp8Linear):

@@ -42,21 +42,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec.engine import Precision
 from mixprec.errors import ConfigError
-from mixprec.precision.autocast import autocast
 from mixprec.precision.dtypes import dtype_name, format_info
+from mixprec.precision.exempt import TORCH_NORM_TYPES as _NORM_TYPES
+from mixprec.precision.exempt import is_norm as _is_norm
 from mixprec.precision.hardware import bf16_is_fast, cpu_has_native_fp16, cuda_supports_fp8
-from mixprec.precision.policy import Policy, get_policy
+from mixprec.precision.policy import Policy
 
 __all__ = ["Finding", "audit", "audit_after_first_step", "format_findings"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _SEVERITIES = ("error", "warning", "info")
 _GATE_NAMES = {"gate", "router", "gating", "gate_network"}
-_NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
-    t for t in (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
-                nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, getattr(nn, "RMSNorm", None))
-    if t is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,23 +80,16 @@ def _names(names: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """PyTorch's norm layers, and any class named ``...Norm`` (RMSNorm, LlamaRMSNorm, ...)."""
-    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith("Norm")
-
-
 def _is_gate(fqn: str, module: nn.Module) -> bool:
     cls = type(module).__name__
     return fqn.rpartition(".")[2].lower() in _GATE_NAMES or cls.endswith(("Gate", "Router"))
 
 
-def _effective_dtype(fqn: str, module: nn.Module, p: torch.Tensor, policy: Policy) -> torch.dtype:
-    """The dtype ``p`` trains in: as stored if already 16-bit, else what the policy will cast it to."""
+def _effective_dtype(fqn: str, module: nn.Module, p: torch.Tensor, precision: Precision) -> torch.dtype:
+    """The dtype ``p`` trains in: as stored if already 16-bit, else what the precision casts it to."""
     if p.dtype in _LOW or not p.is_floating_point():
         return p.dtype
-    if policy.low_precision_params and not policy.keeps_fp32(fqn, module):
-        return policy.param_dtype
-    return p.dtype
+    return precision.param_dtype_for(fqn, module)
 
 
 def _scaler_enabled(scaler) -> bool:
@@ -109,7 +100,7 @@ def _scaler_enabled(scaler) -> bool:
     return bool(getattr(scaler, "enabled", True))
 
 
-def _module_dtype(fqn: str, module: nn.Module, policy: Policy) -> torch.dtype | None:
+def _module_dtype(fqn: str, module: nn.Module, policy: Precision) -> torch.dtype | None:
     ps = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
     if not ps:
         return None
@@ -117,7 +108,7 @@ def _module_dtype(fqn: str, module: nn.Module, policy: Policy) -> torch.dtype | 
     return min(dts, key=lambda d: format_info(d).mantissa_bits)
 
 
-def _check_params(model: nn.Module, policy: Policy, optimizer, findings: list[Finding]) -> None:
+def _check_params(model: nn.Module, policy: Precision, optimizer, findings: list[Finding]) -> None:
     low: list[str] = []
     hand_cast: list[str] = []
     low_ids: set[int] = set()
@@ -129,7 +120,7 @@ def _check_params(model: nn.Module, policy: Policy, optimizer, findings: list[Fi
             if _effective_dtype(fqn, module, p, policy) in _LOW:
                 low.append(name)
                 low_ids.add(id(p))
-            if p.dtype in _LOW and not policy.low_precision_params and policy.is_mixed:
+            if p.dtype in _LOW and not policy.stores_low_precision and policy.autocasts:
                 hand_cast.append(name)
     if low:
         if optimizer is not None and not hasattr(optimizer, "master_grads"):
@@ -143,7 +134,7 @@ def _check_params(model: nn.Module, policy: Policy, optimizer, findings: list[Fi
                             "smaller than half a 16-bit ULP are lost",
                     fix="use mixprec.optim.AdamW(..., fp16_params=True) or mixprec.optim.MasterWeights("
                         "torch.optim.X, params), or keep the parameters in fp32 ('16-mixed'/'bf16-mixed')"))
-        elif optimizer is None and policy.low_precision_params and not policy.master_weights:
+        elif optimizer is None and policy.loses_small_updates:
             findings.append(Finding(
                 code="no-master-weights", severity="error",
                 message=f"policy {policy} stores parameters in {dtype_name(policy.param_dtype)} with "
@@ -161,7 +152,7 @@ def _check_params(model: nn.Module, policy: Policy, optimizer, findings: list[Fi
                 "'16-true'/'bf16-true' presets, which keep fp32 masters in the optimizer"))
 
 
-def _check_scaler(model: nn.Module, policy: Policy, scaler, findings: list[Finding]) -> None:
+def _check_scaler(model: nn.Module, policy: Precision, scaler, findings: list[Finding]) -> None:
     fp16_params = any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad)
     if torch.float16 not in (policy.compute_dtype, policy.param_dtype) and not fp16_params:
         return
@@ -175,7 +166,7 @@ def _check_scaler(model: nn.Module, policy: Policy, scaler, findings: list[Findi
         fix="use mixprec.amp.GradScaler.from_policy(policy) (dynamic loss scaling), or train in bf16"))
 
 
-def _check_layers(model: nn.Module, policy: Policy, findings: list[Finding]) -> None:
+def _check_layers(model: nn.Module, policy: Precision, findings: list[Finding]) -> None:
     norms: list[str] = []
     gates: list[str] = []
     for fqn, module in model.named_modules():
@@ -238,9 +229,9 @@ def _check_hardware(policy: Policy, device: torch.device, findings: list[Finding
             fix="use '32-true' on this CPU"))
 
 
-def _check_loss(loss_fn: Callable[[], torch.Tensor], policy: Policy, device: torch.device,
+def _check_loss(loss_fn: Callable[[], torch.Tensor], precision: Precision,
                 findings: list[Finding]) -> None:
-    with torch.no_grad(), autocast(policy, device_type=device.type):
+    with torch.no_grad(), precision.autocast():
         loss = loss_fn()
     if not isinstance(loss, torch.Tensor):
         raise ConfigError(f"audit loss_fn must return the loss tensor, got {type(loss).__name__}")
@@ -258,22 +249,32 @@ def _check_loss(loss_fn: Callable[[], torch.Tensor], policy: Policy, device: tor
             fix="find the layer with mixprec.monitor.locate_nonfinite(model, step_fn); check inputs and init"))
 
 
-def audit(model: nn.Module, *, policy: Policy | str | bool, optimizer=None, scaler=None,
+def audit(model: nn.Module, *, policy: Policy | str | bool | None = None,
+          precision: Precision | None = None, optimizer=None, scaler=None,
           loss_fn: Callable[[], torch.Tensor] | None = None,
           device: torch.device | str | None = None) -> list[Finding]:
-    """Return everything that looks wrong with this precision setup, errors first (see module doc)."""
-    policy = get_policy(policy)
+    """Return everything that looks wrong with this precision setup, errors first (see module doc).
+
+    Pass the run's :class:`~mixprec.Precision` (its scaler is then the one checked), or a
+    ``policy`` with the ``scaler`` you use.
+    """
     if device is None:
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
     device = torch.device(device)
+    if precision is None:
+        if policy is None:
+            raise ConfigError("audit() needs the precision (a mixprec.Precision) or a policy name")
+        precision = Precision(policy, device=device)
+    elif scaler is None:
+        scaler = precision.scaler
     findings: list[Finding] = []
-    _check_params(model, policy, optimizer, findings)
-    _check_scaler(model, policy, scaler, findings)
-    _check_layers(model, policy, findings)
-    _check_hardware(policy, device, findings)
+    _check_params(model, precision, optimizer, findings)
+    _check_scaler(model, precision, scaler, findings)
+    _check_layers(model, precision, findings)
+    _check_hardware(precision.policy, device, findings)
     if loss_fn is not None:
-        _check_loss(loss_fn, policy, device, findings)
+        _check_loss(loss_fn, precision, findings)
     return sorted(findings, key=lambda f: _SEVERITIES.index(f.severity))
 
 

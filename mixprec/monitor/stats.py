@@ -41,8 +41,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mixprec.errors import ConfigError
-from mixprec.precision.dtypes import FP8_E4M3, FP8_E5M2, dtype_name, format_info, parse_dtype
-from mixprec.precision.policy import Policy, get_policy
+from mixprec.engine import Precision
+from mixprec.precision.dtypes import dtype_name, format_info, parse_dtype
+from mixprec.precision.policy import Policy
 
 __all__ = ["NumericsRow", "NUMERICS_COLUMNS", "NumericsMonitor", "Sample", "range_counts", "ulp",
            "update_counts"]
@@ -182,7 +183,7 @@ class NumericsMonitor:
     """
 
     def __init__(self, model: nn.Module, *, every: int = 100,
-                 compute_dtype: torch.dtype | str | Policy = torch.float16,
+                 compute_dtype: torch.dtype | str | Policy | Precision = torch.float16,
                  grad_dtype: torch.dtype | str | None = None,
                  module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> None:
         if not isinstance(every, int) or every < 1:
@@ -190,9 +191,10 @@ class NumericsMonitor:
         try:
             act = grad = parse_dtype(compute_dtype)  # type: ignore[arg-type]
         except (ConfigError, AttributeError):
-            policy = get_policy(compute_dtype)  # a Policy or a policy name ("16-mixed", "p=f32,c=bf16")
-            act = FP8_E4M3 if policy.fp8_recipe else policy.compute_dtype
-            grad = FP8_E5M2 if policy.fp8_recipe else policy.compute_dtype
+            # A Precision, a Policy or a policy name ("16-mixed", "p=f32,c=bf16"): FP8 modes check
+            # activations against E4M3 and gradients against E5M2.
+            precision = compute_dtype if isinstance(compute_dtype, Precision) else Precision(compute_dtype)
+            act, grad = precision.activation_format, precision.gradient_format
         self.act_dtype: torch.dtype = act
         self.grad_dtype: torch.dtype = parse_dtype(grad_dtype) if grad_dtype is not None else grad
         format_info(self.act_dtype), format_info(self.grad_dtype)  # validate: floating formats only

@@ -2,12 +2,13 @@
 from mixprec.precision.autocast import autocast
 from mixprec.precision.dtypes import FP8_E4M3, FP8_E5M2, FormatInfo, dtype_name, format_info, parse_dtype
 from mixprec.precision.hardware import bf16_is_fast, cpu_has_native_bf16, cuda_supports_fp8, default_device
+from mixprec.precision.exempt import is_norm
 from mixprec.precision.policy import (ALIASES, FP8_RECIPES, PRESETS, Policy, cast_module, get_policy,
-                                      register_fp8_preset, mark_fp32_params)
+                                      mark_fp32_params)
 
 __all__ = [
     # policy
-    "Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES", "register_fp8_preset",
+    "Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES", "is_norm",
     # autocast
     "autocast",
     # dtype facts

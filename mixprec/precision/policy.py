@@ -8,17 +8,18 @@ A :class:`Policy` names four dtypes and the modules exempt from them:
 * ``output_dtype``  what the model's outputs are cast to (the loss is always computed in FP32),
 * ``reduce_dtype``  what gradients are reduced in across ranks.
 
-Modules whose parameters must stay in FP32 (norms, MoE gates, ...) are found three ways: by type
-(``keep_fp32_types``), by qualified-name pattern (``keep_fp32_names``, ``fnmatch`` syntax), or
-because the module itself says so with a truthy ``keep_in_fp32`` attribute.
+Which modules keep FP32 parameters has one definition, :meth:`Policy.keeps_fp32` (see
+:mod:`mixprec.precision.exempt`): norm layers (torch's and any that look and behave like one),
+modules with a truthy ``keep_in_fp32``, ``keep_fp32_names`` patterns and ``keep_fp32_types``.
 
-Everything else in mixprec reads the policy; nothing decides precision on its own.
+A policy is data. :class:`mixprec.Precision` (``mixprec/engine/precision.py``) is the one place
+that turns it into decisions: casting, masters, loss scaling, FP8, what strategies need.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,17 +27,16 @@ from torch import nn
 from mixprec.errors import ConfigError, closest
 from mixprec.precision import hardware
 from mixprec.precision.dtypes import dtype_name, parse_dtype
+from mixprec.precision.exempt import is_norm
 
-__all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES",
-           "register_fp8_preset"]
+__all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES"]
 
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
 _LOW = (_BF16, _F16)
 
-_NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
-    t for t in (nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
-                getattr(nn, "RMSNorm", None)) if t is not None
-)
+FP8_RECIPES: tuple[str, ...] = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise")
+"""Policy names of the FP8 recipes; ``fp8_recipe`` is the part after ``fp8-``
+(``mixprec.fp8.Fp8Config.from_recipe`` builds the recipe itself)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,8 +61,11 @@ class Policy:
     """Let FP32 matmuls run on TF32 tensor cores (CUDA Ampere and newer)."""
     fp8_recipe: str | None = None
     """Name of an FP8 recipe (``mixprec.fp8.Fp8Config.from_recipe``) for Linear layers, or None."""
-    keep_fp32_types: tuple[type[nn.Module], ...] = field(default=_NORM_TYPES)
-    """Module types whose own parameters stay FP32 (by default: the norm layers)."""
+    keep_norms_fp32: bool = True
+    """Norm layers (torch's and any that look like one, :func:`mixprec.precision.exempt.is_norm`)
+    keep FP32 parameters."""
+    keep_fp32_types: tuple[type[nn.Module], ...] = ()
+    """Further module types whose own parameters stay FP32."""
     keep_fp32_names: tuple[str, ...] = ()
     """``fnmatch`` patterns of qualified module names whose parameters stay FP32."""
 
@@ -82,6 +85,12 @@ class Policy:
             raise ConfigError(f"param dtype {dtype_name(self.param_dtype)} with compute dtype "
                               f"{dtype_name(self.compute_dtype)} casts between two 16-bit formats "
                               "on every use; pick one of them for both, or keep params in fp32")
+        recipes = [r.removeprefix("fp8-") for r in FP8_RECIPES]
+        if self.fp8_recipe is not None:   # "fp8-blockwise" and "blockwise" name the same recipe
+            object.__setattr__(self, "fp8_recipe", str(self.fp8_recipe).removeprefix("fp8-"))
+        if self.fp8_recipe is not None and self.fp8_recipe not in recipes:
+            raise ConfigError(f"unknown fp8_recipe '{self.fp8_recipe}'{closest(self.fp8_recipe, recipes)}"
+                              f"; valid: {', '.join(recipes)}")
         object.__setattr__(self, "keep_fp32_types", tuple(self.keep_fp32_types))
         object.__setattr__(self, "keep_fp32_names", tuple(self.keep_fp32_names))
 
@@ -97,10 +106,13 @@ class Policy:
         return self.param_dtype in _LOW
 
     def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
-        """Whether ``module``'s own parameters stay in FP32 under this policy."""
+        """Whether ``module``'s own parameters stay in FP32 under this policy (the one definition:
+        see :mod:`mixprec.precision.exempt`)."""
         if getattr(module, "keep_in_fp32", False):
             return True
-        if isinstance(module, self.keep_fp32_types):
+        if self.keep_norms_fp32 and is_norm(module):
+            return True
+        if self.keep_fp32_types and isinstance(module, self.keep_fp32_types):
             return True
         return any(fnmatch.fnmatchcase(qualified_name, pat) for pat in self.keep_fp32_names)
 
@@ -145,6 +157,8 @@ PRESETS: dict[str, Policy] = {
         # (master_weights=True), because sub-ULP updates are lost otherwise.
         Policy(name="bf16-true", param_dtype=_BF16, compute_dtype=_BF16, output_dtype=_BF16),
         Policy(name="16-true", param_dtype=_F16, compute_dtype=_F16, output_dtype=_F16),
+        # FP8 GEMMs in eligible Linear layers; every other op autocasts to BF16, params stay FP32.
+        *(Policy(name=n, compute_dtype=_BF16, fp8_recipe=n.removeprefix("fp8-")) for n in FP8_RECIPES),
     )
 }
 
@@ -154,19 +168,9 @@ ALIASES: dict[str, str] = {
     "bf16": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
     "fp16": "16-mixed", "16": "16-mixed", "mixed_float16": "16-mixed", "16-mixed": "16-mixed",
     "tf32": "tf32", "bf16-true": "bf16-true", "16-true": "16-true", "fp16-true": "16-true",
+    **{n: n for n in FP8_RECIPES},
 }
 
-FP8_RECIPES: tuple[str, ...] = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise")
-"""Policy names reserved for FP8 recipes; they resolve once :mod:`mixprec.fp8` registers them."""
-
-_FP8_PRESETS: dict[str, Policy] = {}
-
-
-def register_fp8_preset(policy: Policy) -> None:
-    """Called by :mod:`mixprec.fp8` to make an ``fp8-*`` name resolvable."""
-    if policy.name not in FP8_RECIPES:
-        raise ConfigError(f"'{policy.name}' is not a reserved FP8 policy name: {FP8_RECIPES}")
-    _FP8_PRESETS[policy.name] = policy
 
 
 _KEYS = {"p": "param_dtype", "param": "param_dtype", "params": "param_dtype",
@@ -191,7 +195,7 @@ def _parse_compact(spec: str) -> Policy:
     r = fields.get("reduce_dtype", _F32)
     for preset in PRESETS.values():
         if (preset.param_dtype, preset.compute_dtype, preset.output_dtype,
-                preset.reduce_dtype) == (p, c, o, r) and not preset.allow_tf32:
+                preset.reduce_dtype) == (p, c, o, r) and not (preset.allow_tf32 or preset.fp8_recipe):
             return preset
     return Policy(param_dtype=p, compute_dtype=c, output_dtype=o, reduce_dtype=r)
 
@@ -231,13 +235,7 @@ def get_policy(name: str | Policy | bool | None = True, *,
         return _parse_compact(key)
     if key in ALIASES:
         return PRESETS[ALIASES[key]]
-    if key in FP8_RECIPES:
-        if key not in _FP8_PRESETS:
-            import mixprec.fp8  # noqa: F401  (registers the fp8 presets when it is available)
-        if key not in _FP8_PRESETS:
-            raise ConfigError(f"precision '{key}' is not yet available in this version of mixprec")
-        return _FP8_PRESETS[key]
-    valid = sorted(set(PRESETS) | set(ALIASES) | set(FP8_RECIPES))
+    valid = sorted(set(PRESETS) | set(ALIASES))
     raise ConfigError(f"unknown precision '{name}'{closest(key, valid)}; valid: {', '.join(valid)}, "
                       "or the compact form 'p=f32,c=bf16,o=f32'")
 

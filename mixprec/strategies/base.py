@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.engine import Precision
 from mixprec.precision import Policy
 
 __all__ = ["Strategy", "current_strategy", "OptimizerLike"]
@@ -61,7 +62,7 @@ class Strategy:
         self.rank = int(rank)
         self.local_rank = int(local_rank)
         self.world_size = int(world_size)
-        self.policy: Policy | None = None
+        self.precision: Precision | None = None
 
     # --- who am I -----------------------------------------------------------------------------
 
@@ -95,16 +96,34 @@ class Strategy:
         finally:
             _CURRENT.reset(token)
 
+    @property
+    def policy(self) -> Policy | None:
+        """The policy of the :class:`~mixprec.Precision` given to :meth:`setup` (or None)."""
+        return self.precision.policy if self.precision is not None else None
+
+    @property
+    def shards_parameters(self) -> bool:
+        """True when :meth:`setup` replaces parameters with shards (FSDP2 across ranks): their FP32
+        shards are then the master weights."""
+        return False
+
+    def _use_precision(self, precision: Precision | Policy | str | None,
+                       policy: Policy | str | None) -> None:
+        choice = precision if precision is not None else policy
+        if choice is not None:
+            self.precision = choice if isinstance(choice, Precision) else Precision(choice, device=self.device)
+
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None, *,
-              policy: Policy | None = None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+              precision: Precision | Policy | str | None = None,
+              policy: Policy | str | None = None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Place and wrap ``model`` for this strategy; return ``(wrapped_model, optimizer)``.
 
         ``optimizer`` may be an optimizer built on ``model.parameters()`` or a factory called
         with the parameters the strategy ends up with (FSDP replaces parameters with sharded
-        ones). ``policy`` tells strategies that can honour it the reduce/param dtypes.
+        ones). ``precision`` (a :class:`~mixprec.Precision`; ``policy`` is the older spelling)
+        tells strategies the reduce dtype and, for FSDP2, the gather dtypes.
         """
-        if policy is not None:
-            self.policy = policy
+        self._use_precision(precision, policy)
         model = model.to(self.device)
         wrapped = self._wrap(model)
         return wrapped, self._make_optimizer(wrapped, optimizer)

@@ -44,8 +44,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from mixprec.engine import Precision
 from mixprec.errors import ConfigError
-from mixprec.precision import Policy, cast_module, get_policy
+from mixprec.precision import Policy
 from mixprec.strategies.base import OptimizerLike, Strategy
 from mixprec.strategies.env import ProcessGroupStrategy
 
@@ -54,14 +55,13 @@ __all__ = ["FSDPStrategy", "fsdp_mixed_precision", "default_shard_units"]
 _F32 = torch.float32
 
 
-def fsdp_mixed_precision(policy: Policy | None) -> MixedPrecisionPolicy:
-    """FSDP2's policy for the ordinary units of a model trained under ``policy`` (table above)."""
+def fsdp_mixed_precision(policy: Precision | Policy | str | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the ordinary units of a model trained under ``policy`` (table above;
+    decided by :meth:`mixprec.Precision.fsdp_mixed_precision`)."""
     if policy is None:
         return MixedPrecisionPolicy()
-    gather = policy.compute_dtype if policy.compute_dtype != _F32 else policy.param_dtype
-    if gather == _F32:
-        return MixedPrecisionPolicy(reduce_dtype=None if policy.reduce_dtype == _F32 else policy.reduce_dtype)
-    return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=policy.reduce_dtype)
+    precision = policy if isinstance(policy, Precision) else Precision(policy)
+    return precision.fsdp_mixed_precision()
 
 
 def default_shard_units(model: nn.Module) -> list[nn.Module]:
@@ -84,7 +84,8 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
     """Fully sharded data parallelism with FSDP2 ``fully_shard``.
 
     Args:
-        policy: a :class:`Policy` or preset name; also settable through ``setup(policy=...)``.
+        policy: a :class:`~mixprec.Precision`, :class:`Policy` or preset name; also settable
+            through ``setup(precision=...)``.
         reshard_after_forward: free gathered params after forward (re-gather in backward):
             less memory, one more all-gather per unit.
         shard_units: ``model -> modules`` choosing FSDP units (default :func:`default_shard_units`).
@@ -93,21 +94,26 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
 
     name = "fsdp"
 
-    def __init__(self, policy: Policy | str | None = None, *, reshard_after_forward: bool = True,
+    def __init__(self, policy: Precision | Policy | str | None = None, *, reshard_after_forward: bool = True,
                  shard_units: Callable[[nn.Module], list[nn.Module]] | None = None,
                  backend: str | None = None, timeout: float | None = None,
                  device: torch.device | str | None = None) -> None:
         env, dev = self._init_distributed(device=device, backend=backend, timeout=timeout)
         Strategy.__init__(self, device=dev, rank=env.rank, local_rank=env.local_rank,
                           world_size=env.world_size)
-        self.policy = get_policy(policy) if policy is not None else None
+        self._use_precision(policy, None)
         self.reshard_after_forward = reshard_after_forward
         self.shard_units = shard_units or default_shard_units
 
     # --- wrapping -----------------------------------------------------------------------------
 
+    @property
+    def shards_parameters(self) -> bool:
+        return self.is_distributed
+
     def setup(self, model: nn.Module, optimizer: OptimizerLike = None, *,
-              policy: Policy | None = None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+              precision: Precision | Policy | str | None = None,
+              policy: Policy | str | None = None) -> tuple[nn.Module, torch.optim.Optimizer | None]:
         """Shard ``model``; rebuild ``optimizer`` on the sharded parameters.
 
         ``fully_shard`` replaces every parameter with a DTensor shard, so an optimizer built
@@ -115,8 +121,7 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         without state is rebuilt with the same class, groups and hyper-parameters; otherwise pass
         a factory ``params -> optimizer`` or build the optimizer after ``setup``.
         """
-        if policy is not None:
-            self.policy = get_policy(policy)
+        self._use_precision(precision, policy)
         names = {id(p): n for n, p in model.named_parameters()}
         groups = None
         if isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch.optim"):
@@ -139,16 +144,16 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
     def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.is_distributed or isinstance(model, FSDPModule):
             return model
-        policy = self.policy
-        if policy is not None and policy.low_precision_params and not policy.master_weights:
-            cast_module(model, policy)
+        precision = self.precision
+        if precision is not None:
+            precision.setup_module(model, sharded=True)   # casts only modes without masters
         self._broadcast_from_main(model)
-        mp = fsdp_mixed_precision(policy)
+        mp = fsdp_mixed_precision(precision)
         islands: set[str] = set()   # parameter names (fully_shard replaces the tensors)
-        if mp.param_dtype is not None and policy is not None:
-            island = MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=mp.param_dtype)
+        island = precision.fsdp_island_policy() if precision is not None else None
+        if island is not None:
             for qname, module in model.named_modules():
-                if module is not model and policy.keeps_fp32(qname, module) and \
+                if module is not model and precision.keeps_fp32(qname, module) and \
                         any(True for _ in module.parameters(recurse=False)):
                     islands.update(f"{qname}.{n}" for n, _ in module.named_parameters())
                     fully_shard(module, mp_policy=island, reshard_after_forward=self.reshard_after_forward)

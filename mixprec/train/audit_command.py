@@ -29,23 +29,22 @@ def run(args: argparse.Namespace) -> int:
     cfg, _ = _resolve(args)
     model, train_loader, _, strategy = build_run(cfg)
     trainer = Trainer(model, config=cfg, strategy=strategy)
-    trainer._prepare(total_steps=1)
+    trainer.prepare(total_steps=1)
     batch = next(iter(train_loader))
     inputs, targets = strategy.to_device(batch)
 
     def probe() -> torch.Tensor:
         return trainer._loss(trainer.model, inputs, targets)
 
-    findings = audit(strategy.unwrap(trainer.model), policy=trainer.policy,
-                     optimizer=trainer.optimizer, scaler=trainer.scaler, loss_fn=probe,
-                     device=trainer.device)
+    findings = audit(strategy.unwrap(trainer.model), precision=trainer.precision,
+                     optimizer=trainer.optimizer, loss_fn=probe, device=trainer.device)
     # One real forward/backward (no optimizer step) to see which parameters get gradients.
     with torch.random.fork_rng(devices=[]):
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.scaler.scale(probe().float()).backward()
+        trainer.precision.backward(probe().float())
     findings += audit_after_first_step(strategy.unwrap(trainer.model))
     if strategy.is_main:
-        print(f"precision: {trainer.policy.describe()}")
+        print(f"precision: {trainer.precision.describe()}")
         print(format_findings(findings))
     strategy.teardown()
     return 1 if any(f.severity == "error" for f in findings) else 0

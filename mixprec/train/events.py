@@ -1,70 +1,86 @@
 """What a training run tells the user along the way: the start line, skipped steps traced to their
 origin, and audit findings — on the console (rank 0) and in ``events.jsonl``.
 
-A mixin of :class:`mixprec.train.Trainer`.
+:class:`RunEvents` gets what it reports from its arguments; it owns no training state.
 """
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mixprec.monitor import audit, format_findings
+from torch import nn
+
+from mixprec.engine import Precision
+from mixprec.monitor import format_findings
 from mixprec.precision.dtypes import dtype_name
+from mixprec.strategies import Strategy
+from mixprec.train.metrics import MetricsLogger
+from mixprec.train.step import StepOutput
 
-if TYPE_CHECKING:
-    from mixprec.train.metrics import MetricsLogger
-    from mixprec.train.trainer import Batch, StepOutput
-
-__all__ = ["RunEventsMixin"]
+__all__ = ["RunEvents"]
 
 
-class RunEventsMixin:
-    """Console lines and ``events.jsonl`` records of a run."""
+class RunEvents:
+    """Console lines (rank 0) and ``events.jsonl`` records of a run."""
 
-    def _log_start(self, total: int, logger: MetricsLogger) -> None:
+    def __init__(self, strategy: Strategy, precision: Precision, logger: MetricsLogger, *,
+                 progress: bool) -> None:
+        self.strategy = strategy
+        self.precision = precision
+        self.logger = logger
+        self.progress = progress
+
+    def _say(self, message: str) -> None:
         if not self.strategy.is_main:
             return
-        params = sum(p.numel() for p in self.strategy.unwrap(self.model).parameters())
-        lines = [f"precision: {self.policy.describe()}",
-                 f"device: {self.device} x {self.strategy.world_size} ({type(self.strategy).__name__})",
-                 f"model: {params / 1e6:.2f}M parameters; steps: {self.step} -> {total}; "
-                 f"peak-FLOPs dtype for MFU: {dtype_name(self.policy.compute_dtype)}",
-                 f"run folder: {self.run_dir}"]
-        if self.fp8_report is not None:
-            lines.append(f"fp8: {self.fp8_report}")
+        if self.progress:
+            from tqdm import tqdm
+            tqdm.write(f"[mixprec] {message}", file=sys.stderr)
+        else:
+            print(f"[mixprec] {message}", file=sys.stderr)
+
+    def start(self, *, model: nn.Module, step: int, total: int, run_dir: Any,
+              fp8_report: Any = None) -> None:
+        if not self.strategy.is_main:
+            return
+        precision = self.precision
+        params = sum(p.numel() for p in model.parameters())
+        lines = [f"precision: {precision.describe()}", *precision.notes,
+                 f"device: {self.strategy.device} x {self.strategy.world_size} "
+                 f"({type(self.strategy).__name__})",
+                 f"model: {params / 1e6:.2f}M parameters; steps: {step} -> {total}; "
+                 f"peak-FLOPs dtype for MFU: {dtype_name(precision.compute_dtype)}",
+                 f"run folder: {run_dir}"]
+        if fp8_report is not None:
+            lines.append(f"fp8: {fp8_report}")
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
-        logger.event({"kind": "start", "step": self.step, "message": "; ".join(lines)})
+        self.logger.event({"kind": "start", "step": step, "message": "; ".join(lines)})
 
-    def _on_skip(self, batches: list[Batch], out: StepOutput, rng: Any,
-                 logger: MetricsLogger) -> str | None:
-        """Log a skipped step, traced to the layer that produced the inf/NaN when enabled."""
-        after = self.scaler.get_scale()
-        event = self.trace_nonfinite(batches, out, rng) if self.config.trace_nonfinite else None
-        if event is not None:
-            msg = event.message(self.step, out.scale_before, after)
-            record = {**event.to_dict(), "kind": "skip", "loss_scale_before": out.scale_before,
+    def skip(self, step: int, out: StepOutput, origin_event: Any) -> None:
+        """Log a skipped step, with the layer that produced the inf/NaN when it was traced."""
+        after = self.precision.scale
+        if origin_event is not None:
+            msg = origin_event.message(step, out.scale_before, after)
+            record = {**origin_event.to_dict(), "kind": "skip", "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
         else:
-            msg = (f"step {self.step} skipped: non-finite gradients "
-                   f"({dtype_name(self.policy.compute_dtype)}) — loss scale {out.scale_before:g} -> {after:g}")
-            record = {"kind": "skip", "step": self.step, "loss_scale_before": out.scale_before,
+            msg = (f"step {step} skipped: non-finite gradients "
+                   f"({dtype_name(self.precision.compute_dtype)}) — loss scale "
+                   f"{out.scale_before:g} -> {after:g}")
+            record = {"kind": "skip", "step": step, "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
-        logger.event(record)
-        if self.strategy.is_main and self.config.progress:
-            from tqdm import tqdm
-            tqdm.write(f"[mixprec] {msg}", file=sys.stderr)
-        return event.module if event is not None else None
+        self.logger.event(record)
+        if self.progress:
+            self._say(msg)
 
-    def _audit(self, logger: MetricsLogger) -> None:
-        findings = audit(self.strategy.unwrap(self.model), policy=self.policy,
-                         optimizer=self.optimizer, scaler=self.scaler, device=self.device)
-        self._report(findings, logger)
+    def warn(self, kind: str, step: int, message: str) -> None:
+        self.logger.event({"kind": kind, "step": step, "message": message})
 
-    def _report(self, findings: list, logger: MetricsLogger) -> None:
+    def findings(self, findings: list, step: int) -> None:
         if not findings or not self.strategy.is_main:
             return
         print(format_findings(findings), file=sys.stderr)
         for f in findings:
-            logger.event({"kind": "audit", "step": self.step, "code": f.code,
-                          "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})
+            self.logger.event({"kind": "audit", "step": step, "code": f.code,
+                               "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})

@@ -1,72 +1,99 @@
 """What a Trainer checkpoint holds, and how a run continues from one.
 
-A mixin of :class:`mixprec.train.Trainer`: it reads the trainer's model, optimizer, scaler,
-scheduler, strategy, step and epoch. Files are written by :mod:`mixprec.train.checkpoint`
-(atomic folders, safetensors weights, ``weights_only`` state).
+:class:`Checkpointer` saves and restores everything an exact resume needs; its inputs are
+explicit arguments (model, optimizer, precision, scheduler, loader, step, epoch, config), not a
+trainer it reaches into. Files are written by :mod:`mixprec.train.checkpoint` (atomic folders,
+safetensors weights, ``weights_only`` state). See docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
+from mixprec.engine import Precision
 from mixprec.errors import CheckpointError
+from mixprec.strategies import Strategy
 from mixprec.train import checkpoint as ckpt
 
-__all__ = ["CheckpointMixin"]
+__all__ = ["Checkpointer", "Restored"]
 
 
-class CheckpointMixin:
-    """Save and restore everything an exact resume needs (see docs/checkpoints.md)."""
+@dataclass(frozen=True)
+class Restored:
+    """Where a restored run stands."""
+
+    step: int
+    epoch: int
+    loader_resumed: bool   # the loader knows its epoch and position (do not call set_epoch)
 
 
-    def _train_state(self, loader: Any) -> dict[str, Any]:
-        cfg = dataclasses.asdict(self.config)
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "policy": self.policy.spec(),
-            "optimizer": self.strategy.optimizer_state_dict(self.model, self.optimizer),
-            "scaler": self.scaler.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+class Checkpointer:
+    """Writes a run's checkpoints under ``run_dir`` (rank 0) and restores them (every rank)."""
+
+    def __init__(self, strategy: Strategy, run_dir: Path | None, *, keep_last: int) -> None:
+        self.strategy = strategy
+        self.run_dir = run_dir
+        self.keep_last = keep_last
+
+    def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             precision: Precision, scheduler: Any, loader: Any, config: Any) -> Path | None:
+        """Write checkpoint ``step`` atomically; collectives (FSDP) run on every rank."""
+        strategy = self.strategy
+        cfg = dataclasses.asdict(config)
+        state = {
+            "step": step,
+            "epoch": epoch,
+            "policy": precision.policy.spec(),
+            "precision": precision.name,
+            "optimizer": strategy.optimizer_state_dict(model, optimizer),
+            "scaler": precision.scaler.state_dict(),
+            "scheduler": scheduler.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
-            "strategy": self.strategy.state_dict() if hasattr(self.strategy, "state_dict") else None,
+            "strategy": strategy.state_dict() if hasattr(strategy, "state_dict") else None,
             "config": {k: v for k, v in cfg.items() if v is not None},
         }
-
-    def save_checkpoint(self, loader: Any) -> Path | None:
-        state = self._train_state(loader)            # collectives (FSDP) run on every rank
-        model_state = self.strategy.model_state_dict(self.model)
+        model_state = strategy.model_state_dict(model)
         path = None
-        if self.strategy.is_main and self.run_dir is not None:
-            path = ckpt.save_checkpoint(self.run_dir, self.step, model_state=model_state,
-                                        train_state=state, keep_last=self.config.keep_last)
-        self.strategy.barrier()
+        if strategy.is_main and self.run_dir is not None:
+            path = ckpt.save_checkpoint(self.run_dir, step, model_state=model_state,
+                                        train_state=state, keep_last=self.keep_last)
+        strategy.barrier()
         return path
 
-    def load_checkpoint(self, path: str | Path, loader: Any) -> None:
+    def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+             precision: Precision, scheduler: Any, loader: Any) -> Restored:
+        """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
+        strategy = self.strategy
         model_state, state, _meta = ckpt.load_checkpoint(path)
-        if state.get("policy") != self.policy.spec():
+        if state.get("policy") != precision.policy.spec():
+            saved = state.get("precision") or state.get("policy")
             raise CheckpointError(
-                f"checkpoint {path} was trained with precision {state.get('policy')}, this run uses "
-                f"{self.policy.spec()}; resume with the same --precision")
+                f"checkpoint {path} was trained with precision {saved}, this run uses "
+                f"{precision.name}; resume with --precision {saved}")
         try:
-            self.strategy.load_model_state_dict(self.model, model_state)
+            strategy.load_model_state_dict(model, model_state)
         except (RuntimeError, KeyError) as e:
-            lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
             first = " ".join(lines[:2])[:240]
             raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
                                   "the model settings it was saved with") from None
-        self.strategy.load_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        precision.scaler.load_state_dict(state["scaler"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch = int(state["step"]), int(state["epoch"])
+        loader_resumed = False
         if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["loader"])
-            self._loader_resumed = True
+            loader_resumed = True
             # The loader moves to the next epoch as soon as it hands out an epoch's last batch.
-            self.epoch = int(state["loader"].get("epoch", self.epoch))
-        if state.get("strategy") is not None and hasattr(self.strategy, "load_state_dict"):
-            self.strategy.load_state_dict(state["strategy"])
+            epoch = int(state["loader"].get("epoch", epoch))
+        if state.get("strategy") is not None and hasattr(strategy, "load_state_dict"):
+            strategy.load_state_dict(state["strategy"])
         ckpt.restore_rng_state(state["rng"])
+        return Restored(step, epoch, loader_resumed)

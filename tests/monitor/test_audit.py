@@ -114,14 +114,19 @@ def test_fp16_without_loss_scaler(native, scaler):
 
 def test_norm_eps_below_what_the_dtype_represents(native):
     model = nn.Sequential(nn.Linear(8, 8), RMSNorm(8, eps=1e-8), nn.Linear(8, 8), RMSNorm(8, eps=1e-5))
-    found = [f for f in audit(model, policy="16-true", optimizer=MasterSGD(model.parameters(), lr=1),
+    # A policy that lets norms go 16-bit (keep_norms_fp32=False) stores these hand-written norms in fp16.
+    fp16_norms = get_policy("16-true").replace(keep_norms_fp32=False)
+    found = [f for f in audit(model, policy=fp16_norms, optimizer=MasterSGD(model.parameters(), lr=1),
                               scaler=torch.amp.GradScaler("cpu"), device="cpu")
              if f.code == "norm-eps-underflow"]
     assert [(f.severity, f.message.split()[0]) for f in found] == [("error", "1"), ("warning", "3")]
-    # the same norms kept in fp32 are fine; and in bf16 1e-8 is a normal number
-    kept = get_policy("16-true").replace(keep_fp32_names=("1", "3"))
+    # the default keeps them (recognised as norms) in fp32: fine; and in bf16 1e-8 is a normal number
+    assert not [f for f in audit(model, policy="16-true", device="cpu") if f.code == "norm-eps-underflow"]
+    kept = fp16_norms.replace(keep_fp32_names=("1", "3"))
     assert not [f for f in audit(model, policy=kept, device="cpu") if f.code == "norm-eps-underflow"]
-    assert not [f for f in audit(model, policy="bf16-true", device="cpu") if f.code == "norm-eps-underflow"]
+    assert not [f for f in audit(model, policy=fp16_norms.replace(param_dtype=torch.bfloat16,
+                compute_dtype=torch.bfloat16, output_dtype=torch.bfloat16), device="cpu")
+                if f.code == "norm-eps-underflow"]
 
 
 def test_norm_in_half_precision(native):
@@ -129,8 +134,12 @@ def test_norm_in_half_precision(native):
     model.norm.half()
     found = audit(model, policy="16-mixed", scaler=torch.amp.GradScaler("cpu"), device="cpu")
     assert "half-precision-norm" in _codes(found)
-    custom = nn.Sequential(nn.Linear(8, 8), RMSNorm(8, eps=1e-3))  # not a known type: policy casts it
-    assert "half-precision-norm" in _codes(audit(custom, policy="bf16-true", device="cpu"))
+    custom = nn.Sequential(nn.Linear(8, 8), RMSNorm(8, eps=1e-3))  # a hand-written norm
+    # bf16-true keeps it fp32 (recognised as a norm), so the audit has nothing to say about it ...
+    assert "half-precision-norm" not in _codes(audit(custom, policy="bf16-true", device="cpu"))
+    # ... unless the policy lets norms go 16-bit.
+    bf16_norms = get_policy("bf16-true").replace(keep_norms_fp32=False)
+    assert "half-precision-norm" in _codes(audit(custom, policy=bf16_norms, device="cpu"))
 
 
 def test_moe_gate_in_half_precision(native):

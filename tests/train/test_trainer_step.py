@@ -37,7 +37,7 @@ def test_skipped_step_leaves_params_and_lr_schedule_unchanged(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     trainer = make_trainer(model, tmp_path, max_steps=4, clip_grad_norm=None)
-    trainer._prepare(total_steps=4)
+    trainer.prepare(total_steps=4)
     data = batches(4)
     trainer.train_step([data[0]])
     lr_after_first = trainer.scheduler.get_last_lr()[0]
@@ -66,7 +66,7 @@ def test_clipping_sees_unscaled_gradients_under_fp16_loss_scaling(tmp_path):
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref_model.parameters()])
     trainer = make_trainer(model, tmp_path, mixed_precision="16-mixed", max_steps=1,
                            clip_grad_norm=1e9, init_scale=2.0**10)
-    trainer._prepare(total_steps=1)
+    trainer.prepare(total_steps=1)
     out = trainer.train_step([(x, y)])
     assert not out.skipped
     # FP16 matmuls: 1% relative agreement with the FP32 reference norm (a scaled norm would be 1024x).
@@ -82,8 +82,8 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path):
                        optimizer=torch.optim.SGD(a.parameters(), lr=0.1))
     small = make_trainer(b, tmp_path / "b", max_steps=1, grad_accum_steps=4, clip_grad_norm=None,
                          optimizer=torch.optim.SGD(b.parameters(), lr=0.1))
-    big._prepare(1)
-    small._prepare(1)
+    big.prepare(1)
+    small.prepare(1)
     out_big = big.train_step([(x, y)])
     out_small = small.train_step([(x[i:i + 4], y[i:i + 4]) for i in range(0, 16, 4)])
     assert float(out_small.loss) == pytest.approx(float(out_big.loss), rel=1e-6)
@@ -112,12 +112,11 @@ def test_model_without_loss_needs_loss_fn(tmp_path):
     from mixprec.errors import ConfigError
     model = nn.Linear(8, 1)
     trainer = make_trainer(model, tmp_path, max_steps=1)
-    trainer._prepare(1)
-    with pytest.raises(ConfigError, match="loss_fn"):
-        trainer.train_step(batches(1))
+    with pytest.raises(ConfigError, match="takes no targets.*loss_fn"):  # told before any step
+        trainer.prepare(1)
     trainer = make_trainer(model, tmp_path, max_steps=1,
                            loss_fn=lambda out, y: nn.functional.mse_loss(out.squeeze(-1), y))
-    trainer._prepare(1)
+    trainer.prepare(1)
     assert not trainer.train_step(batches(1)).skipped
 
 

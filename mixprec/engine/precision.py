@@ -1,0 +1,371 @@
+"""`Precision`: one object per precision mode that makes every precision decision of a run.
+
+A :class:`~mixprec.precision.Policy` is data (which dtype where). ``Precision`` is where those
+data become decisions, each made here and nowhere else:
+
+==========================  =====================================================================
+decision                    made by
+==========================  =====================================================================
+storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
+                            ``keep_fp32_names`` stay FP32: :meth:`Policy.keeps_fp32`)
+FP32 master weights         :attr:`Precision.keeps_masters`; :meth:`setup` wraps or builds the
+                            optimizer accordingly
+FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
+loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
+the forward's dtype         :meth:`autocast`, :meth:`convert_output`
+gradient reduction          :attr:`reduce_dtype`, :meth:`fsdp_mixed_precision`,
+                            :meth:`fsdp_island_policy`, :meth:`casts_before_sharding`
+==========================  =====================================================================
+
+A hand-written loop and :func:`mixprec.train.fit` use the same object, so they cannot drift::
+
+    precision = mixprec.Precision("bf16-mixed")
+    model, optimizer = precision.setup(model, optimizer)
+    for x, y in loader:
+        with precision.autocast():
+            loss = loss_fn(model(x), y)
+        precision.backward(loss)
+        precision.step(optimizer, clip_grad_norm=1.0)   # unscale, check, clip, step or skip
+        optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.amp import GradScaler, clip_grad_norm_
+from mixprec.errors import CheckpointError, ConfigError
+from mixprec.optim import AdamW, MasterWeights
+from mixprec.precision import Policy, autocast, get_policy, hardware
+from mixprec.precision.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
+
+__all__ = ["Precision", "OptimizerSpec"]
+
+_F32 = torch.float32
+_LOW = (torch.bfloat16, torch.float16)
+_TRUE_MODE = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+
+OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+"""An optimizer over the model's parameters, a factory ``params -> optimizer``, or None."""
+
+_SETUP_TAG = "_mixprec_precision"
+
+
+class Precision:
+    """The precision mode of a run, and every decision it implies.
+
+    Args:
+        precision: a preset name (``"bf16-mixed"``), an alias, the compact form
+            (``"p=f32,c=bf16,o=f32"``), ``True``/``"auto"`` (best safe mode for ``device``), or a
+            :class:`~mixprec.precision.Policy`.
+        device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
+            available, else CPU); decides ``auto`` and the autocast device type.
+        **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
+            ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
+            on only when the mode needs it (FP16); the non-finite check and skip are always on.
+    """
+
+    def __init__(self, precision: str | Policy | bool | None = "auto", *,
+                 device: torch.device | str | None = None, **scaler_options: Any) -> None:
+        self._requested = precision
+        self._auto = precision is True or (isinstance(precision, str)
+                                           and precision.strip().lower() in ("auto", "true", "best"))
+        self.device = torch.device(device) if device is not None else hardware.default_device()
+        self.policy: Policy = get_policy(precision, device=self.device)
+        self._scaler_options = dict(scaler_options)
+        self.scaler = self._make_scaler()
+        self.notes: list[str] = []
+        """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
+        self.fp8_report = None
+        self.last_grad_norm: torch.Tensor | None = None
+        """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
+
+    def _make_scaler(self) -> GradScaler:
+        return GradScaler(enabled=self.scales_loss, **self._scaler_options)
+
+    # ------------------------------------------------------------------ the decisions
+
+    @property
+    def name(self) -> str:
+        return self.policy.name if self.policy.name != "custom" else self.policy.spec()
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.policy.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in across ranks."""
+        return self.policy.reduce_dtype
+
+    @property
+    def stores_low_precision(self) -> bool:
+        """Parameters (other than the FP32 exemptions) are stored in 16 bits."""
+        return self.policy.param_dtype in _LOW
+
+    @property
+    def keeps_masters(self) -> bool:
+        """16-bit parameters are updated through FP32 master copies in the optimizer."""
+        return self.stores_low_precision and bool(self.policy.master_weights)
+
+    @property
+    def loses_small_updates(self) -> bool:
+        """16-bit parameters without masters: updates below half an ULP are rounded away."""
+        return self.stores_low_precision and not self.policy.master_weights
+
+    @property
+    def scales_loss(self) -> bool:
+        """Dynamic loss scaling is on (FP16 compute or storage)."""
+        return bool(self.policy.loss_scaling)
+
+    @property
+    def autocasts(self) -> bool:
+        """The forward runs under autocast (the compute dtype is below FP32)."""
+        return self.policy.is_mixed
+
+    @property
+    def autocast_copies_weights(self) -> bool:
+        """Autocast makes compute-dtype copies of weights stored in a wider dtype."""
+        return self.autocasts and self.param_dtype.itemsize > self.compute_dtype.itemsize
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The FP8 recipe name of ``fp8-*`` modes, else None."""
+        return self.policy.fp8_recipe
+
+    @property
+    def fp8_config(self):
+        """The :class:`mixprec.fp8.Fp8Config` of ``fp8-*`` modes, else None."""
+        if not self.policy.fp8_recipe:
+            return None
+        from mixprec.fp8 import Fp8Config
+        return Fp8Config.from_recipe(self.policy.fp8_recipe)
+
+    @property
+    def activation_format(self) -> torch.dtype:
+        """The format whose range activations must fit (FP8 E4M3 for ``fp8-*``)."""
+        return FP8_E4M3 if self.policy.fp8_recipe else self.compute_dtype
+
+    @property
+    def gradient_format(self) -> torch.dtype:
+        """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
+        return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
+
+    def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
+        """Whether ``module``'s own parameters stay FP32 (:meth:`Policy.keeps_fp32`)."""
+        return self.policy.keeps_fp32(qualified_name, module)
+
+    def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype:
+        """The dtype ``module``'s own floating parameters are stored in under this mode."""
+        return _F32 if self.keeps_fp32(qualified_name, module) else self.param_dtype
+
+    def casts_before_sharding(self) -> bool:
+        """Under FSDP2 the FP32 shards are the masters; only a mode without masters casts the
+        model to its 16-bit storage dtype before sharding."""
+        return self.loses_small_updates
+
+    def fsdp_mixed_precision(self):
+        """FSDP2's ``MixedPrecisionPolicy`` for the ordinary units (see strategies/fsdp.py)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        gather = self.compute_dtype if self.autocasts else self.param_dtype
+        if gather == _F32:
+            return MixedPrecisionPolicy(reduce_dtype=None if self.reduce_dtype == _F32 else self.reduce_dtype)
+        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=self.reduce_dtype)
+
+    def fsdp_island_policy(self):
+        """FSDP2's policy for units kept in FP32 (norms, gates), or None when every unit gathers
+        FP32 anyway: parameters FP32, output cast back to the gather dtype."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        gather = self.fsdp_mixed_precision().param_dtype
+        if gather is None:
+            return None
+        return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
+
+    def describe(self) -> str:
+        """One line for logs."""
+        return self.policy.describe()
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r})"
+
+    def __str__(self) -> str:
+        return self.name
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, model: nn.Module, optimizer: OptimizerSpec = None,
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Apply this mode to ``model`` (in place) and return ``(model, optimizer)``.
+
+        Stores parameters in the mode's dtype (FP32 exemptions kept), swaps eligible Linear layers
+        for FP8 ones in ``fp8-*`` modes, and gives 16-bit parameters FP32 master weights by
+        wrapping ``optimizer`` in :class:`mixprec.optim.MasterWeights` (or building it, when
+        ``optimizer`` is a factory ``params -> optimizer``). Idempotent: a second call with the same
+        mode returns the same objects; another mode is refused.
+        """
+        self.reconcile_with_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
+        model = self.setup_module(model)
+        return model, self.setup_optimizer(optimizer, model)
+
+    def reconcile_with_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Honour an optimizer that already stores the model's parameters in 16 bits.
+
+        ``mixprec.optim.AdamW(..., fp16_params=True)`` converts parameters and keeps masters. With
+        ``auto`` precision the run switches to the matching ``*-true`` mode (and says so); an
+        explicitly requested mode with FP32 parameters is a conflict, refused with the fix.
+        """
+        stored = getattr(optimizer, "param_dtype", None)
+        if stored not in _LOW or stored == self.param_dtype:
+            return
+        wanted = _TRUE_MODE[stored]
+        if not self._auto:
+            raise ConfigError(
+                f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
+                f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
+                f"precision '{wanted}', or build the optimizer without fp16_params")
+        self.policy = get_policy(wanted)
+        self.scaler = self._make_scaler()
+        self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
+                          f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
+
+    def setup_module(self, model: nn.Module, *, sharded: bool = False) -> nn.Module:
+        """Storage dtypes and the FP8 swap, in place. ``sharded``: FSDP2 will shard the model, and
+        its FP32 shards are the masters (cast only modes without masters)."""
+        done = getattr(model, _SETUP_TAG, None)
+        if done is not None:
+            if done != self.policy.spec():
+                raise ConfigError(f"this model was already set up for precision {done}; build a "
+                                  f"new model to train it in {self.policy.spec()}")
+            return model
+        first = next(model.parameters(), None)
+        if first is not None:
+            self.device = first.device
+        if not sharded or self.casts_before_sharding():
+            self._cast(model)
+        if self.policy.fp8_recipe:
+            from mixprec.fp8 import convert_to_fp8
+            self.fp8_report = convert_to_fp8(model, config=self.fp8_config, policy=self.policy)
+        setattr(model, _SETUP_TAG, self.policy.spec())
+        return model
+
+    def _cast(self, model: nn.Module) -> None:
+        """Store each module's parameters in :meth:`param_dtype_for`; tag FP32 ones for optimizers.
+
+        Buffers follow their module's parameters; buffers of parameter-free modules (rotary
+        frequencies, masks) keep their dtype.
+        """
+        for qname, sub in model.named_modules():
+            own = [p for p in sub.parameters(recurse=False)]
+            if not own:
+                continue
+            target = self.param_dtype_for(qname, sub)
+            for p in own:
+                if target == _F32:
+                    p.keep_in_fp32 = True  # read by MasterWeights: no 16-bit copy, no extra master
+                if p.is_floating_point() and p.dtype != target:
+                    p.data = p.data.to(target)
+            for bname, b in list(sub.named_buffers(recurse=False)):
+                if b is not None and b.is_floating_point() and b.dtype != target:
+                    setattr(sub, bname, b.to(target))
+
+    def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
+                        sharded: bool = False) -> torch.optim.Optimizer | None:
+        """The optimizer this mode needs: ``optimizer`` itself, or wrapped in FP32 masters."""
+        if optimizer is None:
+            return None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise ConfigError(f"optimizer must be a torch optimizer or a factory params -> "
+                                  f"optimizer, not {type(optimizer).__name__}")
+            optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
+        if isinstance(optimizer, MasterWeights) or sharded or not self.keeps_masters:
+            return optimizer
+        if optimizer.state:
+            raise ConfigError(f"the {type(optimizer).__name__} has already stepped; call "
+                              "precision.setup(model, optimizer) before training")
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in optimizer.param_groups]
+        self.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
+                          "(mixprec.optim.MasterWeights)")
+        return MasterWeights(type(optimizer), groups, **defaults)
+
+    def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
+                       **adamw_options: Any) -> torch.optim.Optimizer:
+        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters) unless
+        FSDP2's FP32 shards are the masters already or the mode asks for no masters."""
+        if sharded or self.loses_small_updates:
+            return torch.optim.AdamW(param_groups, **adamw_options)
+        return AdamW(param_groups, **adamw_options)
+
+    # ------------------------------------------------------------------ the step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's context: matmuls in the compute dtype (FP32 means autocast off)."""
+        return autocast(self.policy, device_type=self.device.type)
+
+    def convert_output(self, x: Any) -> Any:
+        """Cast a floating output tensor to the mode's output dtype (others pass through)."""
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.policy.output_dtype)
+        return x
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
+        self.scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
+             measure_grad_norm: bool = False) -> bool:
+        """Finish an optimizer step; return True if it was taken, False if skipped.
+
+        Unscales once (fused with the inf/NaN check, agreed across ranks under
+        ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
+        measures their norm with ``measure_grad_norm``; either way :attr:`last_grad_norm`), then
+        steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
+        updates the loss scale. One host sync: the skip decision.
+        """
+        self.scaler.unscale_(optimizer)
+        self.last_grad_norm = None
+        if clip_grad_norm:                                # clip sees unscaled gradients
+            self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer, clip_grad_norm)
+        elif measure_grad_norm:
+            self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer, math.inf)
+        self.scaler.step(optimizer)                        # or skip (the one host sync)
+        self.scaler.update()                               # back off at once, grow when clean
+        return not self.scaler.last_step_skipped
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.scaler.last_step_skipped
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return self.scaler.num_skipped_steps
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (1.0 when the mode does not scale)."""
+        return self.scaler.get_scale()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.spec(), "name": self.name, "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("policy") != self.policy.spec():
+            raise CheckpointError(f"the state was saved under precision {state.get('name') or state.get('policy')}, "
+                                  f"this run uses {self.name}; use the same precision to resume")
+        self.scaler.load_state_dict(state["scaler"])
+
