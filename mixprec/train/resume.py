@@ -27,7 +27,7 @@ class CheckpointMixin:
             "epoch": self.epoch,
             "policy": self.policy.spec(),
             "optimizer": self.strategy.optimizer_state_dict(self.model, self.optimizer),
-            "scaler": self.scaler.state_dict(),
+            "scaler": {**self.scaler.state_dict(), **self.scaler.counters},  # counters: also with scaling off
             "scheduler": self.scheduler.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
