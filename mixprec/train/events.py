@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from mixprec.monitor import audit, format_findings
+from mixprec.monitor.trace import gather_origins
 from mixprec.precision.dtypes import dtype_name
 
 if TYPE_CHECKING:
@@ -40,21 +41,26 @@ class RunEventsMixin:
                  logger: MetricsLogger) -> str | None:
         """Log a skipped step, traced to the layer that produced the inf/NaN when enabled."""
         after = self.scaler.get_scale()
-        event = self.trace_nonfinite(batches, out, rng) if self.config.trace_nonfinite else None
+        event = (gather_origins(self.trace_nonfinite(batches, out, rng), self.strategy)  # all ranks
+                 if self.config.trace_nonfinite else None)
         if event is not None:
             msg = event.message(self.step, out.scale_before, after)
-            record = {**event.to_dict(), "kind": "skip", "loss_scale_before": out.scale_before,
+            record = {**event.to_dict(), "kind": "skip", "nonfinite": event.kind,
+                      "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
         else:
             msg = (f"step {self.step} skipped: non-finite gradients "
                    f"({dtype_name(self.policy.compute_dtype)}) — loss scale {out.scale_before:g} -> {after:g}")
-            record = {"kind": "skip", "step": self.step, "loss_scale_before": out.scale_before,
+            record = {"kind": "skip", "nonfinite": None, "step": self.step,
+                      "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
         logger.event(record)
         if self.strategy.is_main and self.config.progress:
             from tqdm import tqdm
             tqdm.write(f"[mixprec] {msg}", file=sys.stderr)
-        return event.module if event is not None else None
+        if event is None:
+            return None
+        return event.module if event.rank is None else f"{event.module} (rank {event.rank})"
 
     def _audit(self, logger: MetricsLogger) -> None:
         findings = audit(self.strategy.unwrap(self.model), policy=self.policy,
