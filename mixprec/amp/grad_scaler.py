@@ -12,16 +12,24 @@ Where this differs from torch's, on purpose:
 
 * The scale lives on the host as a Python float and its policy is :func:`loss_scale.transition`
   (hysteresis, ``min_scale`` / ``max_scale``, a stuck-scale policy). ``update()`` and
-  ``get_scale()`` therefore never touch the device. Torch's scale is unbounded (it can drift
-  below 1 or towards inf); ours defaults to ``[1, 2**24]`` and ``update()`` raises NumericsError
-  when an overflow arrives with the scale already at ``min_scale`` (``on_min_scale="warn"`` keeps
-  going). With ``hysteresis=1`` and bounds that are never reached the trajectory is torch's.
+  ``get_scale()`` therefore never touch the device. With its defaults ``GradScaler()`` follows
+  torch's trajectory exactly: the bounds are float32's own (``[2**-126, 2**126]``, the widest that
+  keep the scale and its reciprocal normal numbers; torch's scale would go on to subnormals, 0 or
+  inf), and only an overflow at ``2**-126`` raises NumericsError. The stricter options are opt-in:
+  ``min_scale`` / ``max_scale`` (e.g. ``[1, 2**24]``) and ``on_min_scale="raise"|"warn"`` when an
+  overflow arrives with the scale already at ``min_scale``. ``GradScaler.from_policy`` (what
+  ``fit()`` uses) turns them on: ``[1, 2**24]`` and ``"raise"`` unless told otherwise.
 * **Host syncs.** Exactly one per ``step(optimizer)``: reading the optimizer's ``found_inf`` flag to
   decide whether to call ``optimizer.step()``. ``scale``, ``unscale_``, ``update`` and
   ``get_scale`` add none (``update`` reads a flag only for an optimizer that was ``unscale_``d but
   never stepped). Torch's scaler makes the same one sync per step plus a device-side update kernel.
 * ``enabled=False`` turns *scaling* off; the non-finite check still runs and still skips the step
   unless ``check_finite=False`` (one inf in BF16 would poison Adam's moments for good).
+  ``state_dict()`` of such a scaler is ``{}`` (as torch's); the skip counters are kept only when
+  scaling is on.
+* As in torch: ``scale()`` of something that is not a tensor (or an iterable of tensors) raises
+  ValueError, and ``step()`` of an optimizer without any gradient (while scaling is on) raises
+  AssertionError ("No inf checks were recorded for this optimizer").
   ``GradScaler.from_policy(policy)`` enables scaling iff ``policy.loss_scaling``.
 * FP16 gradients are unscaled in place rather than refused (pure-FP16 training is the user's
   choice); with mixprec's master-weight optimizers the scaler works on their FP32 master grads
@@ -75,15 +83,29 @@ class _OptState:
     found_inf: Tensor | None = None      # 0-dim float32 on the grads' device; > 0 means non-finite
     found_inf_host: bool | None = None   # the same, once read on the host (in step())
     skipped: bool = False
+    no_grads: bool = False               # unscale_ found no gradient at all
+
+
+# The widest bounds: the scale and 1/scale stay normal float32 numbers (torch's are unbounded).
+_F32_MIN_SCALE = 2.0 ** -126
+_F32_MAX_SCALE = 2.0 ** 126
+# What GradScaler.from_policy (and so fit()) uses unless told otherwise: a stuck scale is an error.
+_STRICT = {"min_scale": 1.0, "max_scale": 2.0 ** 24, "on_min_scale": "raise"}
+
+
+class NoGradientsError(ConfigError, AssertionError):
+    """``step()`` found no gradient to check (torch raises AssertionError here; so do we)."""
 
 
 def _apply_scale(outputs: _T, scale_for) -> _T:
     if isinstance(outputs, Tensor):
         return outputs * scale_for(outputs.device)
-    if isinstance(outputs, abc.Iterable):
-        mapped = (_apply_scale(o, scale_for) for o in outputs)
-        return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else mapped
-    raise TypeError(f"scale() takes a tensor or an iterable of tensors, not {type(outputs).__name__}")
+    if isinstance(outputs, abc.Iterable) and not isinstance(outputs, (str, bytes)):
+        mapped = [_apply_scale(o, scale_for) for o in outputs]
+        return type(outputs)(mapped) if isinstance(outputs, (list, tuple)) else iter(mapped)
+    # ValueError, as torch.amp.GradScaler.scale raises (ConfigError is a ValueError).
+    raise ConfigError(f"outputs must be a Tensor or an iterable of Tensors; scale() got "
+                      f"{type(outputs).__name__}")
 
 
 # --- the scaler ---------------------------------------------------------------------------------
@@ -98,7 +120,7 @@ class GradScaler:
     def __init__(self, device: str | torch.device = "auto", init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True, *, hysteresis: int = 1,
-                 min_scale: float = 1.0, max_scale: float = 2.0 ** 24,
+                 min_scale: float = _F32_MIN_SCALE, max_scale: float = _F32_MAX_SCALE,
                  on_min_scale: Literal["raise", "warn"] = "raise", check_finite: bool = True,
                  process_group: Any = None) -> None:
         for name, flag in (("enabled", enabled), ("check_finite", check_finite)):
@@ -135,8 +157,13 @@ class GradScaler:
     def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",
                     **kwargs: Any) -> GradScaler:
         """A scaler for ``policy``: scaling on iff ``policy.loss_scaling`` (FP16); the non-finite
-        check (and skip) stays on either way unless ``check_finite=False`` is passed."""
+        check (and skip) stays on either way unless ``check_finite=False`` is passed. Unlike
+        ``GradScaler()`` (torch's trajectory), the scale is kept in ``[1, 2**24]`` and an overflow
+        at ``min_scale`` raises NumericsError, unless ``min_scale``, ``max_scale`` or
+        ``on_min_scale`` say otherwise."""
         kwargs.setdefault("enabled", bool(get_policy(policy).loss_scaling))
+        for name, value in _STRICT.items():
+            kwargs.setdefault(name, value)
         return cls(device, **kwargs)
 
     # --- what happened ----------------------------------------------------------------------
@@ -155,6 +182,12 @@ class GradScaler:
     def num_overflows(self) -> int:
         """Iterations whose ``update()`` saw non-finite gradients."""
         return self._num_overflows
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """``num_overflows`` and ``num_skipped_steps`` as a dict that :meth:`load_state_dict` reads
+        (also with scaling off, whose ``state_dict()`` is torch's ``{}``)."""
+        return {"num_overflows": self._num_overflows, "num_skipped_steps": self._num_skipped_steps}
 
     @property
     def loss_scaler(self) -> DynamicLossScaler:
@@ -222,7 +255,9 @@ class GradScaler:
             raise RuntimeError("unscale_() called after step() for this optimizer; call "
                                "scaler.update() to end the iteration first")
         inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        found = check_and_unscale(optimizer_grads(optimizer), inv_for, self._device)
+        grads = optimizer_grads(optimizer)
+        st.no_grads = not grads
+        found = check_and_unscale(grads, inv_for, self._device)
         pg = self._process_group
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size(pg) > 1:
@@ -247,6 +282,10 @@ class GradScaler:
         if st.stage is _Stage.READY:
             self.unscale_(optimizer)
         assert st.found_inf is not None
+        if st.no_grads and self._scaling:
+            raise NoGradientsError("No inf checks were recorded for this optimizer: it has no "
+                                   "gradients (was the scaled loss's backward() called, and do its "
+                                   "parameters require grad?)")
         st.found_inf_host = bool(st.found_inf.item() > 0)   # the one host sync of the step
         st.stage = _Stage.STEPPED
         st.skipped = st.found_inf_host
@@ -325,11 +364,10 @@ class GradScaler:
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (safe for ``torch.load(weights_only=True)``). Contains torch's five
         keys, so ``torch.amp.GradScaler.load_state_dict`` reads it too, plus mixprec's extras.
-        Call it after ``update()``."""
-        counters = {"num_overflows": self._num_overflows,
-                    "num_skipped_steps": self._num_skipped_steps}
+        With scaling off it is ``{}``, as torch's. Call it after ``update()``."""
         if not self._scaling:
-            return {"enabled": False, **counters}
+            return {}      # as torch's disabled scaler; see ``counters`` for the skip counts
+        counters = self.counters
         cfg, st = self._loss_scaler.config, self._loss_scaler.state
         return {"scale": st.scale, "growth_factor": cfg.scale_factor,
                 "backoff_factor": cfg.backoff_factor, "growth_interval": cfg.scale_window,

@@ -225,7 +225,8 @@ class DynamicLossScaler:
             msg = (f"loss scale is stuck at min_scale={self.config.min_scale:g}: gradients are "
                    f"non-finite even at the smallest allowed scale ({t.state.num_overflows} "
                    "overflows so far); find the layer that produces them with "
-                   "mixprec.monitor.locate_nonfinite, or lower min_scale")
+                   "mixprec.monitor.locate_nonfinite"
+                   + (", or lower min_scale" if self.config.min_scale > _F32_TINY else ""))
             if self.config.on_min_scale == "raise":
                 raise NumericsError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)

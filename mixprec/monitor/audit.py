@@ -47,7 +47,8 @@ from mixprec.errors import ConfigError
 from mixprec.precision.dtypes import dtype_name, format_info
 from mixprec.precision.exempt import TORCH_NORM_TYPES as _NORM_TYPES
 from mixprec.precision.exempt import is_norm as _is_norm
-from mixprec.precision.hardware import bf16_is_fast, cpu_has_native_fp16, cuda_supports_fp8
+from mixprec.precision.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
+                                       cuda_supports_fp8, describe_cpu)
 from mixprec.precision.policy import Policy
 
 __all__ = ["Finding", "audit", "audit_after_first_step", "format_findings"]
@@ -205,28 +206,31 @@ def _check_layers(model: nn.Module, policy: Precision, findings: list[Finding]) 
             fix="use mixprec.nn.MoEGate (keep_in_fp32) or set keep_in_fp32 = True on the gate module"))
 
 
-def _check_hardware(policy: Policy, device: torch.device, findings: list[Finding]) -> None:
+def _check_hardware(policy: Precision, device: torch.device, findings: list[Finding]) -> None:
     on_gpu = device.type == "cuda"
     dts = {policy.param_dtype, policy.compute_dtype}
+    # Advice about a CPU comes from the CPU the audit runs on, never from where the docs were measured.
+    cpu_fast = "bf16-mixed" if not on_gpu and cpu_has_native_bf16() else "32-true"
+    cpu = "" if on_gpu else f" ({describe_cpu()})"
     if policy.fp8_recipe and not (on_gpu and cuda_supports_fp8()):
         findings.append(Finding(
             code="fp8-unsupported", severity="warning",
             message=f"policy {policy} uses FP8 ({policy.fp8_recipe}) but {device} has no FP8 tensor "
                     "cores (compute capability 8.9+): FP8 is emulated, correct but slower than bf16",
-            fix="use 'bf16-mixed' on this GPU" if on_gpu else "use '32-true' on this CPU"))
+            fix="use 'bf16-mixed' on this GPU" if on_gpu else f"use '{cpu_fast}' on this CPU{cpu}"))
     if torch.bfloat16 in dts and not bf16_is_fast(device):
         findings.append(Finding(
             code="bf16-emulated", severity="warning",
             message=f"policy {policy} computes in bf16 but {device} emulates bf16 "
                     f"({'GPU older than Ampere' if on_gpu else 'no AVX512-BF16/AMX'}): slower than fp32",
             fix="use '16-mixed' (fp16 with loss scaling) on this GPU" if on_gpu
-                else "use '32-true' (fp32 is the fast format on this CPU)"))
+                else f"use '32-true' (fp32 is the fast format on this CPU{cpu})"))
     if torch.float16 in dts and not on_gpu and not cpu_has_native_fp16():
         findings.append(Finding(
             code="fp16-emulated", severity="warning",
             message=f"policy {policy} computes in fp16 on a CPU without fp16 matrix instructions: "
                     "emulated, slower than fp32",
-            fix="use '32-true' on this CPU"))
+            fix=f"use '{cpu_fast}' on this CPU{cpu}"))
 
 
 def _check_loss(loss_fn: Callable[[], torch.Tensor], precision: Precision,
@@ -272,7 +276,7 @@ def audit(model: nn.Module, *, policy: Policy | str | bool | None = None,
     _check_params(model, precision, optimizer, findings)
     _check_scaler(model, precision, scaler, findings)
     _check_layers(model, precision, findings)
-    _check_hardware(precision.policy, device, findings)
+    _check_hardware(precision, device, findings)
     if loss_fn is not None:
         _check_loss(loss_fn, precision, findings)
     return sorted(findings, key=lambda f: _SEVERITIES.index(f.severity))

@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from mixprec.precision.dtypes import dtype_name
 
-__all__ = ["NonFiniteEvent", "RngState", "capture_rng_state", "replay_rng_state", "locate_nonfinite"]
+__all__ = ["NonFiniteEvent", "RngState", "capture_rng_state", "replay_rng_state", "locate_nonfinite",
+           "gather_origins"]
 
 
 # --- RNG capture / replay -----------------------------------------------------------------------
@@ -117,6 +118,12 @@ class NonFiniteEvent:
     """Loss scale in effect during the replay, when the caller passed it."""
     step: int | None = None
     """Training step, when the caller passed it."""
+    micro_batch: int | None = None
+    """Index of the micro-batch (forward/backward pass) of the replay where it appeared."""
+    rank: int | None = None
+    """Global rank whose replay found it (set by :func:`gather_origins` in a multi-rank job)."""
+    other_ranks: tuple[int, ...] = ()
+    """Further ranks whose replay also found an origin (their own events are not kept)."""
 
     def message(self, step: int | None = None, scale_before: float | None = None,
                 scale_after: float | None = None) -> str:
@@ -124,17 +131,21 @@ class NonFiniteEvent:
         loss scale 65536 -> 32768``."""
         step = self.step if step is None else step
         head = f"step {step} skipped" if step is not None else "non-finite step"
-        line = f"{head}: {self.kind} first at {self.module} ({self.direction}, {self.dtype})"
+        where = f"rank {self.rank}, " if self.rank is not None else ""
+        line = f"{head}: {self.kind} first at {self.module} ({where}{self.direction}, {self.dtype})"
         scale_before = self.loss_scale if scale_before is None else scale_before
         if scale_before is not None:
             line += f" — loss scale {_num(scale_before)}"
             if scale_after is not None:
                 line += f" -> {_num(scale_after)}"
+        if self.other_ranks:
+            line += f" (also on rank {', '.join(map(str, self.other_ranks))})"
         return line
 
     def to_dict(self) -> dict:
         """Plain JSON-able fields plus the human ``message``."""
         d = asdict(self)
+        d["other_ranks"] = list(self.other_ranks)
         d["message"] = self.message()
         return d
 
@@ -166,25 +177,36 @@ def _floats(tree) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward node (e.g. an activation recompute)."""
+    return torch._C._current_autograd_node() is not None
+
+
 class _Recorder:
     """Collects observations as device tensors; resolves them with one host transfer."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[int, str, str, str, str, torch.dtype]] = []  # obs, dir, kind, module, tensor, dtype
+        # obs, dir, kind, module, tensor, dtype, micro-batch
+        self.rows: list[tuple[int, str, str, str, str, torch.dtype, int]] = []
         self.stats: list[torch.Tensor] = []
         self.n_obs = 0
-        self.in_backward = False
+        self.micro = 0              # forward/backward pass (micro-batch) of the replay
+        self._seen_backward = False
 
     def observe(self, direction: str, kind: str, module: str, tensor: str,
                 tensors: list[torch.Tensor]) -> None:
-        if direction == "forward" and self.in_backward:
-            return  # activation recompute replays the forward inside backward: already seen
-        if direction == "backward":
-            self.in_backward = True
+        if direction == "forward":
+            if in_backward():
+                return  # activation recompute replays the forward inside backward: already seen
+            if self._seen_backward:  # a forward after a backward: the next micro-batch
+                self.micro += 1
+                self._seen_backward = False
+        else:
+            self._seen_backward = True
         obs = self.n_obs
         self.n_obs += 1
         for t in tensors:
-            self.rows.append((obs, direction, kind, module, tensor, t.dtype))
+            self.rows.append((obs, direction, kind, module, tensor, t.dtype, self.micro))
             self.stats.append(_stats(t))
 
     def resolve(self) -> list[dict]:
@@ -200,9 +222,10 @@ class _Recorder:
             for i, row in zip(idx, torch.stack([self.stats[i] for i in idx]).tolist()):
                 table[i] = row
         out: dict[int, dict] = {}
-        for (obs, direction, kind, module, tensor, dtype), (code, amax, amin) in zip(self.rows, table):
+        for (obs, direction, kind, module, tensor, dtype, micro), (code, amax, amin) in zip(self.rows, table):
             o = out.setdefault(obs, dict(obs=obs, direction=direction, kind=kind, module=module,
-                                         tensor=tensor, code=0, dtype=dtype, absmax=0.0, absmin=math.inf))
+                                         tensor=tensor, code=0, dtype=dtype, absmax=0.0, absmin=math.inf,
+                                         micro=micro))
             if code > o["code"]:
                 o["code"], o["dtype"] = int(code), dtype
             o["absmax"] = max(o["absmax"], amax)
@@ -236,8 +259,11 @@ def _find_origin(obs: list[dict], loss_nonfinite: bool | None) -> dict | None:
             return dict(module="<loss>", direction="forward", code=2, dtype=None, tensor="output",
                         source=None)
     bwd = [o for o in obs if o["direction"] == "backward"]
-    gout = {}
+    gout: dict[str, dict] = {}
+    micro = None
     for o in bwd:
+        if o["micro"] != micro:      # each micro-batch's backward judges its own output-gradients
+            gout, micro = {}, o["micro"]
         if o["kind"] == "gout" and o["module"] not in gout:
             gout[o["module"]] = o
         if not o["code"]:
@@ -278,7 +304,7 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
     def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
         name = names[id(module)]
         rec.observe("forward", "in", name, "input", _floats((args, kwargs)))
-        if not torch.is_grad_enabled() or rec.in_backward:
+        if not torch.is_grad_enabled() or in_backward():
             return None
 
         def alias(t):
@@ -294,7 +320,7 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
         outs = _floats(output)
         rec.observe("forward", "out", name, "output", outs)
         for t in outs:
-            if t.requires_grad and not rec.in_backward:
+            if t.requires_grad and not in_backward():
                 t.register_hook(lambda g: _on_gout(name, g))
 
     def _on_gout(name: str, g: torch.Tensor) -> None:
@@ -344,4 +370,37 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
         tensor=origin["tensor"],
         input_absmax=float(src["absmax"]) if has_src else None,
         input_absmin=(float(src["absmin"]) if has_src and math.isfinite(src["absmin"]) else None),
-        loss_scale=None if loss_scale is None else float(loss_scale), step=step)
+        loss_scale=None if loss_scale is None else float(loss_scale), step=step,
+        micro_batch=origin.get("micro"))
+
+
+# --- across ranks ---------------------------------------------------------------------------------
+
+def gather_origins(event: NonFiniteEvent | None, strategy_or_group=None) -> NonFiniteEvent | None:
+    """Share each rank's traced origin of a skipped step; every rank gets the same answer.
+
+    Under DDP only the rank whose micro-batch made the inf/NaN finds its origin in the replay,
+    while rank 0 writes the logs. Call this on *every* rank of a skipped step (all ranks skip
+    together, the scaler agrees on ``found_inf``): it all-gathers one small dict per rank and
+    returns the event of the lowest rank that found one, with ``rank`` and ``other_ranks`` set,
+    or None when no rank did. ``strategy_or_group`` is a mixprec Strategy, a process group, or None
+    (the default group). Without an initialised multi-rank process group it returns ``event``.
+    """
+    import torch.distributed as dist
+    group = strategy_or_group
+    if group is not None and hasattr(group, "world_size") and hasattr(group, "rank"):
+        if group.world_size <= 1:               # a Strategy of one process
+            return event
+        group = getattr(group, "process_group", None)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) <= 1:
+        return event
+    mine = None if event is None else asdict(event)
+    gathered: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    found = [(dist.get_global_rank(group, i) if group is not None else i, d)
+             for i, d in enumerate(gathered) if d is not None]
+    if not found:
+        return None
+    (rank, first), others = found[0], tuple(r for r, _ in found[1:])
+    first = dict(first, rank=rank, other_ranks=others)
+    return NonFiniteEvent(**first)

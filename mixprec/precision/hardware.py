@@ -5,6 +5,7 @@ Cheap checks only (no benchmarks here; measured peaks live in ``mixprec.bench``)
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 
@@ -48,6 +49,26 @@ def cpu_has_native_fp16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
         return bool({"avx512_fp16", "amx_fp16"} & _cpu_flags())
+
+
+_MATRIX_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")
+
+
+def cpu_matrix_flags() -> list[str]:
+    """The 16-bit matrix instruction flags this CPU reports in /proc/cpuinfo (sorted; [] if none)."""
+    return sorted(set(_MATRIX_FLAGS) & _cpu_flags())
+
+
+def describe_cpu() -> str:
+    """``"AMD EPYC; 16-bit matrix flags: avx512_bf16"`` for messages that advise about the CPU."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), model)
+    except OSError:
+        pass
+    flags = ", ".join(cpu_matrix_flags()) or "none (AVX2 or older)"
+    return f"{model}; 16-bit matrix flags: {flags}"
 
 
 def cuda_supports_bf16() -> bool:

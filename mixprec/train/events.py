@@ -62,13 +62,13 @@ class RunEvents:
         after = self.precision.scale
         if origin_event is not None:
             msg = origin_event.message(step, out.scale_before, after)
-            record = {**origin_event.to_dict(), "kind": "skip", "loss_scale_before": out.scale_before,
-                      "loss_scale_after": after, "message": msg}
+            record = {**origin_event.to_dict(), "kind": "skip", "nonfinite": origin_event.kind,
+                      "loss_scale_before": out.scale_before, "loss_scale_after": after, "message": msg}
         else:
             msg = (f"step {step} skipped: non-finite gradients "
                    f"({dtype_name(self.precision.compute_dtype)}) — loss scale "
                    f"{out.scale_before:g} -> {after:g}")
-            record = {"kind": "skip", "step": step, "loss_scale_before": out.scale_before,
+            record = {"kind": "skip", "step": step, "nonfinite": None, "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
         self.logger.event(record)
         if self.progress:

@@ -7,7 +7,11 @@ marked), are gradients exploding, how fast is it (tokens/s, MFU), how much memor
 layers run close to their format's limits (a module x step heat map). ``report.html`` inlines
 every image as base64 so it can be mailed or attached to an issue as one file.
 
-Plots are skipped, not drawn empty, when a run never measured that quantity (e.g. no MFU on CPU).
+Plots are skipped, not drawn empty, when a run never measured that quantity (e.g. no MFU on CPU),
+and the loss-scale plot when the run did not scale (every logged scale is 1, or the precision in
+``config.toml`` has no loss scaling). MFU is shown in percent everywhere. The wall time is the
+whole run's (the sum of the logged intervals), and the precision and model come from the run
+folder's ``config.toml`` (and the start event, which names the resolved policy).
 """
 from __future__ import annotations
 
@@ -84,8 +88,62 @@ def _scale_at(steps: list[int], scale: list[float], step: int) -> float | None:
     return value
 
 
-def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's ``config.toml`` as a dict ({} when absent or unreadable)."""
+    import tomllib
+    try:
+        return tomllib.loads((Path(run_dir) / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def _start_field(events: list[dict[str, Any]], name: str) -> str | None:
+    """``name: ...`` from the start event's message (``precision: 16-mixed (p=f32,...)``)."""
+    for e in events:
+        if e.get("kind") == "start":
+            for part in str(e.get("message", "")).split("; "):
+                if part.startswith(f"{name}: "):
+                    return part[len(name) + 2:]
+    return None
+
+
+def _precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str | None:
+    resolved = _start_field(events, "precision")
+    return resolved or config.get("precision")
+
+
+def _model(config: dict[str, Any], events: list[dict[str, Any]]) -> str | None:
+    parts = []
+    if config.get("model"):
+        shape = ", ".join(f"{k}={config[k]}" for k in ("num_layers", "d_model", "num_heads",
+                                                         "num_experts") if k in config)
+        parts.append(f"{config['model']}" + (f" ({shape})" if shape else ""))
+    size = _start_field(events, "model")
+    if size:
+        parts.append(size.split(";")[0])
+    return "; ".join(parts) or None
+
+
+def _scaling_off(rows: list[dict[str, Any]], config: dict[str, Any]) -> bool:
+    """True when the run did not scale the loss: every logged scale is 1, or its precision has
+    no loss scaling."""
+    _, scale = _values(rows, "loss_scale")
+    if scale and all(v == 1.0 for v in scale):
+        return True
+    name = config.get("precision")
+    if isinstance(name, str) and name != "auto":
+        from mixprec.engine import Precision
+        try:
+            return not Precision(name).scales_loss
+        except ValueError:
+            return False
+    return False
+
+
+def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Headline figures of a run (None where the run did not measure them)."""
+    config = config or {}
     _, losses = _values(rows, "loss")
     val_steps, vals = _values(rows, "val_loss")
     _, tps = _values(rows, "tokens_per_s")
@@ -96,6 +154,8 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
     skipped = totals[-1] if totals else sum(int(r.get("skipped") or 0) for r in rows)
     best = min(range(len(vals)), key=vals.__getitem__) if vals else None
     return {
+        "precision": _precision(config, events),
+        "model": _model(config, events),
         "last step": rows[-1]["step"],
         "logged rows": len(rows),
         "final train loss": losses[-1] if losses else None,
@@ -104,9 +164,9 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[
         "best val loss at step": val_steps[best] if best is not None else None,
         "skipped steps": skipped,
         "mean tokens/s": statistics.fmean(tps) if tps else None,
-        "mean MFU": statistics.fmean(mfu) if mfu else None,
+        "mean MFU (%)": 100 * statistics.fmean(mfu) if mfu else None,
         "peak memory (MB)": max(mem) if mem else None,
-        "wall time (s)": times[-1] if times else None,
+        "wall time (s)": math.fsum(times) if times else None,   # time_s is each interval's
         "events": len(events),
     }
 
@@ -149,9 +209,9 @@ def _plot_loss(rows, out: Path) -> Path | None:
     return _save(fig, out / "loss.png")
 
 
-def _plot_loss_scale(rows, events, out: Path) -> Path | None:
+def _plot_loss_scale(rows, events, out: Path, config: dict[str, Any] | None = None) -> Path | None:
     steps, scale = _values(rows, "loss_scale")
-    if not scale:
+    if not scale or _scaling_off(rows, config or {}):
         return None
     fig, ax = _figure("loss scale (skipped steps marked)")
     ax.step(steps, scale, where="post", lw=1.2, label="loss scale")
@@ -193,6 +253,8 @@ def _plot_throughput(rows, out: Path) -> Path | None:
         ax2.plot(msteps, [100 * m for m in mfu], color="tab:orange", lw=1.2, label="MFU")
         ax2.set_ylabel("MFU (%)", color="tab:orange")
         ax2.set_ylim(bottom=0)
+    handles = [h for a in fig.axes for h in a.get_lines()]
+    ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
     return _save(fig, out / "throughput.png")
 
 
@@ -212,11 +274,16 @@ def _plot_numerics(numerics, out: Path) -> list[Path]:
     import numpy as np
 
     paths = []
-    for kind in ("act", "grad", "update"):
+    # One layer order for every heat map: forward order (as the activations were logged), then
+    # any module seen only in gradients or updates (those are logged in backward order).
+    kinds = ("act", "grad", "update")
+    order = list(dict.fromkeys(r["module"] for k in kinds for r in numerics if r.get("kind") == k))
+    for kind in kinds:
         rows = [r for r in numerics if r.get("kind") == kind]
         if not rows:
             continue
-        modules = list(dict.fromkeys(r["module"] for r in rows))
+        present = {r["module"] for r in rows}
+        modules = [m for m in order if m in present]
         steps = sorted({r["step"] for r in rows})
         col = {s: i for i, s in enumerate(steps)}
         row = {m: i for i, m in enumerate(modules)}
@@ -309,12 +376,13 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
                         "interval, then run the report again")
     numerics = read_numerics(run_path)
     events = read_events(run_path)
+    config = read_run_config(run_path)
     out = Path(out_dir) if out_dir is not None else run_path / "report"
     out.mkdir(parents=True, exist_ok=True)
 
-    images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out), _plot_grad_norm(rows, out),
+    images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out, config), _plot_grad_norm(rows, out),
                           _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
     images += _plot_numerics(numerics, out)
     html_path = out / "report.html"
-    html_path.write_text(_html(run_path, summarize(rows, events), images, events), encoding="utf-8")
+    html_path.write_text(_html(run_path, summarize(rows, events, config), images, events), encoding="utf-8")
     return html_path

@@ -51,7 +51,8 @@ class Checkpointer:
             "policy": precision.policy.spec(),
             "precision": precision.name,
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
-            "scaler": precision.scaler.state_dict(),
+            # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
+            "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
             "scheduler": scheduler.state_dict(),
             "rng": ckpt.capture_rng_state(),
             "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,

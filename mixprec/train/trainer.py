@@ -24,7 +24,7 @@ from torch import nn
 from mixprec.engine import Precision
 from mixprec.errors import ConfigError
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
-from mixprec.monitor.trace import capture_rng_state
+from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
 from mixprec.precision.peak import peak_flops
@@ -361,9 +361,12 @@ class Trainer:
         """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics."""
         origin = None
         if out.skipped:
-            event = self.trace_nonfinite(batches, out, rng) if self.config.trace_nonfinite else None
+            # Every rank replays its own micro-batches; rank 0 learns which rank made the inf/NaN.
+            event = (gather_origins(self.trace_nonfinite(batches, out, rng), self.strategy)
+                     if self.config.trace_nonfinite else None)
             self.events.skip(self.step, out, event)
-            origin = event.module if event is not None else None
+            if event is not None:
+                origin = f"{event.module} (rank {event.rank})" if event.rank is not None else event.module
         if self.scale_watch is not None:
             warning = self.scale_watch.observe(self.step, self.precision.scale, out.skipped, origin)
             if warning:

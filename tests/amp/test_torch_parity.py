@@ -89,3 +89,80 @@ def test_seed_002_loop_runs_unchanged(make_scaler):
 
 def test_autocast_is_reexported_from_precision():
     assert mixprec.amp.autocast is mixprec.precision.autocast
+
+
+# --- defaults and the small differences, each side by side with torch.amp.GradScaler ----------
+
+def _overflow_pattern(seed: int, n: int, p: float) -> list[bool]:
+    rng = random.Random(seed)
+    return [rng.random() < p for _ in range(n)]
+
+
+def test_default_scaler_follows_torch_through_a_seeded_200_step_overflow_pattern():
+    # 20% overflows with growth_interval=3 drive the scale far below 1: torch goes on halving.
+    seq = _overflow_pattern(seed=9, n=200, p=0.2)
+    ours_p, theirs_p = (torch.nn.Parameter(torch.ones(4)) for _ in range(2))
+    ours = GradScaler(growth_interval=3)
+    theirs = torch.amp.GradScaler("cpu", growth_interval=3)
+    a = _drive(ours, seq, ours_p, torch.optim.SGD([ours_p], lr=0.1))
+    b = _drive(theirs, seq, theirs_p, torch.optim.SGD([theirs_p], lr=0.1))
+    assert min(b) < 1.0                      # the pattern does reach below the old floor of 1
+    assert a == b
+    assert torch.equal(ours_p, theirs_p)
+
+
+def test_from_policy_keeps_the_strict_floor_and_raises_when_stuck():
+    seq = _overflow_pattern(seed=9, n=200, p=0.2)
+    p = torch.nn.Parameter(torch.ones(4))
+    scaler = GradScaler.from_policy("16-mixed", growth_interval=3)
+    assert scaler.loss_scaler.config.min_scale == 1.0
+    assert scaler.loss_scaler.config.max_scale == 2.0 ** 24
+    with pytest.raises(mixprec.errors.NumericsError, match="stuck at min_scale=1"):
+        _drive(scaler, seq, p, torch.optim.SGD([p], lr=0.1))
+
+
+def test_from_policy_passes_the_trainers_explicit_floor_and_stuck_policy_through():
+    scaler = GradScaler.from_policy("16-mixed", min_scale=4.0, on_min_scale="warn")
+    cfg = scaler.loss_scaler.config
+    assert (cfg.min_scale, cfg.max_scale, cfg.on_min_scale) == (4.0, 2.0 ** 24, "warn")
+
+
+def _step_without_gradients(scaler):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(torch.ones((), requires_grad=True) * 2)   # a loss that does not reach p
+    scaler.step(opt)
+
+
+def test_step_without_gradients_raises_assertion_error_like_torch():
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        _step_without_gradients(torch.amp.GradScaler("cpu"))
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        _step_without_gradients(GradScaler())
+
+
+def test_step_without_gradients_with_scaling_off_just_steps_like_torch():
+    for scaler in (torch.amp.GradScaler("cpu", enabled=False), GradScaler(enabled=False)):
+        _step_without_gradients(scaler)
+        scaler.update()
+
+
+@pytest.mark.parametrize("outputs", [3.0, [torch.ones(()), 3.0], (torch.ones(()), None)])
+def test_scale_of_a_non_tensor_raises_value_error_like_torch(outputs):
+    with pytest.raises(ValueError, match="must be a Tensor or an iterable of Tensors"):
+        torch.amp.GradScaler("cpu").scale(outputs)
+    with pytest.raises(ValueError, match="must be a Tensor or an iterable of Tensors"):
+        GradScaler().scale(outputs)
+
+
+def test_state_dict_of_a_disabled_scaler_is_empty_like_torch():
+    assert GradScaler(enabled=False).state_dict() == torch.amp.GradScaler("cpu", enabled=False).state_dict() == {}
+
+
+def test_disabled_scaler_keeps_its_skip_counters_outside_the_state_dict():
+    p = torch.nn.Parameter(torch.ones(3))
+    scaler = GradScaler(enabled=False)
+    _drive(scaler, [True, False], p, torch.optim.SGD([p], lr=0.1))
+    fresh = GradScaler(enabled=False)
+    fresh.load_state_dict({**scaler.state_dict(), **scaler.counters})
+    assert (fresh.num_skipped_steps, fresh.num_overflows) == (1, 1)

@@ -165,11 +165,31 @@ def test_nonfinite_loss_found_by_the_probe():
     assert _codes(found) == ["nonfinite-loss"]
 
 
-def test_fp8_without_capable_gpu(monkeypatch):
+@pytest.mark.parametrize("native_bf16, advice", [(False, "'32-true'"), (True, "'bf16-mixed'")])
+def test_fp8_without_capable_gpu_advises_the_fast_format_of_the_cpu_it_runs_on(monkeypatch, native_bf16,
+                                                                                advice):
     monkeypatch.setattr(audit_mod, "cuda_supports_fp8", lambda: False)
+    monkeypatch.setattr(audit_mod, "cpu_has_native_bf16", lambda: native_bf16)
     fp8 = Policy(name="custom", fp8_recipe="fp8-blockwise")
     f = next(f for f in audit(Net(), policy=fp8, device="cpu") if f.code == "fp8-unsupported")
-    assert "32-true" in f.fix
+    assert advice in f.fix
+
+
+@pytest.mark.parametrize("native_bf16, advice", [(False, "'32-true'"), (True, "'bf16-mixed'")])
+def test_fp16_on_cpu_advises_bf16_only_where_the_cpu_has_bf16_instructions(monkeypatch, native_bf16,
+                                                                            advice):
+    monkeypatch.setattr(audit_mod, "cpu_has_native_fp16", lambda: False)
+    monkeypatch.setattr(audit_mod, "cpu_has_native_bf16", lambda: native_bf16)
+    f = next(f for f in audit(Net(), policy="16-mixed", scaler=torch.amp.GradScaler("cpu"), device="cpu")
+             if f.code == "fp16-emulated")
+    assert advice in f.fix
+
+
+def test_cpu_advice_names_the_cpus_own_matrix_flags():
+    from mixprec.precision.hardware import cpu_matrix_flags
+    fp8 = Policy(name="custom", fp8_recipe="fp8-blockwise")
+    f = next(f for f in audit(Net(), policy=fp8, device="cpu") if f.code == "fp8-unsupported")
+    assert "16-bit matrix flags: " + (", ".join(cpu_matrix_flags()) or "none") in f.fix
 
 
 def test_bf16_on_cpu_without_native_bf16_suggests_fp32(monkeypatch):

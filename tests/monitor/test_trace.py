@@ -1,5 +1,6 @@
 """locate_nonfinite attributes the first NaN/Inf to the module and direction that made it."""
 import json
+import math
 
 import pytest
 import torch
@@ -188,3 +189,42 @@ def test_event_json_round_trips(tiny):
     d = json.loads(ev.to_json())
     assert d["module"] == "blocks.0.fc1" and d["step"] == 1234 and d["loss_scale"] == 65536
     assert d["message"].startswith("step 1234 skipped: inf first at blocks.0.fc1 (forward, fp32)")
+
+
+def _micro_batch_step(model, xs):
+    def run():
+        total = None
+        for x in xs:
+            loss = model(x).pow(2).mean() / len(xs)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+    return run
+
+
+def _poison_marked_rows(module, args, output):   # inf wherever the batch carries the marker value
+    return torch.where(args[0][:, :1] == 1234.0, torch.full_like(output, math.inf), output)
+
+
+@pytest.mark.parametrize("bad", [0, 1, 2])
+def test_inf_made_in_any_micro_batchs_forward_is_attributed_to_its_module(tiny, bad):
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    xs[bad][0, 0] = 1234.0
+    tiny.inp.register_forward_hook(_poison_marked_rows)
+    ev = locate_nonfinite(tiny, _micro_batch_step(tiny, xs))
+    assert (ev.module, ev.direction, ev.kind) == ("inp", "forward", "inf")
+    assert ev.micro_batch == bad
+
+
+def test_inf_made_in_the_second_micro_batchs_backward_is_attributed_to_its_module(tiny):
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    calls = []
+    fc2 = tiny.blocks[1].fc2
+
+    def poison_second_call(module, args):   # PoisonLinear: inf input-gradient on the 2nd call only
+        calls.append(1)
+        module.poison = "backward" if len(calls) == 2 else None
+    fc2.register_forward_pre_hook(poison_second_call)
+    ev = locate_nonfinite(tiny, _micro_batch_step(tiny, xs))
+    assert (ev.module, ev.direction, ev.tensor) == ("blocks.1.fc2", "backward", "grad_input")
+    assert ev.micro_batch == 1

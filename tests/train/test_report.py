@@ -73,7 +73,8 @@ def test_report_defaults_to_a_folder_inside_the_run_and_skips_unmeasured_plots(t
             log.log(step, loss=2.0 / step, loss_scale=1.0)  # e.g. a bf16 run on CPU: no MFU, no memory
     assert _run_cli(str(run_dir)) == 0
     out = run_dir / "report"
-    assert sorted(p.name for p in out.glob("*.png")) == ["loss.png", "loss_scale.png"]
+    # no MFU or memory measured, and a scale of 1 throughout: scaling was off, so no scale plot
+    assert sorted(p.name for p in out.glob("*.png")) == ["loss.png"]
     assert "No events" in (out / "report.html").read_text()
 
 
@@ -102,3 +103,76 @@ def test_folder_without_metrics_or_rows_is_a_one_line_error(tmp_path):
     MetricsLogger(tmp_path, tensorboard=False).close()
     with pytest.raises(DataError, match="has no rows yet; train for at least one logging interval"):
         _run_cli(str(tmp_path))
+
+
+def _capture_figures(monkeypatch) -> dict:
+    """Keep the matplotlib figures the report saves, by file name, to inspect legends and axes."""
+    figures, save = {}, report._save
+
+    def keep(fig, path):
+        figures[path.name] = fig
+        return save(fig, path)
+    monkeypatch.setattr(report, "_save", keep)
+    return figures
+
+
+def test_wall_time_is_the_whole_runs_not_the_last_intervals(tmp_path):
+    _fake_run(tmp_path, numerics=False)          # 9 intervals of 0.5 * step seconds
+    s = report.summarize(read_metrics(tmp_path), read_events(tmp_path))
+    assert s["wall time (s)"] == pytest.approx(0.5 * sum(range(1, 10)))
+
+
+def test_mfu_is_shown_in_percent_in_the_summary(tmp_path):
+    _fake_run(tmp_path, numerics=False)          # mfu = 0.2 in metrics.csv
+    assert _run_cli(str(tmp_path)) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<th>mean MFU (%)</th><td>20</td>" in page
+
+
+def test_summary_names_precision_and_model_from_the_run_config(tmp_path):
+    _fake_run(tmp_path, numerics=False)
+    (tmp_path / "config.toml").write_text('precision = "16-mixed"\nmodel = "tiny"\nnum_layers = 2\n'
+                                          'd_model = 64\n')
+    assert _run_cli(str(tmp_path)) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<th>precision</th><td>16-mixed</td>" in page
+    assert "<th>model</th><td>tiny (num_layers=2, d_model=64)</td>" in page
+
+
+def test_no_loss_scale_plot_when_the_precision_does_not_scale(tmp_path):
+    _fake_run(tmp_path, numerics=False)
+    (tmp_path / "config.toml").write_text('precision = "bf16-mixed"\n')
+    assert _run_cli(str(tmp_path)) == 0
+    assert not (tmp_path / "report" / "loss_scale.png").exists()
+    (tmp_path / "config.toml").write_text('precision = "16-mixed"\n')
+    assert _run_cli(str(tmp_path)) == 0
+    assert (tmp_path / "report" / "loss_scale.png").exists()
+
+
+def test_throughput_plot_has_a_legend_for_tokens_and_mfu(tmp_path, monkeypatch):
+    figures = _capture_figures(monkeypatch)
+    _fake_run(tmp_path, numerics=False)
+    assert _run_cli(str(tmp_path)) == 0
+    legends = [a.get_legend() for a in figures["throughput.png"].axes if a.get_legend() is not None]
+    assert len(legends) == 1
+    assert [t.get_text() for t in legends[0].get_texts()] == ["tokens/s", "MFU"]
+
+
+def test_activation_and_gradient_heat_maps_list_layers_in_the_same_order(tmp_path, monkeypatch):
+    figures = _capture_figures(monkeypatch)
+    forward = ["embed", "blocks.0.mlp", "blocks.1.mlp", "head"]
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        for step in (2, 4):
+            log.log(step, loss=1.0)
+            # activations come in forward order, gradients in backward order
+            log.log_numerics([{"step": step, "module": m, "kind": "act", "absmax": 10.0 + i,
+                               "overflow_frac": 0.0, "underflow_frac": 0.0, "dtype": "float16"}
+                              for i, m in enumerate(forward)]
+                             + [{"step": step, "module": m, "kind": "grad", "absmax": 1.0 + i,
+                                 "overflow_frac": 0.0, "underflow_frac": 0.0, "dtype": "float16"}
+                                for i, m in enumerate(reversed(forward))])
+    assert _run_cli(str(tmp_path)) == 0
+
+    def layers(name):
+        return [t.get_text() for t in figures[name].axes[0].get_yticklabels()]
+    assert layers("numerics_act_absmax.png") == layers("numerics_grad_absmax.png") == forward

@@ -141,6 +141,28 @@ def test_skipped_step_is_traced_to_the_module_that_made_the_nan(tmp_path):
     assert skips[0]["message"].startswith("step 2 skipped: nan first at net.0 (forward, fp32)")
 
 
+def test_skip_event_names_the_module_and_keeps_its_nonfinite_kind_for_a_second_micro_batch_fault(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+
+    def poison(module, args, output):   # inf * output wherever the batch carries the marker value
+        return output * torch.where(args[0][:, :1] == 1234.0, math.inf, 1.0)
+
+    model.net[0].register_forward_hook(poison)
+    data = batches(4)
+    data[3][0][0, 0] = 1234.0           # step 2, second micro-batch
+    from mixprec.train import fit
+    result = fit(model, data, epochs=1, mixed_precision="32-true", run_dir=str(tmp_path / "r"),
+                 grad_accum_steps=2, progress=False, audit=False, log_interval=1, ckpt_interval=0,
+                 clip_grad_norm=None)
+    assert result.skipped_steps == 1
+    from mixprec.train.metrics import read_events
+    (skip,) = [e for e in read_events(tmp_path / "r") if e["kind"] == "skip"]
+    # tanh saturates the forward inf, so the loss stays finite: the gradient is where it shows
+    assert (skip["module"], skip["direction"], skip["nonfinite"]) == ("net.0", "backward", "nan")
+    assert skip["micro_batch"] == 1
+
+
 def test_numerics_monitor_writes_rows_only_on_sampled_steps(tmp_path):
     torch.manual_seed(0)
     from mixprec.train import fit
