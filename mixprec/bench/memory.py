@@ -151,7 +151,7 @@ class ModelShape:
         attn = self._attn_weights() + (4 * d if b else 0)
         if moe:
             e = self.num_experts
-            mlp = (e + self.shared_experts) * self._mlp_params(self._ehidden) + d * e + (e if b else 0)
+            mlp = (e + self.shared_experts) * self._mlp_params(self._ehidden) + d * e    # router: no bias
         else:
             mlp = self._mlp_params()
         return norms + attn + mlp
@@ -175,12 +175,17 @@ class ModelShape:
         """Parameters that autocast casts to the compute dtype (Linear weights and the head)."""
         return self._blocks(self._block_matmul_weights) + self.vocab_size * self.d_model
 
-    def active_matmul_weights(self) -> int:
-        """Matmul weights one token passes through: :meth:`matmul_weights` less the experts it is
-        not routed to (the ``N`` of ``6 * N`` training FLOPs per token; the head counts even when
-        tied, the embedding look-up does not, as in ``Transformer.flops_per_token``)."""
-        idle = self.moe_layers * (self.num_experts - self.top_k) * self._mlp_weights(self._ehidden)
-        return self.matmul_weights() - idle
+    def active_parameters(self) -> int:
+        """Parameters one token's forward pass uses: the ``N`` of ``6 * N`` training FLOPs per token.
+
+        Counted as ``Transformer.flops_per_token`` does: all parameters but the embedding look-ups
+        (the head counts even when tied to the embedding) and the experts the token is not routed to.
+        """
+        d = self.d_model
+        n = self.num_parameters() - (self.max_seq_len * d if self.learned_positions else 0)
+        if not self.tie_embeddings:
+            n -= self.vocab_size * d                        # the token embedding (the head stays)
+        return n - self.moe_layers * (self.num_experts - self.top_k) * self._mlp_params(self._ehidden)
 
     def norm_parameters(self) -> int:
         """Norm weights (and biases): FP32 in every policy."""
