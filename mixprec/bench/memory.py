@@ -74,13 +74,34 @@ class ModelShape:
     """Head shares the token embedding."""
     bias: bool = True
     """Linear and norm biases."""
+    # --- fields for other architectures (Hugging Face configs); the defaults are mixprec's model --
+    mlp_hidden: int = 0
+    """Hidden width of a dense MLP; 0: ``mlp_ratio * d_model``."""
+    expert_hidden: int = 0
+    """Hidden width of one expert (and of one shared expert); 0: the dense MLP's."""
+    gated_mlp: bool = False
+    """Gated MLP (SwiGLU: gate, up and down matrices) instead of two matrices around a GELU."""
+    shared_experts: int = 0
+    """Experts every token passes through besides its ``top_k`` routed ones (DeepSeek-MoE)."""
+    dense_layers: int = 0
+    """Leading blocks with a dense MLP in an MoE model (DeepSeek's ``first_k_dense_replace``)."""
+    attention_weights: int = 0
+    """Matmul weights of one attention block; 0: ``4 * d_model**2`` (multi-head, q/k/v/o)."""
+    learned_positions: bool = True
+    """A learned position table of ``max_seq_len`` rows (False: rotary, no parameters)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len", "mlp_ratio"):
             if getattr(self, f) < 1:
                 raise ConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("mlp_hidden", "expert_hidden", "shared_experts", "dense_layers", "attention_weights",
+                  "num_experts"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f} must be >= 0, got {getattr(self, f)}")
         if self.num_experts and not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
+        if self.dense_layers > self.num_layers:
+            raise ConfigError(f"dense_layers ({self.dense_layers}) exceeds num_layers ({self.num_layers})")
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
@@ -89,40 +110,87 @@ class ModelShape:
                    num_experts=cfg.num_experts, top_k=cfg.top_k, tie_embeddings=cfg.tie_embeddings,
                    bias=cfg.bias)
 
-    # --- parameter counts (exactly those of mixprec.models.Transformer) ------------------------
+    # --- parameter counts (exactly those of mixprec.models.Transformer for its configs) ---------
 
-    def _mlp_params(self) -> int:
-        d, hid = self.d_model, self.mlp_ratio * self.d_model
-        return 2 * d * hid + (hid + d if self.bias else 0)
+    @property
+    def _hidden(self) -> int:
+        return self.mlp_hidden or self.mlp_ratio * self.d_model
+
+    @property
+    def _ehidden(self) -> int:
+        return self.expert_hidden or self._hidden
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts."""
+        return self.num_layers - self.dense_layers if self.num_experts else 0
+
+    def _mlp_weights(self, hid: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.d_model * hid
+
+    def _mlp_params(self, hid: int | None = None) -> int:
+        hid = self._hidden if hid is None else hid
+        return self._mlp_weights(hid) + (hid + self.d_model if self.bias else 0)
+
+    def _attn_weights(self) -> int:
+        return self.attention_weights or 4 * self.d_model * self.d_model
+
+    def _block_matmul_weights(self, moe: bool) -> int:
+        if not moe:
+            return self._attn_weights() + self._mlp_weights(self._hidden)
+        e = self.num_experts
+        return self._attn_weights() + (e + self.shared_experts) * self._mlp_weights(self._ehidden) + self.d_model * e
 
     def layer_matmul_weights(self) -> int:
         """Matmul weights of one block (attention + all experts, or the MLP; router included)."""
-        d, hid = self.d_model, self.mlp_ratio * self.d_model
-        attn = 4 * d * d
-        mlp = 2 * d * hid * max(1, self.num_experts) + (d * self.num_experts if self.num_experts else 0)
-        return attn + mlp
+        return self._block_matmul_weights(bool(self.num_experts))
 
-    def layer_params(self) -> int:
-        d = self.d_model
-        b = self.bias
+    def _block_params(self, moe: bool) -> int:
+        d, b = self.d_model, self.bias
         norms = 2 * (2 * d if b else d)
-        attn = 4 * d * d + (4 * d if b else 0)
-        if self.num_experts:
-            mlp = self.num_experts * self._mlp_params() + d * self.num_experts + (self.num_experts if b else 0)
+        attn = self._attn_weights() + (4 * d if b else 0)
+        if moe:
+            e = self.num_experts
+            mlp = (e + self.shared_experts) * self._mlp_params(self._ehidden) + d * e    # router: no bias
         else:
             mlp = self._mlp_params()
         return norms + attn + mlp
 
+    def layer_params(self) -> int:
+        """Parameters of one block (an MoE block in an MoE model)."""
+        return self._block_params(bool(self.num_experts))
+
+    def _blocks(self, per_block) -> int:
+        dense = self.num_layers - self.moe_layers
+        return dense * per_block(False) + self.moe_layers * per_block(True)
+
     def num_parameters(self) -> int:
         d = self.d_model
-        emb = self.vocab_size * d + self.max_seq_len * d
+        emb = self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * d
         final_norm = 2 * d if self.bias else d
-        return emb + head + final_norm + self.num_layers * self.layer_params()
+        return emb + head + final_norm + self._blocks(self._block_params)
 
     def matmul_weights(self) -> int:
         """Parameters that autocast casts to the compute dtype (Linear weights and the head)."""
-        return self.num_layers * self.layer_matmul_weights() + self.vocab_size * self.d_model
+        return self._blocks(self._block_matmul_weights) + self.vocab_size * self.d_model
+
+    def active_parameters(self) -> int:
+        """Parameters one token's forward pass uses: the ``N`` of ``6 * N`` training FLOPs per token.
+
+        Counted as ``Transformer.flops_per_token`` does: all parameters but the embedding look-ups
+        (the head counts even when tied to the embedding) and the experts the token is not routed to.
+        """
+        d = self.d_model
+        n = self.num_parameters() - (self.max_seq_len * d if self.learned_positions else 0)
+        if not self.tie_embeddings:
+            n -= self.vocab_size * d                        # the token embedding (the head stays)
+        return n - self.moe_layers * (self.num_experts - self.top_k) * self._mlp_params(self._ehidden)
+
+    def norm_parameters(self) -> int:
+        """Norm weights (and biases): FP32 in every policy."""
+        per = 2 if self.bias else 1
+        return (2 * self.num_layers + 1) * per * self.d_model
 
 
 MOE_67B = ModelShape(num_layers=30, d_model=4096, num_heads=32, vocab_size=102400, max_seq_len=4096,
@@ -133,16 +201,23 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
 def activation_bytes_per_token(shape: ModelShape, compute_bytes: int, *, residual_bytes: int = 4,
-                               checkpointing: bool = False) -> tuple[float, float]:
+                               checkpointing: bool = False, moe: bool | None = None) -> tuple[float, float]:
     """(bytes kept per token by one block, bytes of one block during its recompute or 0).
 
     See the module docstring for the derivation; ``residual_bytes`` is what a checkpointed block
-    keeps of its input (4 in 32-true and *-mixed, 2 in the 16-bit "true" modes).
+    keeps of its input (4 in 32-true and *-mixed, 2 in the 16-bit "true" modes). ``moe`` picks the
+    block kind (default: an MoE block in an MoE model). A gated MLP keeps its input and four
+    hidden-wide tensors (gate pre-activation, its SiLU, the up projection, their product) per
+    copy; that variant and grouped-query/latent attention are approximations, not checked against
+    autograd (only mixprec's own Transformer is).
     """
-    d, h, r = shape.d_model, shape.num_heads, shape.mlp_ratio
-    mlp_copies = shape.top_k if shape.num_experts else 1
+    d, h = shape.d_model, shape.num_heads
+    moe = bool(shape.num_experts) if moe is None else moe
+    hid = shape._ehidden if moe else shape._hidden
+    mlp_copies = shape.top_k + shape.shared_experts if moe else 1
+    per_copy = d + (4 if shape.gated_mlp else 2) * hid
     fp32_part = 4 * (2 * d + 4 + h)
-    low_part = compute_bytes * (5 * d + mlp_copies * (1 + 2 * r) * d)
+    low_part = compute_bytes * (5 * d + mlp_copies * per_copy)
     full = fp32_part + low_part
     if checkpointing:
         return residual_bytes * d, full
@@ -180,12 +255,21 @@ class MemoryEstimate:
         return resident + max(forward_end, step)
 
 
-def estimate_memory(shape: ModelShape, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
-                    moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1) -> MemoryEstimate:
+def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
+                    moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
+                    pp: int = 1, num_parameters: int | None = None) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
-    ``batch`` is the micro-batch per device; ``shards`` > 1 divides every state (parameters,
-    gradients, masters, moments) as FSDP / ZeRO-3 does; activations are per device.
+    ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
+    are divided by ``shards`` (FSDP / ZeRO-3 over the data-parallel group), by ``tp`` (tensor
+    parallelism splits every matmul; vocabulary-parallel embedding and head) and by ``pp``
+    (pipeline stages hold ``1/pp`` of the layers; an even split is assumed, the embedding's and the
+    head's stages hold more). Activations are divided by ``tp`` (tensor + sequence parallelism,
+    Korthikanti et al. 2022) and *not* by ``pp``: with the 1F1B schedule the first stage keeps
+    ``pp`` micro-batches in flight of ``1/pp`` of the layers each, one whole model's worth.
+
+    ``shape=None`` with ``num_parameters`` estimates the states alone (activations 0): for a model
+    known only by its parameter count.
     """
     from mixprec.engine import Precision
     from mixprec.precision.dtypes import parse_dtype
@@ -194,12 +278,15 @@ def estimate_memory(shape: ModelShape, precision: str, *, batch: int, seq: int, 
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:
         raise ConfigError("--batch, --seq and --gpus must be >= 1")
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
     mdt = parse_dtype(moments_dtype)
     if mdt not in (torch.float32, torch.bfloat16):
         raise ConfigError(f"--moments-dtype must be fp32 or bf16, got '{moments_dtype}'")
-    P = shape.num_parameters()
-    norm_params = shape.num_layers * 2 * (2 if shape.bias else 1) * shape.d_model + \
-        (2 if shape.bias else 1) * shape.d_model     # kept FP32 by every policy
+    if shape is None and not num_parameters:
+        raise ConfigError("estimate_memory needs a model shape or num_parameters")
+    P = num_parameters or shape.num_parameters()
+    norm_params = shape.norm_parameters() if shape is not None else 0    # kept FP32 by every policy
     low_p = P - norm_params
     pb, cb = _BYTES[policy.param_dtype], _BYTES[policy.compute_dtype]
     params = low_p * pb + norm_params * 4
@@ -211,17 +298,29 @@ def estimate_memory(shape: ModelShape, precision: str, *, batch: int, seq: int, 
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
     # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks.
     scratch = 4 * P if optimizer == "adamw" else 0
-    copies = shape.matmul_weights() * cb if policy.autocast_copies_weights else 0
-    tokens = batch * seq
-    residual = pb if policy.stores_low_precision else 4
-    kept, recompute = activation_bytes_per_token(shape, cb, residual_bytes=residual, checkpointing=checkpointing)
-    d, V = shape.d_model, shape.vocab_size
-    head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids
-    acts = tokens * (shape.num_layers * kept + recompute + head)
-    loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0))
-    # A block's backward materialises gradients shaped like its saved tensors before it frees them.
-    backward_buffers = tokens * (recompute or kept)
-    s = float(shards)
+    mixed_copies = policy.autocast_copies_weights
+    if shape is None:
+        copies = low_p * cb if mixed_copies else 0
+        acts = loss_buffers = backward_buffers = 0.0
+    else:
+        copies = shape.matmul_weights() * cb if mixed_copies else 0
+        tokens = batch * seq
+        residual = pb if policy.stores_low_precision else 4
+        kept_moe, rec_moe = activation_bytes_per_token(shape, cb, residual_bytes=residual,
+                                                       checkpointing=checkpointing, moe=True)
+        kept_dense, rec_dense = activation_bytes_per_token(shape, cb, residual_bytes=residual,
+                                                           checkpointing=checkpointing, moe=False)
+        dense_layers = shape.num_layers - shape.moe_layers
+        kept = shape.moe_layers * kept_moe + dense_layers * kept_dense
+        recompute = max(rec_moe if shape.moe_layers else 0, rec_dense if dense_layers else 0)
+        d, V = shape.d_model, shape.vocab_size
+        head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids
+        acts = tokens * (kept + recompute + head) / tp
+        loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        # A block's backward materialises gradients shaped like its saved tensors before it frees them.
+        biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
+        backward_buffers = tokens * (recompute or biggest) / tp
+    s = float(shards * tp * pp)
     return MemoryEstimate(mode=policy.name, parameters=params / s, gradients=grads / s,
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),

@@ -152,6 +152,15 @@ class Precision:
         return Fp8Config.from_recipe(self.policy.fp8_recipe)
 
     @property
+    def matmul_format(self) -> str:
+        """The format the mode's GEMMs run in: ``fp8``, ``bf16``, ``fp16``, ``tf32`` or ``fp32``."""
+        if self.policy.fp8_recipe:
+            return "fp8"
+        if self.autocasts or self.stores_low_precision:
+            return dtype_name(self.compute_dtype)
+        return "tf32" if self.policy.allow_tf32 else "fp32"
+
+    @property
     def activation_format(self) -> torch.dtype:
         """The format whose range activations must fit (FP8 E4M3 for ``fp8-*``)."""
         return FP8_E4M3 if self.policy.fp8_recipe else self.compute_dtype

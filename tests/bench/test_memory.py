@@ -14,7 +14,8 @@ from mixprec.models.config import get_model_config
 from mixprec.precision import autocast, cast_module, get_policy
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_experts": 4, "bias": False, "tie_embeddings": False}])
+@pytest.mark.parametrize("overrides", [{}, {"num_experts": 4, "bias": False, "tie_embeddings": False},
+                                       {"num_experts": 4, "top_k": 1}])
 def test_parameter_count_equals_the_models(overrides):
     cfg = get_model_config("tiny", **overrides)
     assert ModelShape.from_config(cfg).num_parameters() == Transformer.from_config(cfg).num_parameters()

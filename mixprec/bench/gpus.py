@@ -1,0 +1,83 @@
+"""Accelerators ``mixprec estimate`` knows: dense peak throughput per GEMM format, memory, power.
+
+Every figure is NVIDIA's own, from the datasheet named in ``source``. Datasheets print the
+Hopper and Blackwell tensor-core figures *with 2:4 structured sparsity*; training GEMMs are dense,
+so the table holds half of those (A100's datasheet prints dense figures beside the sparse ones).
+``fp32`` is the non-tensor-core FP32 rate (what ``32-true`` GEMMs run at), ``tf32``/``bf16``/``fp8``
+the dense tensor-core rates (FP16 equals BF16 on all of these). ``tdp_w`` is the maximum thermal
+design power of the SXM module, the default power-draw assumption of the energy estimate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mixprec.errors import ConfigError, closest
+
+__all__ = ["GpuSpec", "GPUS", "get_gpu", "peak_kind"]
+
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """One accelerator's datasheet figures (dense, per GPU)."""
+
+    name: str
+    fp32_tflops: float
+    """FP32 without tensor cores."""
+    tf32_tflops: float
+    """TF32 tensor cores, dense."""
+    bf16_tflops: float
+    """BF16/FP16 tensor cores, dense."""
+    fp8_tflops: float | None
+    """FP8 tensor cores, dense; None where the GPU has none (A100)."""
+    memory_gb: float
+    """HBM capacity in GB (10^9 bytes, as NVIDIA prints it)."""
+    tdp_w: float
+    """Maximum thermal design power of the module, W."""
+    source: str
+    """Where the figures come from."""
+
+    def peak_flops(self, kind: str) -> float:
+        """Dense FLOP/s for ``kind`` (``fp32``, ``tf32``, ``bf16`` or ``fp8``)."""
+        value = getattr(self, f"{kind}_tflops")
+        if value is None:
+            raise ConfigError(f"{self.name} has no {kind.upper()} tensor cores; pick a bf16 mode or a "
+                              f"GPU with FP8 (H100, H200, H800, B200)")
+        return value * TFLOPS
+
+
+_HOPPER = "NVIDIA {} Tensor Core GPU datasheet, SXM column (sparse tensor-core figures halved)"
+
+GPUS: dict[str, GpuSpec] = {g.name: g for g in (
+    GpuSpec(name="H100", fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5, fp8_tflops=1979.0,
+            memory_gb=80, tdp_w=700, source=_HOPPER.format("H100")),
+    GpuSpec(name="H200", fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5, fp8_tflops=1979.0,
+            memory_gb=141, tdp_w=700, source=_HOPPER.format("H200")),
+    # H800: the H100 silicon for the Chinese market; the datasheet cuts FP64 (to 1 TFLOPS) and
+    # NVLink (to 400 GB/s) and keeps the tensor-core and FP32 figures of the H100 SXM.
+    GpuSpec(name="H800", fp32_tflops=67.0, tf32_tflops=494.5, bf16_tflops=989.5, fp8_tflops=1979.0,
+            memory_gb=80, tdp_w=700, source=_HOPPER.format("H800")),
+    GpuSpec(name="A100", fp32_tflops=19.5, tf32_tflops=156.0, bf16_tflops=312.0, fp8_tflops=None,
+            memory_gb=80, tdp_w=400, source="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column (dense)"),
+    GpuSpec(name="B200", fp32_tflops=75.0, tf32_tflops=1100.0, bf16_tflops=2250.0, fp8_tflops=4500.0,
+            memory_gb=180, tdp_w=1000,
+            source="NVIDIA HGX B200 datasheet, per-GPU column (sparse tensor-core figures halved)"),
+)}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The table entry for ``name`` (case-insensitive), or a one-line error naming the valid ones."""
+    key = str(name).strip().upper()
+    if key not in GPUS:
+        raise ConfigError(f"unknown GPU '{name}'{closest(key, GPUS)}; valid: {', '.join(GPUS)}, cpu "
+                          "(this machine's measured peak), or give --peak-tflops")
+    return GPUS[key]
+
+
+def peak_kind(precision) -> str:
+    """Which peak a :class:`mixprec.Precision`'s GEMMs run at: ``fp8`` (FP8 Linear layers),
+    ``bf16`` (16-bit compute: FP16 and BF16 tensor cores have the same dense peak), ``tf32`` or
+    ``fp32``."""
+    fmt = precision.matmul_format
+    return "bf16" if fmt in ("bf16", "fp16") else fmt
