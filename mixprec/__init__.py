@@ -3,8 +3,9 @@
 The public API is what this module lists in ``__all__`` plus the sub-packages; names that start
 with ``_`` and modules not re-exported here are internal.
 """
-from mixprec import amp, data, fp8, models, monitor, nn, optim, precision, strategies, train
+from mixprec import amp, data, engine, fp8, models, monitor, nn, optim, precision, strategies, train
 from mixprec.amp import GradScaler
+from mixprec.engine import Precision
 from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
 from mixprec.models import Transformer
 from mixprec.precision import Policy, autocast, cast_module, get_policy
@@ -14,8 +15,8 @@ from mixprec.train import FitConfig, Trainer, TrainConfig, fit
 __version__ = "0.1.0"
 
 __all__ = [
-    # precision policy
-    "Policy", "get_policy", "autocast", "cast_module",
+    # precision: the policy (data) and the Precision object (every decision)
+    "Precision", "Policy", "get_policy", "autocast", "cast_module",
     # loss scaling
     "GradScaler",
     # training
@@ -27,5 +28,5 @@ __all__ = [
     # errors
     "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
     # sub-packages
-    "precision", "amp", "optim", "nn", "fp8", "models", "data", "strategies", "monitor", "train",
+    "precision", "amp", "optim", "nn", "fp8", "engine", "models", "data", "strategies", "monitor", "train",
 ]

@@ -222,8 +222,9 @@ class Precision:
         ``optimizer`` is a factory ``params -> optimizer``). Idempotent: a second call with the same
         mode returns the same objects; another mode is refused.
         """
-        self.reconcile_with_optimizer(optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
-        model = self.setup_module(model)
+        built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.reconcile_with_optimizer(built)
+        model = self.setup_module(model, optimizer=built)
         return model, self.setup_optimizer(optimizer, model)
 
     def reconcile_with_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -247,9 +248,12 @@ class Precision:
         self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
                           f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
 
-    def setup_module(self, model: nn.Module, *, sharded: bool = False) -> nn.Module:
+    def setup_module(self, model: nn.Module, *, sharded: bool = False,
+                     optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
         """Storage dtypes and the FP8 swap, in place. ``sharded``: FSDP2 will shard the model, and
-        its FP32 shards are the masters (cast only modes without masters)."""
+        its FP32 shards are the masters (cast only modes without masters). ``optimizer``: one that
+        already converted parameters (``fp16_params=True``); FP32-exempt ones get their exact FP32
+        master values back."""
         done = getattr(model, _SETUP_TAG, None)
         if done is not None:
             if done != self.policy.spec():
@@ -260,18 +264,19 @@ class Precision:
         if first is not None:
             self.device = first.device
         if not sharded or self.casts_before_sharding():
-            self._cast(model)
+            self._cast(model, getattr(optimizer, "master_of", None))
         if self.policy.fp8_recipe:
             from mixprec.fp8 import convert_to_fp8
             self.fp8_report = convert_to_fp8(model, config=self.fp8_config, policy=self.policy)
         setattr(model, _SETUP_TAG, self.policy.spec())
         return model
 
-    def _cast(self, model: nn.Module) -> None:
+    def _cast(self, model: nn.Module, master_of: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Store each module's parameters in :meth:`param_dtype_for`; tag FP32 ones for optimizers.
 
         Buffers follow their module's parameters; buffers of parameter-free modules (rotary
-        frequencies, masks) keep their dtype.
+        frequencies, masks) keep their dtype. ``master_of``: an optimizer's FP32 master of a
+        parameter it already stored in 16 bits (an exempt one gets the exact FP32 value back).
         """
         for qname, sub in model.named_modules():
             own = [p for p in sub.parameters(recurse=False)]
@@ -282,7 +287,9 @@ class Precision:
                 if target == _F32:
                     p.keep_in_fp32 = True  # read by MasterWeights: no 16-bit copy, no extra master
                 if p.is_floating_point() and p.dtype != target:
-                    p.data = p.data.to(target)
+                    master = _master_or_none(master_of, p)
+                    exact = master is not None and master.dtype == target
+                    p.data = master.detach().clone() if exact else p.data.to(target)
             for bname, b in list(sub.named_buffers(recurse=False)):
                 if b is not None and b.is_floating_point() and b.dtype != target:
                     setattr(sub, bname, b.to(target))
@@ -378,3 +385,13 @@ class Precision:
                                   f"this run uses {self.name}; use the same precision to resume")
         self.scaler.load_state_dict(state["scaler"])
 
+
+
+def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,
+                    p: torch.Tensor) -> torch.Tensor | None:
+    if master_of is None:
+        return None
+    try:
+        return master_of(p)
+    except ConfigError:   # not one of the optimizer's parameters
+        return None

@@ -124,11 +124,17 @@ class Trainer:
                       "model", file=sys.stderr)
         precision.reconcile_with_optimizer(self._user_optimizer)
         sharded = strategy.shards_parameters              # FSDP2: FP32 shards are the masters
-        precision.setup_module(model, sharded=sharded)    # storage dtypes, FP32 exemptions, FP8
+        # Storage dtypes, FP32 exemptions (norms, gates), FP8 swap.
+        precision.setup_module(model, sharded=sharded, optimizer=self._user_optimizer)
         self.objective = make_objective(model, precision, self.loss_fn)
         self.model, _ = strategy.setup(model, precision=precision)  # DDP / FSDP wrapping (or none)
         if self._user_optimizer is not None:
             self.optimizer = precision.setup_optimizer(self._user_optimizer, self.model, sharded=sharded)
+            sched = self._user_scheduler
+            if sched is not None and getattr(sched, "optimizer", None) is self._user_optimizer \
+                    and self.optimizer is not self._user_optimizer:
+                # The optimizer now steps FP32 masters: the schedule must set their learning rate.
+                sched.optimizer = self.optimizer
         else:
             decay, no_decay = [], []
             for p in self.model.parameters():
