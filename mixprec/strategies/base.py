@@ -31,8 +31,10 @@ from torch import nn
 
 from mixprec.engine import Precision
 from mixprec.precision import Policy
+from mixprec.strategies.env import (DistEnv, default_backend, default_timeout, init_process_group,
+                                    rank_failure_guard, read_env)
 
-__all__ = ["Strategy", "current_strategy", "OptimizerLike"]
+__all__ = ["Strategy", "ProcessGroupStrategy", "current_strategy", "OptimizerLike"]
 
 OptimizerLike = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer, or a factory ``params -> optimizer`` (needed by strategies that replace params)."""
@@ -245,3 +247,42 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release resources (the process group, if this strategy created it)."""
+
+
+class ProcessGroupStrategy:
+    """Mixin for strategies that join a process group: reads the env, picks the device, inits.
+
+    One process (no ``WORLD_SIZE``) is valid and makes the strategy a single-device one: no
+    process group, no wrapping, reductions are the identity.
+    """
+
+    def _init_distributed(self, *, device: torch.device | str | None, backend: str | None,
+                          timeout: float | None) -> tuple[DistEnv, torch.device]:
+        env = read_env()
+        if device is None:
+            if torch.cuda.is_available():
+                device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+            else:
+                device = torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.backend = backend or default_backend(device)
+        self._owns_group = init_process_group(env, device, backend=self.backend, timeout=self.timeout)
+        if dist.is_initialized():  # also when the caller created the group itself
+            env = DistEnv(rank=dist.get_rank(), local_rank=env.local_rank,
+                          world_size=dist.get_world_size(), master_addr=env.master_addr,
+                          master_port=env.master_port)
+        return env, device
+
+    def guard(self):
+        """``with strategy.guard():`` around a training step: a lost peer becomes a
+        :class:`RankFailureError` naming the timeout and the fix."""
+        return rank_failure_guard(self.rank, self.timeout)
+
+    def teardown(self) -> None:
+        """Destroy the process group if this strategy created it."""
+        if getattr(self, "_owns_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from mixprec.errors import ConfigError, MixprecError, closest
 
 __all__ = ["DistEnv", "RankFailureError", "read_env", "default_timeout", "init_process_group",
-           "rank_failure_guard", "get_strategy", "STRATEGIES"]
+           "rank_failure_guard", "default_backend"]
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -155,71 +155,15 @@ def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None
             "and resume from the last checkpoint (mixprec train --resume RUN_DIR)") from exc
 
 
-STRATEGIES = ("auto", "single", "mirrored", "ddp", "fsdp")
+_MOVED = {"get_strategy": "mixprec.strategies", "STRATEGIES": "mixprec.strategies",
+          "ProcessGroupStrategy": "mixprec.strategies.base"}
 
 
-def get_strategy(name_or_obj=None, **kwargs):
-    """A :class:`~mixprec.strategies.base.Strategy` from a name, an instance or None.
-
-    ``None``/``"auto"``: :class:`MirroredStrategy` when ``WORLD_SIZE > 1`` or DDP settings are
-    given, else :class:`SingleDeviceStrategy`. ``"ddp"`` is an alias of ``"mirrored"``. ``kwargs`` go to the
-    constructor.
-    """
-    from mixprec.strategies.base import Strategy
-    from mixprec.strategies.fsdp import FSDPStrategy
-    from mixprec.strategies.mirrored import MirroredStrategy
-    from mixprec.strategies.single import SingleDeviceStrategy
-
-    if isinstance(name_or_obj, Strategy):
-        if kwargs:
-            raise ConfigError("pass either a strategy object or keyword arguments, not both")
-        return name_or_obj
-    name = "auto" if name_or_obj is None else str(name_or_obj).lower()
-    if name == "auto":  # DDP settings (grad_compression=...) need the class that takes them; in
-        # one process MirroredStrategy is a single-device strategy anyway
-        name = "mirrored" if read_env().distributed or kwargs else "single"
-    classes = {"single": SingleDeviceStrategy, "mirrored": MirroredStrategy,
-               "ddp": MirroredStrategy, "fsdp": FSDPStrategy}
-    if name not in classes:
-        raise ConfigError(f"unknown strategy {name_or_obj!r}; valid: {', '.join(STRATEGIES)}"
-                          + closest(name, STRATEGIES))
-    return classes[name](**kwargs)
-
-
-class ProcessGroupStrategy:
-    """Mixin for strategies that join a process group: reads the env, picks the device, inits.
-
-    One process (no ``WORLD_SIZE``) is valid and makes the strategy a single-device one: no
-    process group, no wrapping, reductions are the identity.
-    """
-
-    def _init_distributed(self, *, device: torch.device | str | None, backend: str | None,
-                          timeout: float | None) -> tuple[DistEnv, torch.device]:
-        env = read_env()
-        if device is None:
-            if torch.cuda.is_available():
-                device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
-            else:
-                device = torch.device("cpu")
-        device = torch.device(device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        self.timeout = default_timeout() if timeout is None else float(timeout)
-        self.backend = backend or default_backend(device)
-        self._owns_group = init_process_group(env, device, backend=self.backend, timeout=self.timeout)
-        if dist.is_initialized():  # also when the caller created the group itself
-            env = DistEnv(rank=dist.get_rank(), local_rank=env.local_rank,
-                          world_size=dist.get_world_size(), master_addr=env.master_addr,
-                          master_port=env.master_port)
-        return env, device
-
-    def guard(self):
-        """``with strategy.guard():`` around a training step: a lost peer becomes a
-        :class:`RankFailureError` naming the timeout and the fix."""
-        return rank_failure_guard(self.rank, self.timeout)
-
-    def teardown(self) -> None:
-        """Destroy the process group if this strategy created it."""
-        if getattr(self, "_owns_group", False) and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
+def __getattr__(name: str):
+    """Old import paths keep working: ``get_strategy``/``STRATEGIES`` now live in
+    :mod:`mixprec.strategies`, ``ProcessGroupStrategy`` in :mod:`mixprec.strategies.base`.
+    Looked up only when asked for, so this module imports none of its siblings."""
+    if name in _MOVED:
+        import importlib
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

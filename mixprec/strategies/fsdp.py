@@ -47,8 +47,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from mixprec.engine import Precision
 from mixprec.errors import ConfigError
 from mixprec.precision import Policy
-from mixprec.strategies.base import OptimizerLike, Strategy
-from mixprec.strategies.env import ProcessGroupStrategy
+from mixprec.strategies.base import OptimizerLike, ProcessGroupStrategy, Strategy
 
 __all__ = ["FSDPStrategy", "fsdp_mixed_precision", "default_shard_units"]
 

@@ -21,9 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.errors import ConfigError, closest
-from mixprec.strategies.base import Strategy
+from mixprec.strategies.base import ProcessGroupStrategy, Strategy
 from mixprec.strategies.comm_hooks import COMPRESSIONS, HookState, TopKState, make_hook
-from mixprec.strategies.env import ProcessGroupStrategy
 
 __all__ = ["MirroredStrategy"]
 

@@ -31,28 +31,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list every setting with its default")
 
 
-def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str]]:
+def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Path | None]:
+    """The config, where each value came from, and the run folder to resume (None: fresh)."""
     overrides = parse_overrides(args.settings)
     if args.precision:
         overrides["precision"] = args.precision
-    base: dict[str, object] = {}
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = run_dir / "config.toml"
-        if not saved.is_file():
-            raise ConfigError(f"cannot resume: {saved} not found; pass the folder of an earlier "
-                              "`mixprec train` run")
-        base_cfg, _ = load_config(saved)
-        base = {k: v for k, v in dataclasses.asdict(base_cfg).items()}
-        base["run_dir"] = str(run_dir)
     cfg, source = load_config(args.config, overrides)
-    if base:
-        # The resumed run's settings replace the defaults; the file and the command line still win.
-        merged = {**base, **{k: getattr(cfg, k) for k, s in source.items() if s != "default"}}
-        cfg = TrainConfig(**merged)
-        cfg.validate()
-        source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
-    return cfg, source
+    resume_dir = Path(args.resume) if args.resume else None
+    if resume_dir is None and cfg.resume == "auto":
+        from mixprec.train.checkpoint import list_checkpoints
+        # Every rank looks at the same (shared) folder, so every rank takes the same decision.
+        if list_checkpoints(Path(cfg.run_dir) / "checkpoints"):
+            resume_dir = Path(cfg.run_dir)
+    if resume_dir is None:
+        return cfg, source, None
+    saved = resume_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"cannot resume: {saved} not found; pass the folder of an earlier "
+                          "`mixprec train` run")
+    base_cfg, _ = load_config(saved)
+    base: dict[str, object] = dict(dataclasses.asdict(base_cfg))
+    base["run_dir"] = str(resume_dir)
+    # The resumed run's settings replace the defaults; the file and the command line still win.
+    merged = {**base, **{k: getattr(cfg, k) for k, s in source.items() if s != "default"}}
+    cfg = TrainConfig(**merged)
+    cfg.validate()
+    source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
+    return cfg, source, resume_dir
 
 
 def build_run(cfg: TrainConfig):
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         for f in dataclasses.fields(TrainConfig):
             print(f"{f.name} = {f.default!r}")
         return 0
-    cfg, source = _resolve(args)
+    cfg, source, resume_dir = _resolve(args)
     from mixprec.train.trainer import Trainer
 
     model, train_loader, val_loader, strategy = build_run(cfg)
@@ -107,8 +112,12 @@ def run(args: argparse.Namespace) -> int:
         for k, s in source.items():
             if s != "default" and getattr(cfg, k) != getattr(defaults, k):
                 print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
+        if cfg.resume == "auto" and not args.resume:
+            print(f"[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_dir}"
+                  if resume_dir else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
+                  file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
-    result = trainer.fit(train_loader, val_loader, resume=bool(args.resume))
+    result = trainer.fit(train_loader, val_loader, resume=resume_dir is not None)
     if strategy.is_main:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
         print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "

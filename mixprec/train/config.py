@@ -154,6 +154,10 @@ class TrainConfig(FitConfig):
     """DDP gradient compression: ``none``, ``fp16``, ``bf16``, ``topk``."""
     topk_ratio: float = 0.3
     """Fraction of gradient values sent with ``grad_compression=topk``."""
+    resume: str = "off"
+    """``auto``: if ``run_dir`` holds a complete checkpoint, continue from the newest one, else
+    start fresh (what a job restarted by ``torchrun --max-restarts`` needs); needs ``run_dir``.
+    ``off``: always start fresh (``--resume RUN_DIR`` still resumes explicitly)."""
 
     def validate(self) -> None:
         super().validate()
@@ -167,10 +171,14 @@ class TrainConfig(FitConfig):
         if not 0.0 < self.topk_ratio <= 1.0:
             raise ConfigError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
         for name, choices in (("strategy", ("auto", "single", "ddp", "fsdp")),
-                              ("grad_compression", ("none", "fp16", "bf16", "topk"))):
+                              ("grad_compression", ("none", "fp16", "bf16", "topk")),
+                              ("resume", ("off", "auto"))):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {', '.join(choices)}, got "
                                   f"'{getattr(self, name)}'{closest(getattr(self, name), choices)}")
+        if self.resume == "auto" and self.run_dir is None:
+            raise ConfigError("resume=auto needs an explicit run_dir=PATH (the folder a restarted "
+                              "job looks in for its checkpoints); a fresh default folder never has one")
 
     def fit_config(self) -> FitConfig:
         names = {f.name for f in dataclasses.fields(FitConfig)}

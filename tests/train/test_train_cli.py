@@ -114,3 +114,25 @@ def test_tiny_run_follows_the_golden_loss_curve(tmp_path, text_corpus):
     for step, value in golden.items():
         assert got[step] == pytest.approx(value, rel=0.02), f"step {step}"
     assert golden[30] < golden[1] - 1.0  # the curve the test guards actually learns
+
+
+def test_resume_auto_starts_fresh_in_an_empty_folder_then_continues_from_its_checkpoint(
+        tmp_path, text_corpus):
+    common = [*TINY, f"data={text_corpus}", "ckpt_interval=2"]
+    mixprec("train", *common, "max_steps=4", f"run_dir={tmp_path / 'straight'}")
+    run = tmp_path / "auto"
+    run.mkdir()                                           # present but empty: a fresh start
+    proc = mixprec("train", *common, "max_steps=2", "resume=auto", f"run_dir={run}")
+    assert "no complete checkpoint" in proc.stderr and "starting fresh" in proc.stderr
+    # the same command again (what a restarted job does) continues from step 2
+    proc = mixprec("train", *common, "max_steps=4", "resume=auto", f"run_dir={run}")
+    assert "continuing from the newest checkpoint" in proc.stderr
+    assert "steps: 2 -> 4" in proc.stderr
+    assert losses(run) == losses(tmp_path / "straight")
+
+
+def test_resume_auto_without_run_dir_is_one_line_error():
+    proc = mixprec("train", "resume=auto", "model=tiny", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("mixprec: error:")]
+    assert len(lines) == 1 and "resume=auto needs an explicit run_dir" in lines[0]
