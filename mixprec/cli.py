@@ -4,16 +4,19 @@ Each sub-command lives in the room that owns it and exposes two functions:
 ``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int``.
 Each is imported when the parser is built; their top-level imports are kept light.
 
-Errors derived from :class:`mixprec.errors.MixprecError` (and a few well-known user mistakes) are
-printed as one line, ``mixprec: error: ...``, with exit status 2; ``--debug`` shows the traceback.
+Errors derived from :class:`mixprec.errors.MixprecError` and operating-system errors (a full disk,
+a read-only or missing folder) are printed as one line, ``mixprec: error: ...``, with the fix and
+exit status 2 (3 for a diverged run); a run stopped by Ctrl-C/SIGTERM after saving exits 130.
+``--debug`` shows the traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
-from mixprec.errors import MixprecError
+from mixprec.errors import MixprecError, RunInterrupted
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -58,8 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mixprec: interrupted", file=sys.stderr)
         return 130
-    except (MixprecError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+    except RunInterrupted as e:
+        print(f"mixprec: {e}", file=sys.stderr)
+        return e.exit_code
+    except (MixprecError, OSError) as e:
         if getattr(args, "debug", False):
             raise
-        print(f"mixprec: error: {e}", file=sys.stderr)
-        return 2
+        message = str(e) if isinstance(e, MixprecError) else _os_error_line(e)
+        print(f"mixprec: error: {message}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free some space or write the run elsewhere (run_dir=PATH)",
+    errno.EROFS: "the file system is read-only; write the run elsewhere (run_dir=PATH)",
+    errno.EACCES: "you may not write there; choose a folder you own (run_dir=PATH)",
+    errno.EPERM: "you may not write there; choose a folder you own (run_dir=PATH)",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "pass a file, not a folder",
+    errno.EDQUOT: "your disk quota is full; free some space or write elsewhere",
+}
+
+
+def _os_error_line(e: OSError) -> str:
+    """``[Errno 28] No space left on device: 'runs/x/metrics.csv'`` as one line with the fix."""
+    what = e.strerror or type(e).__name__
+    where = f" ({e.filename})" if e.filename else ""
+    fix = _OS_FIXES.get(e.errno or -1, "check the path and the disk")
+    return f"{what}{where}; {fix}"

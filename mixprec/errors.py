@@ -15,6 +15,8 @@ __all__ = [
     "DataError",
     "CheckpointError",
     "NumericsError",
+    "TrainingDiverged",
+    "RunInterrupted",
     "closest",
 ]
 
@@ -43,3 +45,15 @@ def closest(name: str, choices: Iterable[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""`` when none is close."""
     match = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+class TrainingDiverged(NumericsError):
+    """The loss became non-finite, or too many steps were skipped: the run cannot go on."""
+
+    exit_code = 3
+
+
+class RunInterrupted(MixprecError):
+    """The run was stopped by Ctrl-C or SIGTERM after saving a checkpoint."""
+
+    exit_code = 130

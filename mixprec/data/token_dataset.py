@@ -152,6 +152,8 @@ class TokenDataset(torch.utils.data.Dataset):
         self.stride = stride
         segments = [_describe(p) for p in _collect_files(self.root)]
         self.vocab_size = self._resolve_vocab(segments, vocab_size)
+        self.vocab_inferred = vocab_size is None and all(s.declared_vocab is None for s in segments)
+        """True when ``vocab_size`` is the data's largest id + 1 (nothing declared it)."""
         self._segments = segments
         self._starts = np.cumsum([0] + [s.length for s in segments]).tolist()  # token offset of each file
         self._maps: list[np.ndarray] | None = None
@@ -184,6 +186,18 @@ class TokenDataset(torch.utils.data.Dataset):
             if seg.dtype.kind == "u" and 2 ** (8 * seg.dtype.itemsize) <= vocab:
                 seg.needs_check = False  # the storage type cannot hold an out-of-range id
         return vocab
+
+    def count_distinct_ids(self, max_tokens: int = 1 << 24) -> int:
+        """Distinct token ids among the first ``max_tokens`` tokens (a sample of big data)."""
+        seen: set[int] = set()
+        left = max_tokens
+        for arr in self._maps_open():
+            if left <= 0:
+                break
+            chunk = np.asarray(arr[:left])
+            seen.update(np.unique(chunk).tolist())
+            left -= len(chunk)
+        return len(seen)
 
     def _check_length(self) -> None:
         need, have = self.max_length + 1, self._end - self._begin

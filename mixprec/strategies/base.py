@@ -184,6 +184,14 @@ class Strategy:
             dist.all_reduce(t, op=op)
         return float(t.item())
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as rank ``src`` has it, on every rank (a picklable Python value; host side)."""
+        if not self.is_distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""
         if self.is_distributed:

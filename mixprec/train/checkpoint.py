@@ -406,7 +406,7 @@ def _earlier_hint(step_dir: Path) -> str:
     step = _parse_step(step_dir.name)
     earlier = [p for s, p in list_checkpoints(step_dir.parent) if step is None or s < step]
     if earlier:
-        return f"resume from the previous checkpoint {earlier[-1]}"
+        return (f"resume from the previous checkpoint: mixprec train --resume {earlier[-1]}")
     return "no earlier checkpoint exists; restart the run"
 
 

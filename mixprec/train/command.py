@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, DataError
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 
 __all__ = ["configure", "run", "build_run"]
@@ -26,8 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", metavar="NAME",
                         help="precision policy: auto, 32-true, bf16-mixed, 16-mixed, bf16-true, "
                              "fp8-blockwise, ... or p=f32,c=bf16,o=f32")
-    parser.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR from its latest checkpoint")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="continue a run: its folder (newest checkpoint) or one of its "
+                             "checkpoints/step-N folders")
     parser.add_argument("--list", action="store_true", help="list every setting with its default")
 
 
@@ -37,12 +38,14 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     if args.precision:
         overrides["precision"] = args.precision
     cfg, source = load_config(args.config, overrides)
-    resume_dir = Path(args.resume) if args.resume else None
+    resume_dir = resume_from = None
+    if args.resume:
+        resume_dir, resume_from = _run_folder_of(Path(args.resume))
     if resume_dir is None and cfg.resume == "auto":
         from mixprec.train.checkpoint import list_checkpoints
         # Every rank looks at the same (shared) folder, so every rank takes the same decision.
         if list_checkpoints(Path(cfg.run_dir) / "checkpoints"):
-            resume_dir = Path(cfg.run_dir)
+            resume_dir = resume_from = Path(cfg.run_dir)
     if resume_dir is None:
         return cfg, source, None
     saved = resume_dir / "config.toml"
@@ -57,7 +60,67 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     cfg = TrainConfig(**merged)
     cfg.validate()
     source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
-    return cfg, source, resume_dir
+    return cfg, source, resume_from
+
+
+def _run_folder_of(path: Path) -> tuple[Path, Path]:
+    """``(run folder, what to resume from)`` for a run folder, its checkpoints/ folder or one
+    checkpoint folder inside it."""
+    if not path.exists():
+        raise ConfigError(f"cannot resume: {path} does not exist; pass the folder of an earlier "
+                          "`mixprec train` run or one of its checkpoints/step-N folders")
+    for run_dir in (path, path.parent, path.parent.parent):
+        if (run_dir / "config.toml").is_file():
+            return run_dir, path
+    raise ConfigError(f"cannot resume: no config.toml in {path} or the two folders above it; pass "
+                      "the folder of an earlier `mixprec train` run or one of its checkpoints/step-N "
+                      "folders")
+
+
+_STRAY_ID_RATIO = 8   # a largest id this many times the distinct-id count is not a vocabulary
+
+
+def _check_vocabulary(ds, say: bool) -> None:
+    """Refuse data whose vocabulary was inferred from one stray id (a 10^6 in a byte-level .npy
+    would build a 64M-parameter embedding table)."""
+    if ds.vocab_inferred:
+        distinct = ds.count_distinct_ids()
+        if ds.vocab_size > 1024 and ds.vocab_size > _STRAY_ID_RATIO * distinct:
+            raise DataError(f"{ds.root}: the largest token id is {ds.vocab_size - 1} but the data holds "
+                            f"only {distinct} distinct ids, so a vocabulary of {ds.vocab_size} is "
+                            "probably one stray id; fix the data, or set vocab_size=N if it is right")
+    if say:
+        how = "inferred from the data's largest id" if ds.vocab_inferred else "declared or set"
+        print(f"[mixprec] vocabulary: {ds.vocab_size} ids ({how})", file=sys.stderr)
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_fits_in_memory(cfg: TrainConfig, vocab_size: int) -> None:
+    """Refuse, before allocating, a model whose weights, gradients and Adam state alone (16 bytes
+    per parameter in every precision mode) exceed the memory this machine has free."""
+    from mixprec.models import Transformer
+    overrides = {k: getattr(cfg, k) for k in ("num_layers", "d_model", "num_heads", "num_experts",
+                                              "norm", "dropout") if getattr(cfg, k) is not None}
+    with torch.device("meta"):   # shapes only: nothing is allocated
+        n = Transformer.from_preset(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.seq_len,
+                                    **overrides).num_parameters()
+    free = _available_memory_bytes()
+    on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory
+    if free is not None and on_cpu and 16 * n > free:
+        raise ConfigError(f"the model has {n / 1e6:.0f}M parameters (vocab_size {vocab_size}): weights, "
+                          f"gradients and Adam state need at least {16 * n / 2**30:.1f} GiB but "
+                          f"{free / 2**30:.1f} GiB are free; pick a smaller model or vocabulary "
+                          "(`mixprec memory` shows where the bytes go)")
 
 
 def build_run(cfg: TrainConfig):
@@ -73,18 +136,21 @@ def build_run(cfg: TrainConfig):
     if cfg.grad_compression != "none":
         kwargs = {"grad_compression": cfg.grad_compression, "topk_ratio": cfg.topk_ratio}
     strategy = get_strategy(cfg.strategy, **kwargs)
+    vocab = cfg.vocab_size
     if cfg.data is None:
         corpus = builtin_corpus()
-        train_ds = TokenDataset(corpus.train_path, cfg.seq_len)
-        val_ds = TokenDataset(corpus.val_path, cfg.seq_len)
+        train_ds = TokenDataset(corpus.train_path, cfg.seq_len, vocab_size=vocab)
+        val_ds = TokenDataset(corpus.val_path, cfg.seq_len, vocab_size=vocab)
     else:
-        train_ds = TokenDataset(cfg.data, cfg.seq_len)
+        train_ds = TokenDataset(cfg.data, cfg.seq_len, vocab_size=vocab)
+        _check_vocabulary(train_ds, strategy.is_main)
         if cfg.val_data is not None:
-            val_ds = TokenDataset(cfg.val_data, cfg.seq_len)
+            val_ds = TokenDataset(cfg.val_data, cfg.seq_len, vocab_size=train_ds.vocab_size)
         else:
             train_ds, val_ds = train_ds.split(cfg.val_fraction)
     overrides = {k: getattr(cfg, k) for k in ("num_layers", "d_model", "num_heads", "num_experts",
                                               "norm", "dropout") if getattr(cfg, k) is not None}
+    _check_fits_in_memory(cfg, train_ds.vocab_size)
     torch.manual_seed(cfg.seed)
     model = Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.seq_len,
                                     gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
@@ -102,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         for f in dataclasses.fields(TrainConfig):
             print(f"{f.name} = {f.default!r}")
         return 0
-    cfg, source, resume_dir = _resolve(args)
+    cfg, source, resume_from = _resolve(args)
     from mixprec.train.trainer import Trainer
 
     model, train_loader, val_loader, strategy = build_run(cfg)
@@ -113,11 +179,11 @@ def run(args: argparse.Namespace) -> int:
             if s != "default" and getattr(cfg, k) != getattr(defaults, k):
                 print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
-            print(f"[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_dir}"
-                  if resume_dir else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
+            print(f"[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
+                  if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
                   file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
-    result = trainer.fit(train_loader, val_loader, resume=resume_dir is not None)
+    result = trainer.fit(train_loader, val_loader, resume=resume_from)
     if strategy.is_main:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
         print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "

@@ -59,7 +59,14 @@ class FitConfig:
     keep_last: int = 3
     """Keep this many most recent checkpoints."""
     run_dir: str | None = None
-    """Run folder; default ``runs/<date>-<time>-<precision>``."""
+    """Run folder; default ``runs/<date>-<time>-<precision>`` (made unique: ``-2``, ``-3``, ...)."""
+    overwrite: bool = False
+    """Start a new run in a ``run_dir`` that already holds one, deleting the old run's files. Off:
+    such a folder is refused (resume it instead)."""
+    max_skipped_fraction: float = 0.1
+    """End the run (non-zero exit) when more than this fraction of the steps after warm-up were
+    skipped for non-finite gradients, or 20 in a row were (checked at each log interval); 1
+    disables both checks."""
     seed: int = 0
     """Seed of every random generator (model init, data order, dropout)."""
     init_scale: float = 2.0**16
@@ -102,6 +109,8 @@ class FitConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 < self.max_skipped_fraction <= 1.0:
+            raise ConfigError(f"max_skipped_fraction must be in (0, 1], got {self.max_skipped_fraction}")
         if self.clip_grad_norm is not None and self.clip_grad_norm < 0:
             raise ConfigError(f"clip_grad_norm must be >= 0 (0 or none disables), got {self.clip_grad_norm}")
         from mixprec.precision import get_policy
@@ -127,6 +136,8 @@ class TrainConfig(FitConfig):
 
     model: str = "small"
     """Model preset (``tiny``, ``small``, ``gpt-ref``); the fields below override it."""
+    vocab_size: int | None = None
+    """Token ids the model's embedding covers; None: what the data declares or its largest id + 1."""
     num_layers: int | None = None
     d_model: int | None = None
     num_heads: int | None = None

@@ -20,24 +20,70 @@ from mixprec.train.step import StepOutput
 __all__ = ["RunEvents"]
 
 
+_SKIP_LINES_SHOWN = 5      # the first skipped steps are each reported on the terminal ...
+_SKIP_LINE_EVERY = 100     # ... then at most one line per this many steps (all are in events.jsonl)
+
+
 class RunEvents:
-    """Console lines (rank 0) and ``events.jsonl`` records of a run."""
+    """Console lines (rank 0) and ``events.jsonl`` records of a run.
+
+    On a terminal, ``progress=True`` shows a progress bar; otherwise (a log file, a pipe,
+    ``progress=False``) each log interval prints one plain line instead.
+    """
 
     def __init__(self, strategy: Strategy, precision: Precision, logger: MetricsLogger, *,
                  progress: bool) -> None:
         self.strategy = strategy
         self.precision = precision
         self.logger = logger
-        self.progress = progress
+        self.progress = progress and strategy.is_main and sys.stderr.isatty()
+        self._bar = None
+        self._skip_lines = 0
+        self._last_skip_line = -_SKIP_LINE_EVERY
+        self._skips_unsaid = 0
 
     def _say(self, message: str) -> None:
         if not self.strategy.is_main:
             return
+        if self._bar is not None:
+            self._bar.write(f"[mixprec] {message}", file=sys.stderr)
+        else:
+            print(f"[mixprec] {message}", file=sys.stderr, flush=True)
+
+    # --- progress ----------------------------------------------------------------------------
+
+    def open_progress(self, total: int, initial: int) -> None:
         if self.progress:
             from tqdm import tqdm
-            tqdm.write(f"[mixprec] {message}", file=sys.stderr)
-        else:
-            print(f"[mixprec] {message}", file=sys.stderr)
+            self._bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr,
+                             desc="train")
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def interval(self, step: int, total: int, *, loss: float, val_loss: float | None, lr: float,
+                 tokens_per_s: float) -> None:
+        """One log interval: the bar's numbers, or one plain line."""
+        scale = self.precision.scale
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", val=f"{val_loss:.4f}" if val_loss is not None else "-",
+                                  scale=f"{scale:g}", refresh=False)
+            return
+        parts = [f"step {step}/{total}", f"loss {loss:.4f}"]
+        if val_loss is not None:
+            parts.append(f"val {val_loss:.4f}")
+        parts += [f"lr {lr:.3g}", f"{tokens_per_s:,.0f} tok/s"]
+        if self.precision.scales_loss:
+            parts.append(f"scale {scale:g}")
+        if self.precision.num_skipped_steps:
+            parts.append(f"skipped {self.precision.num_skipped_steps}")
+        self._say("  ".join(parts))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def start(self, *, model: nn.Module, step: int, total: int, run_dir: Any,
               fp8_report: Any = None) -> None:
@@ -71,11 +117,22 @@ class RunEvents:
             record = {"kind": "skip", "step": step, "nonfinite": None, "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
         self.logger.event(record)
-        if self.progress:
-            self._say(msg)
+        # Every skipped step is in events.jsonl; the terminal hears of the first few, then at
+        # most one per _SKIP_LINE_EVERY steps, with the count of those not shown.
+        if self._skip_lines < _SKIP_LINES_SHOWN or step - self._last_skip_line >= _SKIP_LINE_EVERY:
+            more = f" ({self._skips_unsaid} more skipped steps not shown)" if self._skips_unsaid else ""
+            self._say(msg + more)
+            self._skip_lines += 1
+            self._last_skip_line = step
+            self._skips_unsaid = 0
+        else:
+            self._skips_unsaid += 1
 
-    def warn(self, kind: str, step: int, message: str) -> None:
+    def warn(self, kind: str, step: int, message: str, *, say: bool = True) -> None:
+        """An event, also said on the terminal unless ``say=False`` (an error says it itself)."""
         self.logger.event({"kind": kind, "step": step, "message": message})
+        if say:
+            self._say(message)
 
     def findings(self, findings: list, step: int) -> None:
         if not findings or not self.strategy.is_main:

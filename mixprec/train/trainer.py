@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mixprec.engine import Precision
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
@@ -34,6 +34,8 @@ from mixprec.train.events import RunEvents
 from mixprec.train.metrics import MetricsLogger
 from mixprec.train.objective import extract_loss, make_objective
 from mixprec.train.resume import Checkpointer
+from mixprec.train.run_dir import claim_run_dir
+from mixprec.train.signals import StopRequest
 from mixprec.train.schedule import warmup_cosine_scheduler
 from mixprec.train.step import Batch, StepOutput
 
@@ -267,15 +269,20 @@ class Trainer:
                     group = []
             self.epoch += 1
 
-    def _setup_run_dir(self) -> None:
+    def _setup_run_dir(self, resume: bool) -> None:
         cfg = self.config
-        if cfg.run_dir is not None:
-            self.run_dir = Path(cfg.run_dir)
-        else:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-            self.run_dir = Path("runs") / f"{stamp}-{self.policy.name}"
+        claim: tuple[str | None, str | None] = (None, None)
         if self.strategy.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                claim = (str(claim_run_dir(cfg.run_dir, precision=self.precision.name, resume=resume,
+                                           overwrite=cfg.overwrite)), None)
+            except ConfigError as e:
+                claim = (None, str(e))
+        # Rank 0 picked (and made) the folder, or refused it: every rank learns which.
+        path, error = self.strategy.broadcast_object(claim)
+        if error is not None:
+            raise ConfigError(error)
+        self.run_dir = Path(path)
 
     def _total_steps(self, train_loader: Any) -> int:
         cfg = self.config
@@ -301,11 +308,13 @@ class Trainer:
 
     def fit(self, train_loader: Iterable[Batch], val_loader: Iterable[Batch] | None = None, *,
             resume: str | Path | bool | None = None) -> FitResult:
+        """Train for ``max_steps`` (or ``epochs``); ``resume``: True (the run folder's newest
+        checkpoint), or a run folder / checkpoint folder to continue from."""
         cfg = self.config
         total = self._total_steps(train_loader)
         seed_everything(cfg.seed)                  # dropout, data order of plain loaders
         self.prepare(total)
-        self._setup_run_dir()
+        self._setup_run_dir(resume=bool(resume))
         main = self.strategy.is_main
         self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last)
         if resume:
@@ -317,16 +326,14 @@ class Trainer:
                                                            restored.loader_resumed)
         logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
         events = self.events = RunEvents(self.strategy, self.precision, logger, progress=cfg.progress)
-        if main:
-            (self.run_dir / "config.toml").write_text(config_to_toml(cfg))
+        if main:  # the resolved precision ("auto" means something else on another machine)
+            resolved = dataclasses.replace(cfg, precision=self.precision.name)
+            (self.run_dir / "config.toml").write_text(config_to_toml(resolved))
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
                      fp8_report=self.fp8_report)
         meter = _Meter(self, unwrapped, logger)
-
-        from tqdm import tqdm
-        bar = tqdm(total=total, initial=self.step, disable=not (main and cfg.progress),
-                   dynamic_ncols=True, file=sys.stderr, desc="train")
+        health = _Health(cfg, start_step=self.step)
         last_val = None
         last_out: StepOutput | None = None
         self.model.train()
@@ -335,33 +342,72 @@ class Trainer:
             events.findings(audit(unwrapped, precision=self.precision, optimizer=self.optimizer,
                                   device=self.device), self.step)
         first_step = self.step == 0
-        with self.strategy.guard():  # a lost peer ends the job with one line, not a hang
-            while self.step < total:
-                batches = next(groups)
-                rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skipped step
-                out = last_out = self.train_step(batches)
-                self.step += 1
-                if first_step and cfg.audit:
-                    events.findings(audit_after_first_step(unwrapped), self.step)
-                    first_step = False
-                self._watch(batches, out, rng, logger)
-                do_eval = val_loader is not None and (
-                    (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
-                if do_eval:
-                    last_val = self.evaluate(val_loader, cfg.eval_batches)
-                meter.add(out)
-                if self.step % cfg.log_interval == 0 or self.step == total or do_eval:
-                    loss = meter.log(out, val_loss=last_val if do_eval else None)
-                    bar.set_postfix(loss=f"{loss:.4f}", val=f"{last_val:.4f}" if last_val else "-",
-                                    scale=f"{self.precision.scale:g}", refresh=False)
-                if (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total:
-                    self._save(train_loader)
-                bar.update(1)
-        bar.close()
-        logger.close()
+        events.open_progress(total, self.step)
+        try:
+            # A lost peer ends the job with one line, not a hang; Ctrl-C/SIGTERM saves, then stops.
+            with self.strategy.guard(), StopRequest(announce=main) as stop:
+                while self.step < total:
+                    batches = next(groups)
+                    rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skip
+                    out = last_out = self.train_step(batches)
+                    self.step += 1
+                    if first_step and cfg.audit:
+                        events.findings(audit_after_first_step(unwrapped), self.step)
+                        first_step = False
+                    self._watch(batches, out, rng, logger)
+                    health.add(self.step, out.skipped)
+                    do_eval = val_loader is not None and (
+                        (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
+                    if do_eval:
+                        last_val = self.evaluate(val_loader, cfg.eval_batches)
+                    meter.add(out)
+                    logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
+                    if logged:
+                        loss = meter.log(out, val_loss=last_val if do_eval else None)
+                        events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
+                                        lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps)
+                        self._stop_if_diverged(health.verdict(last_val if do_eval else None))
+                    saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
+                    if saved:
+                        self._save(train_loader)
+                    events.advance()
+                    # One process checks every step; ranks agree at log intervals (no extra sync).
+                    if self._stop_agreed(stop, logged) and self.step < total:
+                        self._stop_now(stop, train_loader, saved)
+        finally:
+            events.close()
+            logger.close()
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.name)
+
+    def _stop_agreed(self, stop: StopRequest, logged: bool) -> bool:
+        if self.strategy.world_size == 1:
+            return stop.requested
+        return logged and self.strategy.reduce_max(float(stop.requested)) > 0
+
+    def _stop_now(self, stop: StopRequest, loader: Any, saved: bool) -> None:
+        """Save (unless this step just did), record the stop, and end the run."""
+        path = self.checkpointer.run_dir
+        if not saved:
+            path = self._save(loader) or path
+        why = stop.name or "a stop request on another rank"
+        message = (f"stopped by {why} at step {self.step}; checkpoint saved in {path}; continue "
+                   f"with: mixprec train --resume {self.run_dir}")
+        self.events.warn("interrupted", self.step, message, say=False)
+        raise RunInterrupted(message)
+
+    def _stop_if_diverged(self, problem: str | None) -> None:
+        if problem is None:
+            return
+        from mixprec.train import checkpoint as ckpt
+        done = ckpt.list_checkpoints(self.run_dir) if self.run_dir is not None else []
+        where = (f"resume from the last checkpoint before it: mixprec train --resume {done[-1][1]}"
+                 if done else "no checkpoint was written before it")
+        message = (f"training diverged at step {self.step}: {problem}; lower lr (now "
+                   f"{self.config.lr:g}), keep clip_grad_norm on, or pick a safer precision; {where}")
+        self.events.warn("diverged", self.step, message, say=False)
+        raise TrainingDiverged(message)
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any, logger: MetricsLogger) -> None:
         """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics."""
@@ -391,6 +437,7 @@ class _Meter:
         self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
                                 else 6 * sum(p.numel() for p in model.parameters()))
         self.refreshed = False
+        self.last_tps = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -421,8 +468,43 @@ class _Meter:
                         grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
                         tokens_per_s=tps, mfu=mfu,
                         peak_mem_mb=_peak_memory_mb(self.device), time_s=elapsed)
+        self.last_tps = tps
         self._reset()
         return loss
+
+
+class _Health:
+    """Is the run still training? It is not when the validation loss is non-finite, when
+    ``_MAX_SKIP_RUN`` steps in a row were skipped (a non-finite loss is always a skipped step),
+    or when more than ``max_skipped_fraction`` of the steps after warm-up were skipped. Skips before
+    any step was taken (a loss scale calibrating down from its initial value) are not counted.
+    An occasional skipped step (an FP16 overflow, then the scale backs off) is normal."""
+
+    _MAX_SKIP_RUN = 20   # > the 16 back-offs that take a 2**16 loss scale down to 1
+
+    def __init__(self, cfg: FitConfig, *, start_step: int) -> None:
+        self.warmup = cfg.warmup_steps
+        self.limit = cfg.max_skipped_fraction
+        self.min_window = max(cfg.log_interval, 10)
+        self.counted = self.skipped = self.run = 0
+        self.taken_any = start_step > 0
+
+    def add(self, step: int, skipped: bool) -> None:
+        self.taken_any = self.taken_any or not skipped
+        self.run = self.run + 1 if skipped else 0
+        if step > self.warmup and self.taken_any:
+            self.counted += 1
+            self.skipped += int(skipped)
+
+    def verdict(self, val_loss: float | None) -> str | None:
+        if val_loss is not None and not math.isfinite(val_loss):
+            return f"the validation loss is {val_loss}"
+        if self.limit < 1.0 and self.run >= self._MAX_SKIP_RUN:
+            return f"the last {self.run} steps were all skipped (non-finite loss or gradients)"
+        if self.limit < 1.0 and self.counted >= self.min_window and self.skipped > self.limit * self.counted:
+            return (f"{self.skipped} of the {self.counted} steps after warm-up were skipped for "
+                    f"non-finite gradients (max_skipped_fraction={self.limit:g})")
+        return None
 
 
 def seed_everything(seed: int) -> None:

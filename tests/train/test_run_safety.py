@@ -1,0 +1,279 @@
+"""Runs that never lie and never lose work: an existing run folder is refused, a diverged run
+fails, Ctrl-C/SIGTERM save before stopping, --resume takes any checkpoint folder, "auto" is
+recorded as what it resolved to, stray token ids and oversized models are refused up front, and
+OS errors are one line."""
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
+from mixprec.train.run_dir import claim_run_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train_cli import TINY, losses, mixprec  # noqa: E402
+
+
+# --- 1. an existing run folder ------------------------------------------------------------------
+
+def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_loses_nothing(tmp_path, text_corpus):
+    run = tmp_path / "run"
+    mixprec("train", *TINY, f"data={text_corpus}", "max_steps=3", f"run_dir={run}")
+    before = (run / "metrics.csv").read_bytes()
+    proc = mixprec("train", *TINY, f"data={text_corpus}", "max_steps=5", f"run_dir={run}", check=False)
+    assert proc.returncode == 2
+    assert f"already holds a run; continue it with `mixprec train --resume {run}`" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (run / "metrics.csv").read_bytes() == before
+
+
+def test_overwrite_true_starts_over_in_the_same_folder(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("old")
+    (run / "checkpoints").mkdir()
+    claim_run_dir(run, precision="32-true", resume=False, overwrite=True)
+    assert list(run.iterdir()) == []
+
+
+def test_default_run_folders_started_in_the_same_second_do_not_collide(tmp_path):
+    names = {claim_run_dir(None, precision="bf16-mixed", resume=False, overwrite=False, root=tmp_path)
+             for _ in range(3)}
+    assert len(names) == 3 and all(p.is_dir() for p in names)
+
+
+# --- 2. divergence ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_a_diverged_run_fails_with_a_clear_message_and_reports_its_skips(tmp_path, text_corpus, precision):
+    proc = mixprec("train", *TINY, f"data={text_corpus}", "max_steps=40", "lr=1e6", "clip_grad_norm=0",
+                   "log_interval=10", f"precision={precision}", f"run_dir={tmp_path / 'r'}", check=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "mixprec: error: training diverged at step" in proc.stderr
+    assert proc.stderr.count("skipped: ") >= 1         # the skips reached the terminal (progress=false)
+    assert "Traceback" not in proc.stderr
+
+
+def _regressor_batches(n):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, generator=g)) for _ in range(n)]
+
+
+class _NanGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+class InfAfter(nn.Module):
+    """Makes non-finite gradients on every step after ``good`` steps (loss stays finite)."""
+
+    def __init__(self, good: int):
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.good, self.calls = good, 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        out = self.lin(x).squeeze(-1)
+        if self.calls > self.good:
+            out = _NanGrad.apply(out)   # a NaN gradient, a finite loss
+        return nn.functional.mse_loss(out, y)
+
+
+def test_too_many_skipped_steps_after_warmup_end_the_run(tmp_path):
+    model = InfAfter(good=15)
+    with pytest.raises(TrainingDiverged, match=r"of the \d+ steps after warm-up were skipped"):
+        mp.fit(model, _regressor_batches(60), mixed_precision="32-true", max_steps=60, warmup_steps=5,
+               log_interval=10, run_dir=str(tmp_path / "r"), progress=False, audit=False,
+               trace_nonfinite=False, ckpt_interval=10)
+
+
+def test_max_skipped_fraction_one_lets_the_run_go_on(tmp_path):
+    model = InfAfter(good=15)
+    result = mp.fit(model, _regressor_batches(40), mixed_precision="32-true", max_steps=40,
+                    warmup_steps=5, log_interval=10, max_skipped_fraction=1.0, run_dir=str(tmp_path / "r"),
+                    progress=False, audit=False, trace_nonfinite=False, ckpt_interval=0)
+    assert result.skipped_steps == 25
+
+
+# --- 3. Ctrl-C and SIGTERM ----------------------------------------------------------------------
+
+def _start(run: Path, corpus: Path, *extra) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "mixprec", "train", *TINY, f"data={corpus}",
+                             "max_steps=100000", "ckpt_interval=0", f"run_dir={run}", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for_step(run: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if (run / "metrics.csv").exists() and max(losses(run), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the run did not get going")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_first_signal_saves_a_checkpoint_prints_the_resume_command_and_exits(tmp_path, text_corpus, sig):
+    run = tmp_path / "run"
+    proc = _start(run, text_corpus)
+    _wait_for_step(run, 5, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert f"continue with: mixprec train --resume {run}" in err
+    from mixprec.train.checkpoint import list_checkpoints
+    saved = list_checkpoints(run)
+    assert saved and saved[-1][0] >= 5
+    assert "Traceback" not in err
+    resumed = mixprec("train", "--resume", run, "max_steps=" + str(saved[-1][0] + 2))
+    assert "done:" in resumed.stderr
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path, text_corpus):
+    run = tmp_path / "run"
+    proc = _start(run, text_corpus, "model=small", "d_model=256", "seq_len=256", "batch_size=32")  # slow steps
+    _wait_for_step(run, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)                 # two signals at once would arrive as one
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "mixprec: interrupted" in err
+    assert not (run / "checkpoints").exists()      # aborted without finishing the step
+
+
+def test_fit_raises_run_interrupted_after_saving(tmp_path):
+    class Stopper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls = nn.Linear(4, 1), 0
+
+        def forward(self, x, y):
+            self.calls += 1
+            if self.calls == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+    with pytest.raises(RunInterrupted, match="stopped by SIGINT at step 3; checkpoint saved"):
+        mp.fit(Stopper(), _regressor_batches(10), mixed_precision="32-true", max_steps=10,
+               run_dir=str(tmp_path / "r"), progress=False, audit=False, ckpt_interval=0)
+    assert (tmp_path / "r" / "checkpoints" / "step-00000003").is_dir()
+
+
+# --- 4. resume from any checkpoint folder; 5. the resolved precision is recorded -----------------
+
+def test_resume_accepts_a_checkpoint_folder_and_auto_is_recorded_resolved(tmp_path, text_corpus):
+    run = tmp_path / "run"
+    mixprec("train", *TINY, f"data={text_corpus}", "max_steps=6", "ckpt_interval=2", "keep_last=3",
+            "precision=auto", f"run_dir={run}")
+    saved = tomllib.loads((run / "config.toml").read_text())["precision"]
+    assert saved != "auto" and saved == mp.Precision("auto").name
+    step2 = run / "checkpoints" / "step-00000004"
+    proc = mixprec("train", "--resume", step2, "max_steps=8")
+    assert "steps: 4 -> 8" in proc.stderr
+    # A corrupt newest checkpoint names a command that works as printed.
+    (run / "checkpoints" / "step-00000008" / "model.safetensors").write_bytes(b"garbage")
+    bad = mixprec("train", "--resume", run, "max_steps=9", check=False)
+    hint = bad.stderr.split("mixprec train --resume ")[-1].split()[0]
+    assert bad.returncode == 2 and hint.endswith("step-00000006")
+    assert "done:" in mixprec("train", "--resume", hint, "max_steps=9").stderr
+
+
+# --- 6. an optimizer that stores fp16 params is honoured ----------------------------------------
+
+def test_seed_style_fp16_params_optimizer_is_honoured_by_fit(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = mp.models.Transformer(num_layers=1, d_model=32, num_heads=4, max_seq_len=16)
+    opt = mp.optim.AdamW(model.parameters(), lr=1e-3, fp16_params=True)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g))] * 3
+    result = model.fit(batches, mixed_precision=True, max_steps=3, run_dir=str(tmp_path / "r"),
+                       progress=False, audit=False)
+    assert result.policy == "16-true"
+    assert model.blocks[0].mlp.fc.weight.dtype == torch.float16
+    assert model.blocks[0].ln1.weight.dtype == torch.float32
+    assert opt.master_of(model.blocks[0].mlp.fc.weight).dtype == torch.float32
+    err = capsys.readouterr().err
+    assert "fp16_params=True" in err and "master weights fp32" in err
+
+
+# --- 7. stray ids and oversized models ----------------------------------------------------------
+
+def test_one_stray_token_id_is_refused_before_anything_is_built(tmp_path):
+    data = np.random.default_rng(0).integers(0, 200, size=50_000)
+    data[17] = 10**6
+    np.save(tmp_path / "ids.npy", data)
+    proc = mixprec("train", *TINY, f"data={tmp_path / 'ids.npy'}", "max_steps=1",
+                   f"run_dir={tmp_path / 'r'}", check=False)
+    assert proc.returncode == 2
+    assert "largest token id is 1000000 but the data holds only 201 distinct ids" in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatch):
+    from mixprec.train import command
+    from mixprec.train.config import TrainConfig
+    monkeypatch.setattr(command, "_available_memory_bytes", lambda: 2**30)
+    monkeypatch.setattr(command.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"need at least .* GiB but 1.0 GiB are free"):
+        command._check_fits_in_memory(TrainConfig(model="small", d_model=2048), 256)
+    command._check_fits_in_memory(TrainConfig(model="tiny"), 256)   # fits
+
+
+# --- 8. OS errors are one line ------------------------------------------------------------------
+
+@pytest.mark.parametrize("code,fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "read-only"),
+                                      (errno.EACCES, "choose a folder you own")])
+def test_os_errors_while_training_are_one_line_with_the_fix(tmp_path, text_corpus, monkeypatch, capsys,
+                                                            code, fix):
+    from mixprec.cli import main
+    from mixprec.train import metrics
+
+    def fail(self, *a, **k):
+        raise OSError(code, os.strerror(code), str(tmp_path / "r" / "metrics.csv"))
+    monkeypatch.setattr(metrics.MetricsLogger, "__init__", fail)
+    rc = main(["train", *TINY, f"data={text_corpus}", "max_steps=1", f"run_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"mixprec: error: {os.strerror(code)} (") and fix in err[-1]
+
+
+def test_report_on_an_unwritable_run_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    from mixprec.cli import main
+    from mixprec.train import report
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,loss\n1,2.0\n")
+
+    def fail(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied", str(run / "report.html"))
+    monkeypatch.setattr(report, "write_report", fail)
+    rc = main(["report", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"mixprec: error: Permission denied ({run / 'report.html'}); you may not "
+                               "write there; choose a folder you own (run_dir=PATH)"]
+
+
+# --- 11. what the terminal shows ----------------------------------------------------------------
+
+def test_without_a_terminal_each_log_interval_is_one_plain_line(tmp_path, text_corpus):
+    proc = mixprec("train", *[t for t in TINY if not t.startswith("progress")], "progress=true",
+                   f"data={text_corpus}", "max_steps=4", "log_interval=2", f"run_dir={tmp_path / 'r'}")
+    lines = [ln for ln in proc.stderr.splitlines() if "step " in ln and "/4" in ln]
+    assert [ln.split()[2] for ln in lines] == ["2/4", "4/4"]
+    assert "\r" not in proc.stderr
