@@ -101,15 +101,15 @@ def _scaler_enabled(scaler) -> bool:
     return bool(getattr(scaler, "enabled", True))
 
 
-def _module_dtype(fqn: str, module: nn.Module, policy: Precision) -> torch.dtype | None:
+def _module_dtype(fqn: str, module: nn.Module, precision: Precision) -> torch.dtype | None:
     ps = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
     if not ps:
         return None
-    dts = {_effective_dtype(fqn, module, p, policy) for p in ps}
+    dts = {_effective_dtype(fqn, module, p, precision) for p in ps}
     return min(dts, key=lambda d: format_info(d).mantissa_bits)
 
 
-def _check_params(model: nn.Module, policy: Precision, optimizer, findings: list[Finding]) -> None:
+def _check_params(model: nn.Module, precision: Precision, optimizer, findings: list[Finding]) -> None:
     low: list[str] = []
     hand_cast: list[str] = []
     low_ids: set[int] = set()
@@ -118,10 +118,10 @@ def _check_params(model: nn.Module, policy: Precision, optimizer, findings: list
             if not p.requires_grad or not p.is_floating_point():
                 continue
             name = f"{fqn}.{pn}" if fqn else pn
-            if _effective_dtype(fqn, module, p, policy) in _LOW:
+            if _effective_dtype(fqn, module, p, precision) in _LOW:
                 low.append(name)
                 low_ids.add(id(p))
-            if p.dtype in _LOW and not policy.stores_low_precision and policy.autocasts:
+            if p.dtype in _LOW and not precision.stores_low_precision and precision.autocasts:
                 hand_cast.append(name)
     if low:
         if optimizer is not None and not hasattr(optimizer, "master_grads"):
@@ -135,10 +135,10 @@ def _check_params(model: nn.Module, policy: Precision, optimizer, findings: list
                             "smaller than half a 16-bit ULP are lost",
                     fix="use mixprec.optim.AdamW(..., fp16_params=True) or mixprec.optim.MasterWeights("
                         "torch.optim.X, params), or keep the parameters in fp32 ('16-mixed'/'bf16-mixed')"))
-        elif optimizer is None and policy.loses_small_updates:
+        elif optimizer is None and precision.loses_small_updates:
             findings.append(Finding(
                 code="no-master-weights", severity="error",
-                message=f"policy {policy} stores parameters in {dtype_name(policy.param_dtype)} with "
+                message=f"precision {precision} stores parameters in {dtype_name(precision.param_dtype)} with "
                         "master_weights=False: updates smaller than half a 16-bit ULP are lost",
                 fix="set master_weights=True (the default for 16-bit parameters) or use a '-mixed' preset"))
     if hand_cast:
@@ -146,32 +146,32 @@ def _check_params(model: nn.Module, policy: Precision, optimizer, findings: list
         findings.append(Finding(
             code="double-cast", severity="warning",
             message=f"{len(hand_cast)} parameters ({_names(hand_cast)}) are already {'/'.join(dts)} "
-                    f"but policy {policy} keeps fp32 parameters and autocasts to "
-                    f"{dtype_name(policy.compute_dtype)}: the model was cast by hand, so there are no "
+                    f"but precision {precision} keeps fp32 parameters and autocasts to "
+                    f"{dtype_name(precision.compute_dtype)}: the model was cast by hand, so there are no "
                     "fp32 weights to update and autocast's fp32 ops upcast 16-bit values again",
-            fix="remove model.half()/.to(dtype) and let the policy cast; for 16-bit storage use the "
+            fix="remove model.half()/.to(dtype) and let the precision cast; for 16-bit storage use the "
                 "'16-true'/'bf16-true' presets, which keep fp32 masters in the optimizer"))
 
 
-def _check_scaler(model: nn.Module, policy: Precision, scaler, findings: list[Finding]) -> None:
+def _check_scaler(model: nn.Module, precision: Precision, scaler, findings: list[Finding]) -> None:
     fp16_params = any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad)
-    if torch.float16 not in (policy.compute_dtype, policy.param_dtype) and not fp16_params:
+    if torch.float16 not in (precision.compute_dtype, precision.param_dtype) and not fp16_params:
         return
     if _scaler_enabled(scaler):
         return
     what = "no loss scaler" if scaler is None else f"{type(scaler).__name__} with scaling disabled"
     findings.append(Finding(
         code="fp16-without-loss-scaler", severity="error",
-        message=f"FP16 {'compute' if policy.compute_dtype == torch.float16 else 'parameters'} with {what}: "
+        message=f"FP16 {'compute' if precision.compute_dtype == torch.float16 else 'parameters'} with {what}: "
                 "gradients below 6e-8 flush to zero and small ones lose precision",
         fix="use mixprec.amp.GradScaler.from_policy(policy) (dynamic loss scaling), or train in bf16"))
 
 
-def _check_layers(model: nn.Module, policy: Precision, findings: list[Finding]) -> None:
+def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:
     norms: list[str] = []
     gates: list[str] = []
     for fqn, module in model.named_modules():
-        dt = _module_dtype(fqn, module, policy)
+        dt = _module_dtype(fqn, module, precision)
         is_norm, is_gate = _is_norm(module), _is_gate(fqn, module)
         if dt in _LOW and is_norm:
             norms.append(fqn)
@@ -206,29 +206,29 @@ def _check_layers(model: nn.Module, policy: Precision, findings: list[Finding]) 
             fix="use mixprec.nn.MoEGate (keep_in_fp32) or set keep_in_fp32 = True on the gate module"))
 
 
-def _check_hardware(policy: Precision, device: torch.device, findings: list[Finding]) -> None:
+def _check_hardware(precision: Precision, device: torch.device, findings: list[Finding]) -> None:
     on_gpu = device.type == "cuda"
-    dts = {policy.param_dtype, policy.compute_dtype}
+    dts = {precision.param_dtype, precision.compute_dtype}
     # Advice about a CPU comes from the CPU the audit runs on, never from where the docs were measured.
     cpu_fast = "bf16-mixed" if not on_gpu and cpu_has_native_bf16() else "32-true"
     cpu = "" if on_gpu else f" ({describe_cpu()})"
-    if policy.fp8_recipe and not (on_gpu and cuda_supports_fp8()):
+    if precision.fp8_recipe and not (on_gpu and cuda_supports_fp8()):
         findings.append(Finding(
             code="fp8-unsupported", severity="warning",
-            message=f"policy {policy} uses FP8 ({policy.fp8_recipe}) but {device} has no FP8 tensor "
+            message=f"precision {precision} uses FP8 ({precision.fp8_recipe}) but {device} has no FP8 tensor "
                     "cores (compute capability 8.9+): FP8 is emulated, correct but slower than bf16",
             fix="use 'bf16-mixed' on this GPU" if on_gpu else f"use '{cpu_fast}' on this CPU{cpu}"))
     if torch.bfloat16 in dts and not bf16_is_fast(device):
         findings.append(Finding(
             code="bf16-emulated", severity="warning",
-            message=f"policy {policy} computes in bf16 but {device} emulates bf16 "
+            message=f"precision {precision} computes in bf16 but {device} emulates bf16 "
                     f"({'GPU older than Ampere' if on_gpu else 'no AVX512-BF16/AMX'}): slower than fp32",
             fix="use '16-mixed' (fp16 with loss scaling) on this GPU" if on_gpu
                 else f"use '32-true' (fp32 is the fast format on this CPU{cpu})"))
     if torch.float16 in dts and not on_gpu and not cpu_has_native_fp16():
         findings.append(Finding(
             code="fp16-emulated", severity="warning",
-            message=f"policy {policy} computes in fp16 on a CPU without fp16 matrix instructions: "
+            message=f"precision {precision} computes in fp16 on a CPU without fp16 matrix instructions: "
                     "emulated, slower than fp32",
             fix=f"use '{cpu_fast}' on this CPU{cpu}"))
 
