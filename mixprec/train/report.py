@@ -16,6 +16,7 @@ folder's ``config.toml`` (and the start event, which names the resolved policy).
 from __future__ import annotations
 
 import argparse
+import errno
 import base64
 import html
 import math
@@ -42,7 +43,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the report and print where it is."""
-    html_path = write_report(args.run_dir, args.out)
+    try:
+        html_path = write_report(args.run_dir, args.out)
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+            raise
+        where = args.out or Path(args.run_dir) / "report"
+        raise DataError(f"cannot write the report into {where} ({e.strerror}); write it elsewhere "
+                        "with --out DIR") from None
     print(f"report: {html_path}")
     print(f"plots:  {html_path.parent}/*.png")
     return 0

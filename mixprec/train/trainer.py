@@ -324,11 +324,17 @@ class Trainer:
                 loader=train_loader)
             self.step, self.epoch, self._loader_resumed = (restored.step, restored.epoch,
                                                            restored.loader_resumed)
-        logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
+        try:
+            logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
+            if main:  # the resolved precision ("auto" means something else on another machine)
+                resolved = dataclasses.replace(cfg, precision=self.precision.name)
+                (self.run_dir / "config.toml").write_text(config_to_toml(resolved))
+        except OSError as e:
+            fix = ("copy the run folder somewhere writable and resume from the copy" if resume else
+                   "free some space or choose another run_dir=PATH")
+            raise ConfigError(f"cannot write to the run folder {self.run_dir} ({e.strerror or e}); "
+                              f"{fix}") from None
         events = self.events = RunEvents(self.strategy, self.precision, logger, progress=cfg.progress)
-        if main:  # the resolved precision ("auto" means something else on another machine)
-            resolved = dataclasses.replace(cfg, precision=self.precision.name)
-            (self.run_dir / "config.toml").write_text(config_to_toml(resolved))
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
                      fp8_report=self.fp8_report)

@@ -238,10 +238,10 @@ def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatc
 
 # --- 8. OS errors are one line ------------------------------------------------------------------
 
-@pytest.mark.parametrize("code,fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "read-only"),
-                                      (errno.EACCES, "choose a folder you own")])
-def test_os_errors_while_training_are_one_line_with_the_fix(tmp_path, text_corpus, monkeypatch, capsys,
-                                                            code, fix):
+@pytest.mark.parametrize("code,fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "free some space"),
+                                      (errno.EACCES, "choose another run_dir")])
+def test_os_errors_opening_the_run_files_are_one_line_with_the_fix(tmp_path, text_corpus, monkeypatch,
+                                                                   capsys, code, fix):
     from mixprec.cli import main
     from mixprec.train import metrics
 
@@ -250,7 +250,21 @@ def test_os_errors_while_training_are_one_line_with_the_fix(tmp_path, text_corpu
     monkeypatch.setattr(metrics.MetricsLogger, "__init__", fail)
     rc = main(["train", *TINY, f"data={text_corpus}", "max_steps=1", f"run_dir={tmp_path / 'r'}"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1].startswith(f"mixprec: error: {os.strerror(code)} (") and fix in err[-1]
+    assert rc == 2 and err[-1] == (f"mixprec: error: cannot write to the run folder {tmp_path / 'r'} "
+                                   f"({os.strerror(code)}); free some space or choose another run_dir=PATH")
+    assert fix in err[-1]
+
+
+def test_other_os_errors_are_one_line_with_the_fix(monkeypatch, capsys):
+    from mixprec.cli import main
+    from mixprec.train import command
+
+    def fail(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/tokens.bin")
+    monkeypatch.setattr(command, "run", fail)
+    assert main(["train"]) == 2
+    assert capsys.readouterr().err.strip() == ("mixprec: error: No space left on device (/data/tokens.bin); "
+                                               "free some space or write the run elsewhere (run_dir=PATH)")
 
 
 def test_report_on_an_unwritable_run_folder_is_one_line(tmp_path, monkeypatch, capsys):
@@ -261,12 +275,12 @@ def test_report_on_an_unwritable_run_folder_is_one_line(tmp_path, monkeypatch, c
     (run / "metrics.csv").write_text("step,loss\n1,2.0\n")
 
     def fail(*a, **k):
-        raise PermissionError(errno.EACCES, "Permission denied", str(run / "report.html"))
+        raise OSError(errno.EROFS, "Read-only file system", str(run / "report"))
     monkeypatch.setattr(report, "write_report", fail)
     rc = main(["report", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err == [f"mixprec: error: Permission denied ({run / 'report.html'}); you may not "
-                               "write there; choose a folder you own (run_dir=PATH)"]
+    assert rc == 2 and err == [f"mixprec: error: cannot write the report into {run / 'report'} "
+                               "(Read-only file system); write it elsewhere with --out DIR"]
 
 
 # --- 11. what the terminal shows ----------------------------------------------------------------
