@@ -1,4 +1,5 @@
-"""Seed 002's distributed example, as written there, on a model small enough for a laptop.
+"""The source article's distributed example (docs/sources.md), as written there, on a model
+small enough for a laptop.
 
 Run it as one process (single device) or under torchrun (DDP, one process per device):
 

@@ -1,4 +1,5 @@
-"""Seed 002's low-level loop with mixprec's GradScaler, unchanged except for the import.
+"""The source article's low-level loop (docs/sources.md) with mixprec's GradScaler, unchanged
+except for the import.
 
     scaler = GradScaler(init_scale=256) ... scaler.scale(loss).backward(); scaler.step(opt);
     scaler.update()

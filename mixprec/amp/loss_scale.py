@@ -24,8 +24,9 @@ overflow backs off until the next growth. (DeepSpeed calls the other choice ``co
 Megatron-LM does what we do.) With ``hysteresis=1`` every overflow backs off at once, which is the
 algorithm of ``torch.amp.GradScaler``; the trajectories are tested to be identical.
 
-Seed 000 wrote this class upside down (growing on every clean step, shrinking only after
-``scale_window`` consecutive overflows). We keep its names — ``init_scale``, ``scale_factor``,
+The source article on loss scaling (docs/sources.md) writes this class upside down: it grows the
+scale on every clean step and shrinks it only after ``scale_window`` consecutive overflows, so it
+overflows every other step. We keep its names — ``init_scale``, ``scale_factor``,
 ``scale_window``, ``update_scale(has_overflow)`` — with the standard algorithm above.
 
 The scale is always a normal, finite float32 value in ``[min_scale, max_scale]``: the bounds are
@@ -191,11 +192,12 @@ def transition(state: LossScaleState, config: LossScaleConfig, overflow: bool) -
 
 
 class DynamicLossScaler:
-    """Seed 000's class, fixed: ``scaler.scale`` is the current scale; call
-    ``update_scale(has_overflow)`` once per step (skipping the optimizer step yourself on overflow).
+    """The source article's class (docs/sources.md), fixed: ``scaler.scale`` is the current
+    scale; call ``update_scale(has_overflow)`` once per step (skipping the optimizer step yourself
+    on overflow).
 
     >>> s = DynamicLossScaler(init_scale=4, scale_window=2)
-    >>> s.update_scale(False); s.update_scale(False); s.scale
+    >>> _ = s.update_scale(False); _ = s.update_scale(False); s.scale
     8.0
     """
 

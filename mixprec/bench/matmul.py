@@ -1,8 +1,9 @@
 """``mixprec bench matmul``: GEMM throughput per dtype, measured correctly.
 
-Seed 002 timed ``torch.matmul`` on a GPU without synchronising (so it measured kernel *launches*)
-and reported ``1/t`` as "TFLOPS". Here every timing has warm-up, a device synchronisation before
-the clock stops, repeats until a minimum duration, and FLOPs = 2*n^3 per n x n product.
+The source article on hardware cost (docs/sources.md) times ``torch.matmul`` on a GPU without
+synchronising (so it measures kernel *launches*) and reports ``1/t`` as "TFLOPS". Here every
+timing has warm-up, a device synchronisation before the clock stops, repeats until a minimum
+duration, and FLOPs = 2*n^3 per n x n product.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """``mixprec memory``: where the bytes of a training step go, per precision mode.
 
-Seed 002's table (67B MoE: FP32 132 GB/GPU vs "FP16+FP32" 58 GB, -56 %) repeats a headline; this
-estimator shows the parts. The rules it encodes:
+The source article on hardware cost (docs/sources.md) tabulates a 67B MoE at 132 GB per GPU in
+FP32 and 58 GB in "FP16+FP32" (-56 %): a headline, not a breakdown; this estimator shows the
+parts. The rules it encodes:
 
 * **States** (bytes per parameter): parameters in the param dtype, gradients in the param dtype,
   FP32 masters when the params are 16-bit, Adam's two moments (FP32, or BF16 as in DeepSeek-V3),
@@ -195,7 +196,8 @@ class ModelShape:
 
 MOE_67B = ModelShape(num_layers=30, d_model=4096, num_heads=32, vocab_size=102400, max_seq_len=4096,
                      mlp_ratio=4, num_experts=16, top_k=2, tie_embeddings=False, bias=False)
-"""A ~67B-parameter MoE (seed 002's "670亿参数MoE"): 30 blocks of d=4096 with 16 experts, top-2."""
+"""A ~67B-parameter MoE (the source article's "670亿参数MoE", docs/sources.md): 30 blocks of
+d=4096 with 16 experts, top-2."""
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -242,9 +244,9 @@ class MemoryEstimate:
 
     @property
     def states(self) -> float:
-        """Parameters, gradients, masters and moments: seed 002's "parameter storage" (16 bytes per
-        parameter with FP32 masters and Adam). FP32 master gradients, alive only around the
-        optimizer step, are counted in :attr:`peak`."""
+        """Parameters, gradients, masters and moments: the source article's "parameter storage"
+        (16 bytes per parameter with FP32 masters and Adam). FP32 master gradients, alive only
+        around the optimizer step, are counted in :attr:`peak`."""
         return self.parameters + self.gradients + self.master_weights + self.optimizer_moments
 
     @property
@@ -329,8 +331,8 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
 
 
 def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str = "GB") -> str:
-    """Seed 002's columns (per device, parameter storage, activations, saving vs FP32), then
-    the breakdown the seed leaves out."""
+    """The source article's columns (per device, parameter storage, activations, saving vs FP32),
+    then the breakdown it leaves out (docs/sources.md)."""
     base = next((r for r in rows if r.mode == "32-true"), rows[0])
     out = [f"{'mode':<12} {'per device':>11} {'param+optim':>12} {'activations':>12} {'saving':>8}"
            f"   (in {unit_name}; saving of the per-device peak vs {base.mode})"]
@@ -349,7 +351,8 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small",
-                        help="model preset (tiny, small, gpt-ref) or moe-67b (seed 002's 67B MoE)")
+                        help="model preset (tiny, small, gpt-ref) or moe-67b (the 67B MoE of "
+                             "docs/sources.md)")
     parser.add_argument("--precision", default="32-true,bf16-mixed,bf16-true",
                         help="comma-separated precision modes")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))

@@ -29,9 +29,10 @@ class TransformerConfig:
     max_seq_len: int = 1024
     """Longest sequence the learned position embedding covers."""
     amp_enabled: bool = True
-    """The seed's flag. True: the model runs under whatever autocast encloses it (``mixprec.autocast``
-    or ``torch.autocast``). False: the model opts out: its forward runs under
-    ``torch.autocast(enabled=False)``, i.e. in the dtype of its parameters, whatever the caller set."""
+    """The source article's flag (docs/sources.md). True: the model runs under whatever autocast
+    encloses it (``mixprec.autocast`` or ``torch.autocast``). False: the model opts out: its
+    forward runs under ``torch.autocast(enabled=False)``, i.e. in the dtype of its parameters,
+    whatever the caller set."""
     mlp_ratio: int = 4
     """Hidden width of the MLP (and of each MoE expert) as a multiple of ``d_model``."""
     dropout: float = 0.0
@@ -47,7 +48,7 @@ class TransformerConfig:
     moe_expert_dtype: torch.dtype | None = None
     """Storage/compute dtype of MoE experts. None (default): FP32 experts that follow the precision
     policy like any Linear (BF16/FP16 compute under autocast). Set e.g. ``torch.float16`` for the
-    seed's fixed FP16 experts (slow on CPUs without native FP16; needs loss scaling)."""
+    source article's fixed FP16 experts (slow on CPUs without native FP16; needs loss scaling)."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the MoE load-balancing loss added to the language-model loss."""
     gradient_checkpointing: bool = False

@@ -1,8 +1,8 @@
 """Opt-in activation clamping: a counted safety net, never a default.
 
-Seed 000 inserts ``torch.clamp(x, -64, 64)`` after every ReLU and calls the effect on accuracy
-negligible. A fixed bound of 64 silently rewrites any activation that legitimately exceeds it, and
-nobody learns how often it happened. Here clamping is:
+The source article on loss scaling (docs/sources.md) inserts ``torch.clamp(x, -64, 64)`` after
+every ReLU and calls the effect on accuracy negligible. A fixed bound of 64 silently rewrites any
+activation that legitimately exceeds it, and nobody learns how often it happened. Here clamping is:
 
 * **opt-in**: nothing in mixprec installs it unless you call :func:`clamp_activations`;
 * **bounded by the format, not by a guess**: the default bound is half the FP16 finite range

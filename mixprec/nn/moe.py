@@ -1,7 +1,8 @@
 """Mixture-of-experts MLP with an FP32 router and experts in their own dtype.
 
-The seed declares ``nn.Linear(..., dtype=torch.float16)`` experts next to an FP32 gating layer and
-stops there. Done properly, three things matter:
+The source article on hardware cost (docs/sources.md) declares ``nn.Linear(...,
+dtype=torch.float16)`` experts next to an FP32 gating layer and stops there. Done properly, three
+things matter:
 
 * **The router stays FP32, always.** Routing is a discrete decision (top-k of a softmax): a score
   rounded in BF16 flips which expert a token goes to, and the load-balancing loss is a product of
@@ -13,7 +14,7 @@ stops there. Done properly, three things matter:
   so a BF16 autocast region does not silently turn FP16 experts into BF16 ones. With
   ``expert_dtype=None`` experts are ordinary FP32 modules that follow the policy (autocast and
   :func:`mixprec.precision.cast_module`) like every other Linear. The layer's default keeps the
-  seed's FP16; :class:`mixprec.models.Transformer` defaults to ``None`` because FP16 math is
+  article's FP16; :class:`mixprec.models.Transformer` defaults to ``None`` because FP16 math is
   emulated (and ~100x slower than FP32) on CPUs without AVX512-FP16, and FP16 experts without
   loss scaling risk overflow; on GPUs the policy then picks BF16 or FP16 compute. Low-precision
   expert weights need FP32 master weights in the optimizer (``mixprec.optim``), as any 16-bit

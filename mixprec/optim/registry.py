@@ -1,9 +1,10 @@
 """Which mixprec optimizer was built for which parameters.
 
-Seed 002 builds ``optimizer = mp.optim.AdamW(model.parameters(), ...)`` inside
-``strategy.scope()`` and then calls ``model.fit(loader, ...)`` without passing it. Rather than
-silently training with a different optimizer, ``fit`` asks :func:`find_optimizer_for` for the
-mixprec optimizer whose parameters are exactly the model's, and uses it.
+The source article on hardware cost (docs/sources.md) builds ``optimizer =
+mp.optim.AdamW(model.parameters(), ...)`` inside ``strategy.scope()`` and then calls
+``model.fit(loader, ...)`` without passing it. Rather than silently training with a different
+optimizer, ``fit`` asks :func:`find_optimizer_for` for the mixprec optimizer whose parameters are
+exactly the model's, and uses it.
 """
 from __future__ import annotations
 

@@ -10,13 +10,14 @@ A strategy answers every question the training step has about "the other process
 * how a full checkpoint is gathered and restored (:meth:`Strategy.model_state_dict`, ...),
 * what the gradient traffic cost (:meth:`Strategy.comm_stats`).
 
-``scope()`` (the seed's ``with strategy.scope():`` idiom) does exactly two things and nothing
-hidden: it makes the strategy's device the default device for tensors and modules created inside
-(``torch.device`` as a context manager), and it makes the strategy the *current strategy*, which
-:func:`current_strategy` returns (so ``DistributedDataLoader`` and ``fit()`` can find it without
-being passed it). It does **not** wrap models: wrapping (DDP, ``fully_shard``) happens in
-:meth:`Strategy.setup`, which ``fit()`` calls for you. Wrapping at construction time would need
-to intercept every ``nn.Module.__init__``; an explicit call is easier to reason about.
+``scope()`` (the ``with strategy.scope():`` idiom of the source article, docs/sources.md) does
+exactly two things and nothing hidden: it makes the strategy's device the default device for
+tensors and modules created inside (``torch.device`` as a context manager), and it makes the
+strategy the *current strategy*, which :func:`current_strategy` returns (so
+``DistributedDataLoader`` and ``fit()`` can find it without being passed it). It does **not**
+wrap models: wrapping (DDP, ``fully_shard``) happens in :meth:`Strategy.setup`, which ``fit()``
+calls for you. Wrapping at construction time would need to intercept every
+``nn.Module.__init__``; an explicit call is easier to reason about.
 """
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ class Trainer:
         cfg, precision, strategy = self.config, self.precision, self.strategy
         model = self.raw_model.to(self.device)
         if self._user_optimizer is None:
-            # An optimizer the user built for this model (seed 002 builds one, then calls fit()).
+            # An optimizer the user built for this model (docs/sources.md: build one, call fit()).
             self._user_optimizer = find_optimizer_for(model.parameters())
             if self._user_optimizer is not None and strategy.is_main:
                 print(f"[mixprec] using the {type(self._user_optimizer).__name__} built for this "
@@ -529,10 +529,10 @@ def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable
         lr_scheduler: Any = None, loss_fn: Callable | None = None,
         resume: str | Path | bool | None = None, config: FitConfig | None = None,
         **kwargs: Any) -> FitResult:
-    """Train ``model`` on ``train_loader``; the seed's ``model.fit(loader, epochs=10,
-    strategy=strategy, mixed_precision=True)`` lands here. Other keyword arguments are
-    :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``, ``clip_grad_norm``,
-    ``run_dir``, ...)."""
+    """Train ``model`` on ``train_loader``; the source article's ``model.fit(loader, epochs=10,
+    strategy=strategy, mixed_precision=True)`` (docs/sources.md) lands here. Other keyword
+    arguments are :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``,
+    ``clip_grad_norm``, ``run_dir``, ...)."""
     if epochs is not None:
         kwargs["epochs"] = epochs
     trainer = Trainer(model, config=config, mixed_precision=mixed_precision, optimizer=optimizer,
