@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         from mixprec.train import command
         return command.run(args)
-    cfg, _ = _resolve(args)
+    cfg, _, _ = _resolve(args)
     model, train_loader, _, strategy = build_run(cfg)
     trainer = Trainer(model, config=cfg, strategy=strategy)
     trainer.prepare(total_steps=1)

@@ -291,3 +291,10 @@ def test_without_a_terminal_each_log_interval_is_one_plain_line(tmp_path, text_c
     lines = [ln for ln in proc.stderr.splitlines() if "step " in ln and "/4" in ln]
     assert [ln.split()[2] for ln in lines] == ["2/4", "4/4"]
     assert "\r" not in proc.stderr
+
+
+# --- mixprec audit reads the same set-up as mixprec train ---------------------------------------
+
+def test_audit_command_reports_on_the_train_setup(tmp_path, text_corpus):
+    proc = mixprec("audit", *TINY, f"data={text_corpus}", "precision=bf16-true")
+    assert "precision: bf16-true" in proc.stdout and "audit:" in proc.stdout
