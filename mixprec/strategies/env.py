@@ -122,10 +122,34 @@ def init_process_group(env: DistEnv, device: torch.device, *, backend: str | Non
         raise ConfigError("backend 'nccl' needs CUDA devices; use backend='gloo' on CPU")
     seconds = default_timeout() if timeout is None else float(timeout)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
-                            world_size=env.world_size,
+    store = _attempt_store(env, datetime.timedelta(seconds=seconds))
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=seconds), **kwargs)
     return True
+
+
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's shared store, a store namespace of our own for each restart attempt.
+
+    torchrun (2.x) lets workers use the agent's rendezvous TCPStore (``TORCHELASTIC_USE_AGENT_STORE``)
+    and keeps that store across ``--max-restarts`` attempts, but ``env://`` adds no per-attempt
+    prefix. The keys where each gloo rank published its address therefore survive a worker's
+    death, and a restarted rank may read its peer's *previous* address before the peer overwrites
+    it: ``Gloo connectFullMesh failed ... Connection refused`` and the attempt is lost (2 of 12
+    restarts here before this prefix; see docs/distributed.md). Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean namespace in the same store. None
+    (plain ``env://``) outside torchrun or with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mixprec/attempt-{attempt}/", client)
 
 
 _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "timeout",

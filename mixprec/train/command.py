@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -117,7 +120,15 @@ def run(args: argparse.Namespace) -> int:
                   if resume_dir else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
                   file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
-    result = trainer.fit(train_loader, val_loader, resume=resume_dir is not None)
+    try:
+        result = trainer.fit(train_loader, val_loader, resume=resume_dir is not None)
+    except BaseException as exc:
+        if strategy.is_distributed:
+            _end_failed_rank(strategy.rank, exc, debug=getattr(args, "debug", False))
+        raise
+    # The DDP/FSDP wrappers hold the process group: drop them before teardown destroys it (see
+    # Strategy.teardown: a group still alive at interpreter exit can abort or hang the process).
+    del trainer, model, train_loader, val_loader
     if strategy.is_main:
         val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
         print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
@@ -128,3 +139,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
     strategy.teardown()
     return 0
+
+
+def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
+    """A rank of a distributed run failed: say so in one line naming the rank, then exit at once.
+
+    The process group is *not* destroyed and the interpreter does not finalize it: the peers may
+    be dead or stuck in a collective, and tearing down a broken gloo/NCCL group can block. The
+    peers notice at their next collective (a closed connection at once, a hung rank after at most
+    the process-group timeout, ``MIXPREC_DIST_TIMEOUT``), and torchrun stops the rest of the job
+    as soon as this process exits non-zero.
+    """
+    from mixprec.errors import MixprecError
+    user_error = isinstance(exc, (MixprecError, FileNotFoundError, PermissionError, IsADirectoryError))
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"mixprec: interrupted (rank {rank})", file=sys.stderr)
+        code = 130
+    else:
+        if debug or not user_error:
+            traceback.print_exception(exc)
+        text = str(exc).strip() or type(exc).__name__
+        if not user_error:
+            text = f"{type(exc).__name__}: {text.splitlines()[0]}"
+        prefix = "" if text.startswith(f"rank {rank}:") else f"rank {rank}: "
+        print(f"mixprec: error: {prefix}{text}", file=sys.stderr)
+        code = 2 if user_error else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
