@@ -260,7 +260,7 @@ class ProcessGroupStrategy:
     def guard(self):
         """``with strategy.guard():`` around a training step: a lost peer becomes a
         :class:`RankFailureError` naming the timeout and the fix."""
-        return rank_failure_guard(self.rank, self.timeout)
+        return rank_failure_guard(self.rank, self.timeout, world_size=self.world_size)
 
     def teardown(self) -> None:
         """Leave the job cleanly: every rank meets at a barrier, then the group is destroyed.

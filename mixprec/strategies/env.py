@@ -157,7 +157,8 @@ _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "ti
 
 
 @contextlib.contextmanager
-def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None]:
+def rank_failure_guard(rank: int, timeout: float | None = None, *,
+                       world_size: int | None = None) -> Iterator[None]:
     """Turn a collective that failed because a peer died into a one-line :class:`RankFailureError`.
 
     Errors that do not look like a lost peer (shape bugs, NaN checks, ...) pass through unchanged.
@@ -174,9 +175,19 @@ def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None
             raise
         limit = f"{timeout:g} s" if timeout else "the process-group timeout"
         raise RankFailureError(
-            f"rank {rank}: a collective failed because another rank crashed, hung or lost the "
+            f"rank {rank}: a collective failed because {_peers(rank, world_size)} crashed, hung or lost the "
             f"network (waited at most {limit}; backend said: {text[:200]}); fix the failed rank "
-            "and resume from the last checkpoint (mixprec train --resume RUN_DIR)") from exc
+            "and resume from the last checkpoint (mixprec train --resume RUN_DIR, or "
+            "run_dir=RUN_DIR resume=auto)") from exc
+
+
+def _peers(rank: int, world_size: int | None) -> str:
+    """Which rank(s) this one was waiting for: every other rank takes part in a collective."""
+    if world_size == 2:
+        return f"another rank (rank {1 - rank})"
+    if world_size:
+        return f"another rank (one of 0..{world_size - 1} other than {rank})"
+    return "another rank"
 
 
 _MOVED = {"get_strategy": "mixprec.strategies", "STRATEGIES": "mixprec.strategies",
