@@ -269,7 +269,7 @@ class ProcessGroupStrategy:
         wrapped model (``del model``): DDP's reducer and FSDP's states hold the process group, and
         a group that is still alive when the interpreter exits is destroyed during finalization,
         where gloo's worker threads can abort the process (``terminate called without an active
-        exception``) or block forever (one run in ~20 before this order was used, see
+        exception``) or block forever (2 of 40 `mixprec train` runs before this order, see
         docs/distributed.md). The barrier is bounded by the group's timeout, so a peer that died
         meanwhile ends this rank with :class:`RankFailureError` instead of a hang.
         """

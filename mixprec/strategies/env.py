@@ -137,9 +137,10 @@ def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | No
 
     torchrun (2.x) lets workers use the agent's rendezvous TCPStore (``TORCHELASTIC_USE_AGENT_STORE``)
     and keeps that store across ``--max-restarts`` attempts, but ``env://`` adds no per-attempt
-    prefix. The keys where each gloo rank published its address therefore survive a worker's
-    death, and a restarted rank may read its peer's *previous* address before the peer overwrites
-    it: ``Gloo connectFullMesh failed ... Connection refused`` and the attempt is lost (2 of 12
+    prefix. The keys where each gloo rank published its address (``default_pg/0//cpu//0/<rank>``,
+    seen with ``TCPStore.list_keys()``) survive a worker's death, and a restarted attempt can pick
+    up the dead addresses (most likely a rank reading its peer's key before the peer rewrote it):
+    ``Gloo connectFullMesh failed ... Connection refused`` and the attempt is lost (4 of 12
     restarts here before this prefix; see docs/distributed.md). Prefixing the keys with
     ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean namespace in the same store. None
     (plain ``env://``) outside torchrun or with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.

@@ -122,22 +122,22 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
     try:
         result = trainer.fit(train_loader, val_loader, resume=resume_dir is not None)
+        # The DDP/FSDP wrappers hold the process group: drop them before teardown destroys it
+        # (Strategy.teardown: a group still alive at interpreter exit can abort or hang the process).
+        del trainer, model, train_loader, val_loader
+        if strategy.is_main:
+            val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+            print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
+                  f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
+            print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
+            print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
+                  file=sys.stderr)
+            print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
+        strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
     except BaseException as exc:
         if strategy.is_distributed:
             _end_failed_rank(strategy.rank, exc, debug=getattr(args, "debug", False))
         raise
-    # The DDP/FSDP wrappers hold the process group: drop them before teardown destroys it (see
-    # Strategy.teardown: a group still alive at interpreter exit can abort or hang the process).
-    del trainer, model, train_loader, val_loader
-    if strategy.is_main:
-        val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-        print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
-              f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
-        print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
-        print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
-              file=sys.stderr)
-        print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
-    strategy.teardown()
     return 0
 
 
