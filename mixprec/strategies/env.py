@@ -122,10 +122,35 @@ def init_process_group(env: DistEnv, device: torch.device, *, backend: str | Non
         raise ConfigError("backend 'nccl' needs CUDA devices; use backend='gloo' on CPU")
     seconds = default_timeout() if timeout is None else float(timeout)
     kwargs = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, init_method="env://", rank=env.rank,
-                            world_size=env.world_size,
+    store = _attempt_store(env, datetime.timedelta(seconds=seconds))
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = "env://"
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=seconds), **kwargs)
     return True
+
+
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's shared store, a store namespace of our own for each restart attempt.
+
+    torchrun (2.x) lets workers use the agent's rendezvous TCPStore (``TORCHELASTIC_USE_AGENT_STORE``)
+    and keeps that store across ``--max-restarts`` attempts, but ``env://`` adds no per-attempt
+    prefix. The keys where each gloo rank published its address (``default_pg/0//cpu//0/<rank>``,
+    seen with ``TCPStore.list_keys()``) survive a worker's death, and a restarted attempt can pick
+    up the dead addresses (most likely a rank reading its peer's key before the peer rewrote it):
+    ``Gloo connectFullMesh failed ... Connection refused`` and the attempt is lost (4 of 12
+    restarts here before this prefix; see docs/distributed.md). Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` gives every attempt a clean namespace in the same store. None
+    (plain ``env://``) outside torchrun or with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(env.master_addr, env.master_port, world_size=env.world_size,
+                           is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"mixprec/attempt-{attempt}/", client)
 
 
 _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "timeout",
@@ -133,7 +158,8 @@ _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "ti
 
 
 @contextlib.contextmanager
-def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None]:
+def rank_failure_guard(rank: int, timeout: float | None = None, *,
+                       world_size: int | None = None) -> Iterator[None]:
     """Turn a collective that failed because a peer died into a one-line :class:`RankFailureError`.
 
     Errors that do not look like a lost peer (shape bugs, NaN checks, ...) pass through unchanged.
@@ -150,9 +176,19 @@ def rank_failure_guard(rank: int, timeout: float | None = None) -> Iterator[None
             raise
         limit = f"{timeout:g} s" if timeout else "the process-group timeout"
         raise RankFailureError(
-            f"rank {rank}: a collective failed because another rank crashed, hung or lost the "
+            f"rank {rank}: a collective failed because {_peers(rank, world_size)} crashed, hung or lost the "
             f"network (waited at most {limit}; backend said: {text[:200]}); fix the failed rank "
-            "and resume from the last checkpoint (mixprec train --resume RUN_DIR)") from exc
+            "and resume from the last checkpoint (mixprec train --resume RUN_DIR, or "
+            "run_dir=RUN_DIR resume=auto)") from exc
+
+
+def _peers(rank: int, world_size: int | None) -> str:
+    """Which rank(s) this one was waiting for: every other rank takes part in a collective."""
+    if world_size == 2:
+        return f"another rank (rank {1 - rank})"
+    if world_size:
+        return f"another rank (one of 0..{world_size - 1} other than {rank})"
+    return "another rank"
 
 
 _MOVED = {"get_strategy": "mixprec.strategies", "STRATEGIES": "mixprec.strategies",

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-from mixprec.errors import ConfigError, DataError
+from mixprec.errors import ConfigError, DataError, RunInterrupted
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 
 __all__ = ["configure", "run", "build_run"]
@@ -183,14 +186,54 @@ def run(args: argparse.Namespace) -> int:
                   if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
                   file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
-    result = trainer.fit(train_loader, val_loader, resume=resume_from)
-    if strategy.is_main:
-        val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-        print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
-              f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
-        print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
-        print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
-              file=sys.stderr)
-        print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
-    strategy.teardown()
+    try:
+        result = trainer.fit(train_loader, val_loader, resume=resume_from)
+        # The DDP/FSDP wrappers hold the process group: drop them before teardown destroys it
+        # (Strategy.teardown: a group still alive at interpreter exit can abort or hang the process).
+        del trainer, model, train_loader, val_loader
+        if strategy.is_main:
+            val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+            print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
+                  f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
+            print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
+            print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
+                  file=sys.stderr)
+            print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
+        strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
+    except BaseException as exc:
+        if strategy.is_distributed:
+            _end_failed_rank(strategy.rank, exc, debug=getattr(args, "debug", False))
+        raise
     return 0
+
+
+def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
+    """A rank of a distributed run failed: say so in one line naming the rank, then exit at once.
+
+    The process group is *not* destroyed and the interpreter does not finalize it: the peers may
+    be dead or stuck in a collective, and tearing down a broken gloo/NCCL group can block. The
+    peers notice at their next collective (a closed connection at once, a hung rank after at most
+    the process-group timeout, ``MIXPREC_DIST_TIMEOUT``), and torchrun stops the rest of the job
+    as soon as this process exits non-zero.
+    """
+    from mixprec.errors import MixprecError
+    user_error = isinstance(exc, (MixprecError, OSError))
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"mixprec: interrupted (rank {rank})", file=sys.stderr)
+        code = 130
+    elif isinstance(exc, RunInterrupted):   # stopped after saving: said once, by rank 0
+        if rank == 0:
+            print(f"mixprec: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    else:
+        if debug or not user_error:
+            traceback.print_exception(exc)
+        text = str(exc).strip() or type(exc).__name__
+        if not user_error:
+            text = f"{type(exc).__name__}: {text.splitlines()[0]}"
+        prefix = "" if text.startswith(f"rank {rank}:") else f"rank {rank}: "
+        print(f"mixprec: error: {prefix}{text}", file=sys.stderr)
+        code = getattr(exc, "exit_code", 2) if user_error else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -60,7 +60,7 @@ def test_lost_rank_ends_the_job_with_a_clear_error(failures, mode):
     assert r["code"] == 3, r["err"][-2000:]
     lines = [ln for ln in r["err"].splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1, r["err"][-2000:]
-    assert "another rank crashed, hung or lost the network" in lines[0]
+    assert "another rank (rank 1) crashed, hung or lost the network" in lines[0]
     assert "resume from the last checkpoint" in lines[0]
     # the failing step ended within the process-group timeout (slack for a loaded machine)
     waited = float(next(ln for ln in r["err"].splitlines() if ln.startswith("waited_s="))[9:])

@@ -1,0 +1,81 @@
+"""Every rank of a finished distributed run exits, promptly, with status 0 (issue 19).
+
+Before the fix 2 of 40 runs of `torchrun --nproc_per_node=2 -m mixprec train` printed "done"
+and then never exited on one rank: the DDP wrapper (held by the trainer) kept the gloo process
+group alive past ``destroy_process_group``, so the group was destroyed during interpreter
+shutdown. These tests repeat short 2-process runs with a bound on each, and check the cause
+directly (no wrapper alive when the group is destroyed)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_harness import free_port
+
+pytestmark = pytest.mark.distributed
+
+HERE = Path(__file__).resolve().parent
+EXIT_BOUND_S = 45        # a run takes ~5 s on 2 busy cores; a hang is cut here and counted
+RUNS = 4
+PARALLEL = 2             # runs at a time (keeps the test short; load makes races likelier)
+
+
+def _launch(tmp: Path, i: int, corpus: Path, strategy: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp / f"out{i}"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "MIXPREC_DIST_TIMEOUT": "30"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           str(HERE / "exit_worker.py"), str(out), "model=tiny", f"data={corpus}", "seq_len=16",
+           "batch_size=2", "max_steps=2", "eval_interval=0", "eval_batches=1", "progress=false",
+           "audit=false", f"strategy={strategy}", f"run_dir={tmp / f'run{i}'}"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True), out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text((HERE.parents[1] / "README.md").read_text() * 2)
+    return path
+
+
+def _run_all(tmp: Path, corpus: Path, strategy: str, runs: int) -> list[dict]:
+    results = []
+    pending = list(range(runs))
+    while pending:
+        wave = [(i, *_launch(tmp, i, corpus, strategy), time.monotonic()) for i in pending[:PARALLEL]]
+        pending = pending[PARALLEL:]
+        for i, proc, out, start in wave:
+            try:
+                _, err = proc.communicate(timeout=max(1.0, EXIT_BOUND_S - (time.monotonic() - start)))
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                proc.kill()                      # torchrun's agent; it stops its workers
+                _, err = proc.communicate()
+                code = None
+            ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+            results.append({"run": i, "code": code, "secs": time.monotonic() - start,
+                            "ranks": ranks, "err": err[-1500:]})
+    return results
+
+
+def test_repeated_ddp_runs_all_exit_promptly_on_every_rank(tmp_path, corpus):
+    results = _run_all(tmp_path, corpus, "ddp", RUNS)
+    bad = [r for r in results if r["code"] != 0]
+    assert not bad, f"{len(bad)} of {RUNS} runs did not exit 0 within {EXIT_BOUND_S} s: " + \
+        "; ".join(f"run {r['run']}: code {r['code']} after {r['secs']:.0f} s: {r['err']}" for r in bad)
+    assert all(len(r["ranks"]) == 2 for r in results)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_no_wrapper_holds_the_group_when_it_is_destroyed(tmp_path, corpus, strategy):
+    [r] = _run_all(tmp_path, corpus, strategy, 1)
+    assert r["code"] == 0, r["err"]
+    assert [rank["wrappers_alive_at_destroy"] for rank in r["ranks"]] == [0, 0]
