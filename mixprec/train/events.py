@@ -74,6 +74,11 @@ class RunEvents:
         if self.progress:
             self._say(msg)
 
+    def note(self, message: str, step: int, kind: str = "note") -> None:
+        """A line for the console (rank 0) and ``events.jsonl``."""
+        self.logger.event({"kind": kind, "step": step, "message": message})
+        self._say(message)
+
     def warn(self, kind: str, step: int, message: str) -> None:
         self.logger.event({"kind": kind, "step": step, "message": message})
 
