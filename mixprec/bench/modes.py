@@ -198,6 +198,12 @@ def build_contender(name: str, cfg: TrainBenchConfig) -> Contender | None:
     return _peer(name, cfg, device) if name in PEERS else _mixprec(name, cfg, device)
 
 
+def _is_compile_error(e: BaseException) -> bool:
+    """Raised by torch.compile (dynamo or inductor), not by the model itself."""
+    return any(type(x).__module__.startswith(("torch._dynamo", "torch._inductor"))
+               for x in (e, e.__cause__) if x is not None)
+
+
 def _time_steps(c: Contender, n: int, device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -319,13 +325,23 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
             log(f"skipped {name}: its package is not installed")
         else:
             contenders.append(c)
+    failed = []
     for c in contenders:                 # warm-up: allocator, autocast caches, lazy optimizer state
         for i in range(max(cfg.warmup, 1)):
             t0 = time.perf_counter()
-            c.step()
+            try:
+                c.step()
+            except Exception as e:       # a mode torch.compile cannot compile: report, go on
+                if "compile" not in split_variant(c.name)[1] or not _is_compile_error(e):
+                    raise
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                log(f"skipped {c.name}: torch.compile failed ({reason}); the eager mode stays")
+                failed.append(c)
+                break
             _sync(device)
             if i == 0:
                 c.first_step_s = time.perf_counter() - t0   # + compile time with +compile
+    contenders = [c for c in contenders if c not in failed]
     dtypes = sorted({c.compute_dtype for c in contenders}, key=str)
     peaks: dict[torch.dtype, list[float]] = {dt: [] for dt in dtypes}
     for r in range(cfg.repeats):

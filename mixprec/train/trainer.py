@@ -369,7 +369,8 @@ class Trainer:
                 batches = next(groups)
                 rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skipped step
                 with self.profiler.step() if self.profiler else contextlib.nullcontext():
-                    out = last_out = self.train_step(batches)
+                    out = last_out = (self._first_compiled_step(batches) if cfg.compile and first_step
+                                      else self.train_step(batches))
                 self.step += 1
                 if self.profiler is not None and self.profiler.files:
                     events.note(f"profile of {self.profiler.summary.steps} steps: "
@@ -401,6 +402,21 @@ class Trainer:
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.name)
+
+    def _first_compiled_step(self, batches: list[Batch]) -> StepOutput:
+        """The first step compiles the model; if torch.compile cannot (say why), run eager."""
+        try:
+            return self.train_step(batches)
+        except Exception as e:
+            if not any(type(x).__module__.startswith(("torch._dynamo", "torch._inductor"))
+                       for x in (e, e.__cause__) if x is not None):
+                raise
+            # The compile failed in the first forward, before any gradient or update: undo it.
+            self.strategy.unwrap(self.model)._compiled_call_impl = None
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            self.events.note(f"compile=true failed ({type(e).__name__}: {first}); training eager",
+                             self.step, kind="compile")
+            return self.train_step(batches)
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any, logger: MetricsLogger) -> None:
         """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics."""

@@ -46,3 +46,33 @@ def test_fit_profile_writes_the_table_and_trace_and_report_links_them(tmp_path):
     assert "mixprec.found_inf_sync" in names
     page = report.write_report(run).read_text()
     assert 'href="../trace.json"' in page and "mixprec.master_copy_back" in page
+
+
+def test_a_model_torch_compile_cannot_compile_trains_eager_and_says_why(tmp_path, monkeypatch):
+    """compile=true: a compile error in the first step (here raised as torch.compile raises it;
+    a real compile takes minutes on the CI machine) undoes the compile and the run goes on eager."""
+    import torch._dynamo.exc as dynamo_exc
+
+    from mixprec.train.metrics import read_events
+    from mixprec.train.trainer import Trainer
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compiled.append(self))
+    real_step = Trainer.train_step
+    calls = {"n": 0}
+
+    def failing_first(self, batches):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise dynamo_exc.TorchRuntimeError("FP8 emulation: unsupported op")
+        return real_step(self, batches)
+    monkeypatch.setattr(Trainer, "train_step", failing_first)
+    torch.manual_seed(0)
+    model = Transformer.from_preset("tiny", vocab_size=64, max_seq_len=16, d_model=32)
+    data = [(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))) for _ in range(3)]
+    run = tmp_path / "run"
+    result = fit(model, data, mixed_precision="32-true", max_steps=3, compile=True, run_dir=str(run),
+                 audit=False, progress=False, eval_interval=0, ckpt_interval=0)
+    assert result.steps == 3 and compiled == [model]
+    notes = [e for e in read_events(run) if e.get("kind") == "compile"]
+    assert len(notes) == 1 and "FP8 emulation: unsupported op" in notes[0]["message"]
+    assert "training eager" in notes[0]["message"]
