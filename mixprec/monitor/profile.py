@@ -112,7 +112,7 @@ class ProfileSummary:
         for r in self.top:
             lines.append(f"{r['name'][:52]:<52} {r['category']:<13} {r['us'] / 1e3:>9.2f} "
                          f"{r['calls']:>10.1f}")
-        lines += ["", f"{'what mixed precision adds (mixprec ranges, inclusive)':<52} "
+        lines += ["", f"{'ranges mixprec labels (inclusive time)':<52} "
                       f"{'ms/step':>9} {'calls/step':>10}"]
         for r in self.mixprec_ranges:
             lines.append(f"{r['name']:<52} {r['us'] / 1e3:>9.2f} {r['calls']:>10.1f}")
