@@ -76,3 +76,13 @@ def test_a_model_torch_compile_cannot_compile_trains_eager_and_says_why(tmp_path
     notes = [e for e in read_events(run) if e.get("kind") == "compile"]
     assert len(notes) == 1 and "FP8 emulation: unsupported op" in notes[0]["message"]
     assert "training eager" in notes[0]["message"]
+
+
+def test_overlap_profile_and_compile_are_settings_of_the_command_line():
+    from mixprec.errors import ConfigError
+    from mixprec.train.config import load_config
+    cfg, _ = load_config(None, {"overlap_optimizer": "true", "profile": "3", "compile": "on"})
+    assert cfg.overlap_optimizer is True and cfg.profile == 3 and cfg.compile is True
+    import pytest
+    with pytest.raises(ConfigError, match="profile must be >= 0"):
+        load_config(None, {"profile": "-1"})
