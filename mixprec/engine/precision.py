@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-
 from torch.autograd.profiler import record_function
 
 from mixprec.amp import GradScaler, clip_grad_norm_

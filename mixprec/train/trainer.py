@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
 from torch.autograd.profiler import record_function
 
 from mixprec.engine import OverlappedUpdate, Precision
@@ -362,6 +361,7 @@ class Trainer:
             events.findings(audit(unwrapped, precision=self.precision, optimizer=self.optimizer,
                                   device=self.device), self.step)
         first_step = self.step == 0
+        compiling = cfg.compile                    # the first step of this process compiles
         self.profiler = (StepProfiler(cfg.profile, self.run_dir, device=self.device, write=main)
                          if cfg.profile else None)
         with self.strategy.guard():  # a lost peer ends the job with one line, not a hang
@@ -369,8 +369,9 @@ class Trainer:
                 batches = next(groups)
                 rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skipped step
                 with self.profiler.step() if self.profiler else contextlib.nullcontext():
-                    out = last_out = (self._first_compiled_step(batches) if cfg.compile and first_step
+                    out = last_out = (self._first_compiled_step(batches) if compiling
                                       else self.train_step(batches))
+                compiling = False
                 self.step += 1
                 if self.profiler is not None and self.profiler.files:
                     events.note(f"profile of {self.profiler.summary.steps} steps: "
