@@ -275,6 +275,17 @@ class GradScaler:
         if "closure" in kwargs:
             raise RuntimeError("closures are not supported with GradScaler: compute the loss, "
                                "call scaler.scale(loss).backward(), then scaler.step(optimizer)")
+        if not self.decide(optimizer):
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def decide(self, optimizer: torch.optim.Optimizer) -> bool:
+        """What :meth:`step` does, except calling ``optimizer.step()``: unscale (if not done yet),
+        read the agreed non-finite flag (the one host sync), count a skip; True when the caller
+        must now step the optimizer itself (e.g. in parts, mixprec.engine.overlap). Always True
+        when the scaler is inactive (scaling and the check both off)."""
+        if not self._active:
+            return True
         st = self._state(optimizer)
         if st.stage is _Stage.STEPPED:
             raise RuntimeError("step() was already called for this optimizer in this iteration; "
@@ -293,8 +304,7 @@ class GradScaler:
         self._last_step_skipped = self._iter_skipped
         if st.skipped:
             self._num_skipped_steps += 1
-            return None
-        return optimizer.step(*args, **kwargs)
+        return not st.skipped
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """End the iteration: back the scale off if any optimizer saw inf/NaN, else count a clean

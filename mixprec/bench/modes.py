@@ -37,6 +37,21 @@ __all__ = ["TrainBenchConfig", "Contender", "build_contender", "bench_train", "P
 PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true")
 """Peer loops added by ``--peers``; the last three are skipped when their package is absent."""
 
+VARIANTS: tuple[str, ...] = ("overlap", "compile")
+"""Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
+(``torch.compile`` of the model), or both (``bf16-mixed+overlap+compile``)."""
+
+
+def split_variant(name: str) -> tuple[str, frozenset[str]]:
+    """``"bf16-mixed+overlap"`` -> ``("bf16-mixed", {"overlap"})``; unknown suffixes raise."""
+    base, *extras = [part.strip() for part in name.split("+")]
+    for e in extras:
+        if e not in VARIANTS:
+            from mixprec.errors import closest
+            raise ConfigError(f"unknown variant '+{e}' in '{name}'{closest(e, VARIANTS)}; valid: "
+                              + ", ".join(f"+{v}" for v in VARIANTS))
+    return base, frozenset(extras)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainBenchConfig:
@@ -79,7 +94,7 @@ class TrainBenchConfig:
         get_model_config(self.model)  # raises with the valid presets
         for m in self.modes:
             if m not in PEERS:
-                get_policy(m)  # raises with the valid names
+                get_policy(split_variant(m)[0])  # raises with the valid names
 
 
 @dataclass
@@ -90,6 +105,11 @@ class Contender:
     compute_dtype: torch.dtype
     step: Callable[[], None]
     times: list[float] = field(default_factory=list)
+    first_step_s: float | None = None
+    """Wall time of the first (warm-up) step: includes the compile time of ``+compile``."""
+    warmup_s: float = 0.0
+    warmup_steps: int = 0
+    """All warm-up steps and their time: ``compile_s`` is this minus as many median steps."""
 
 
 def _device(cfg: TrainBenchConfig) -> torch.device:
@@ -115,17 +135,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _mixprec(mode: str, cfg: TrainBenchConfig, device: torch.device) -> Contender:
+def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender:
     from mixprec.train.config import FitConfig
     from mixprec.train.trainer import Trainer
+    mode, variants = split_variant(name)
     model, x, y = _model_and_batch(cfg, device)
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
-                    log_interval=10**9, audit=False, progress=False, trace_nonfinite=False)
+                    log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
+                    overlap_optimizer="overlap" in variants, compile="compile" in variants)
     trainer = Trainer(model, config=fit, strategy="single")
     trainer.prepare(total_steps=10**6)
     trainer.model.train()
     batch = [(x, y)]
-    return Contender(mode, trainer.precision.compute_dtype, lambda: trainer.train_step(batch))
+    return Contender(name, trainer.precision.compute_dtype, lambda: trainer.train_step(batch))
 
 
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:
@@ -177,6 +199,12 @@ def build_contender(name: str, cfg: TrainBenchConfig) -> Contender | None:
     """The contender ``name`` (a precision mode or a peer) ready to step; None if not installed."""
     device = _device(cfg)
     return _peer(name, cfg, device) if name in PEERS else _mixprec(name, cfg, device)
+
+
+def _is_compile_error(e: BaseException) -> bool:
+    """Raised by torch.compile (dynamo or inductor), not by the model itself."""
+    return any(type(x).__module__.startswith(("torch._dynamo", "torch._inductor"))
+               for x in (e, e.__cause__) if x is not None)
 
 
 def _time_steps(c: Contender, n: int, device: torch.device) -> float:
@@ -300,9 +328,30 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
             log(f"skipped {name}: its package is not installed")
         else:
             contenders.append(c)
+    failed = []
     for c in contenders:                 # warm-up: allocator, autocast caches, lazy optimizer state
-        for _ in range(cfg.warmup):
-            c.step()
+        compiles = "compile" in split_variant(c.name)[1]
+        warm: list[float] = []
+        # torch.compile may still (re)compile in the second or third step: warm a compiled model
+        # up until a step is no slower than 1.5x the one before (at most 8 steps).
+        while len(warm) < max(cfg.warmup, 1) or (compiles and len(warm) < 8 and (
+                len(warm) < 3 or warm[-1] > 1.5 * warm[-2])):
+            t0 = time.perf_counter()
+            try:
+                c.step()
+            except Exception as e:       # a mode torch.compile cannot compile: report, go on
+                if not compiles or not _is_compile_error(e):
+                    raise
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                log(f"skipped {c.name}: torch.compile failed ({reason}); the eager mode stays")
+                failed.append(c)
+                break
+            _sync(device)
+            warm.append(time.perf_counter() - t0)
+        c.first_step_s = warm[0] if warm else None
+        c.warmup_s = sum(warm)
+        c.warmup_steps = len(warm)
+    contenders = [c for c in contenders if c not in failed]
     dtypes = sorted({c.compute_dtype for c in contenders}, key=str)
     peaks: dict[torch.dtype, list[float]] = {dt: [] for dt in dtypes}
     for r in range(cfg.repeats):
@@ -329,6 +378,9 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
             "speedup_vs_32_true": statistics.median(base.times) / med if base else None,
             "mfu": fpt * tokens / med / peak, "peak_gflops": peak / 1e9,
             "peak_mem_mb": None, "repeats": len(c.times),
+            "first_step_s": c.first_step_s,
+            "compile_s": (c.warmup_s - c.warmup_steps * med if "compile" in split_variant(c.name)[1]
+                          and c.warmup_steps else None),
         })
     if memory:
         for row in rows:
@@ -339,7 +391,8 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
 
 
 COLUMNS = ("mode", "compute_dtype", "step_ms_median", "step_ms_min", "step_ms_max", "step_ms_q1",
-           "step_ms_q3", "tokens_per_s", "speedup_vs_32_true", "mfu", "peak_gflops", "peak_mem_mb", "repeats")
+           "step_ms_q3", "tokens_per_s", "speedup_vs_32_true", "mfu", "peak_gflops", "peak_mem_mb", "repeats",
+           "first_step_s", "compile_s")
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -379,13 +432,14 @@ def write_png(rows: list[dict], path: Path, title: str) -> None:
 
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'mode':<22} {'step ms':>9} {'min-max':>15} {'tokens/s':>10} {'vs 32-true':>10} "
-             f"{'MFU':>7} {'peak GF/s':>9} {'peak MiB':>9}"]
+             f"{'MFU':>7} {'peak GF/s':>9} {'peak MiB':>9} {'compile s':>9}"]
     for r in rows:
         sp = f"{r['speedup_vs_32_true']:.2f}x" if r["speedup_vs_32_true"] else "-"
         mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
+        comp = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
         lines.append(f"{r['mode']:<22} {r['step_ms_median']:>9.1f} "
                      f"{r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['tokens_per_s']:>10.0f} "
-                     f"{sp:>10} {r['mfu'] * 100:>6.1f}% {r['peak_gflops']:>9.1f} {mem:>9}")
+                     f"{sp:>10} {r['mfu'] * 100:>6.1f}% {r['peak_gflops']:>9.1f} {mem:>9} {comp:>9}")
     return "\n".join(lines)
 
 
@@ -405,11 +459,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: torch's); 1 is steadier on a shared machine")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--overlap", action="store_true",
+                        help="add MODE+overlap (overlap_optimizer=true) after each mode")
+    parser.add_argument("--compile", action="store_true",
+                        help="add MODE+compile (torch.compile of the model) after each mode; the "
+                             "table reports the compile time")
+    parser.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                        help="profile STEPS steps (default 3) of the first mode after timing: "
+                             "profile.txt (top operators by category) and trace.json in --out")
     parser.add_argument("--out", default="bench-train", help="folder for bench_train.csv and .png")
 
 
 def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for flag in ("overlap", "compile"):
+        if getattr(args, flag, False):
+            modes = [v for m in modes for v in ((m, f"{m}+{flag}") if m not in PEERS else (m,))]
     if args.peers:
         modes += [p for p in PEERS if p not in modes]
     cfg = TrainBenchConfig(model=args.model, modes=tuple(modes), batch=args.batch, seq=args.seq,
@@ -423,4 +488,27 @@ def run(args: argparse.Namespace) -> int:
     write_png(rows, out / "bench_train.png",
               f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {_device(cfg).type}, {cfg.repeats} repeats")
     print(f"wrote {out / 'bench_train.csv'} and {out / 'bench_train.png'}")
+    if args.profile:
+        summary = profile_contender(cfg.modes[0], cfg, steps=args.profile, out_dir=out)
+        print(f"\nprofile of {cfg.modes[0]} ({cfg.model}, batch {cfg.batch} x {cfg.seq}):")
+        print(summary.table())
+        print(f"wrote {out / 'profile.txt'} and {out / 'trace.json'}")
     return 0
+
+
+def profile_contender(name: str, cfg: TrainBenchConfig, *, steps: int = 3, out_dir: Path,
+                      warmup: int | None = None):
+    """``torch.profiler`` over ``steps`` steps of ``name`` after ``warmup`` (default
+    ``cfg.warmup``, at least 2) unprofiled ones; writes profile.txt and trace.json."""
+    from mixprec.monitor.profile import StepProfiler
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    c = build_contender(name, cfg)
+    if c is None:
+        raise ConfigError(f"cannot profile {name}: its package is not installed")
+    device = _device(cfg)
+    prof = StepProfiler(steps, out_dir, device=device, warmup=max(cfg.warmup, 2) if warmup is None else warmup)
+    while not prof.done:
+        with prof.step():
+            c.step()
+    return prof.summary

@@ -34,16 +34,20 @@ import contextlib
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
 from mixprec.precision import Policy, autocast, get_policy, hardware
 from mixprec.precision.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
+
+if TYPE_CHECKING:
+    from mixprec.engine.overlap import OverlappedUpdate
 
 __all__ = ["Precision", "OptimizerSpec"]
 
@@ -339,10 +343,12 @@ class Precision:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
-        self.scaler.scale(loss).backward()
+        with record_function("mixprec.scale_loss"):
+            scaled = self.scaler.scale(loss)
+        scaled.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
-             measure_grad_norm: bool = False) -> bool:
+             measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:
         """Finish an optimizer step; return True if it was taken, False if skipped.
 
         Unscales once (fused with the inf/NaN check, agreed across ranks under
@@ -350,16 +356,27 @@ class Precision:
         measures their norm with ``measure_grad_norm``; either way :attr:`last_grad_norm`), then
         steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
         updates the loss scale. One host sync: the skip decision.
+
+        ``overlap``: an :class:`~mixprec.engine.overlap.OverlappedUpdate`; a taken step is then
+        issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
         """
-        self.scaler.unscale_(optimizer)
+        with record_function("mixprec.unscale"):           # fused with the inf/NaN check
+            self.scaler.unscale_(optimizer)
         self.last_grad_norm = None
-        if clip_grad_norm:                                # clip sees unscaled gradients
-            self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer, clip_grad_norm)
-        elif measure_grad_norm:
-            self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer, math.inf)
-        self.scaler.step(optimizer)                        # or skip (the one host sync)
+        if clip_grad_norm or measure_grad_norm:            # clip sees unscaled gradients
+            with record_function("mixprec.clip_grad_norm"):
+                self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
+                                                      clip_grad_norm or math.inf)
+        with record_function("mixprec.found_inf_sync"):    # the one host sync: step or skip
+            take = self.scaler.decide(optimizer)
+        if take:
+            with record_function("mixprec.optimizer_step"):
+                if overlap is None:
+                    optimizer.step()                       # FP32 masters copied back inside
+                else:
+                    overlap.issue(optimizer)               # per module, side stream (engine/overlap.py)
         self.scaler.update()                               # back off at once, grow when clean
-        return not self.scaler.last_step_skipped
+        return take
 
     @property
     def last_step_skipped(self) -> bool:

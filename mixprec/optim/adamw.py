@@ -77,6 +77,15 @@ class _AdamWFP32Math(torch.optim.Optimizer):
     (``step`` as a CPU tensor, ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two.
     """
 
+    mixprec_not_separable_because = ("draws its stochastic-rounding noise per chunk of a whole param "
+                                     "group, so a step split by module draws other noise (use "
+                                     "stochastic_rounding=False, or FP32 moments)")
+
+    @staticmethod
+    def mixprec_separable(opt: "_AdamWFP32Math") -> bool:
+        """Elementwise per parameter unless the moments are rounded stochastically (mixprec.optim.parts)."""
+        return not opt.stochastic_rounding
+
     def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                  *, moments_dtype: torch.dtype, stochastic_rounding: bool, seed: int | None) -> None:
         self.moments_dtype = moments_dtype

@@ -27,11 +27,13 @@ bytes instead of 12 for plain FP32; the savings of mixed precision are in activa
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from mixprec.optim import registry
 from mixprec.errors import CheckpointError, ConfigError
@@ -206,15 +208,25 @@ class MasterWeights(torch.optim.Optimizer):
                 stepped_params.append(p)
                 stepped_masters.append(m)
             if dst:
-                torch._foreach_copy_(dst, src)  # one cast-copy launch per (device, dtype) bucket
+                with record_function("mixprec.master_grad_copy"):
+                    torch._foreach_copy_(dst, src)  # one cast-copy launch per (device, dtype) bucket
             self._stepped = (stepped_params, stepped_masters)
             self._grads_ready = True
         return [m.grad for group in self.param_groups for m in group["params"] if m.grad is not None]
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
+             parts: Sequence[Sequence[Tensor]] | None = None,
+             around: Callable[[int], contextlib.AbstractContextManager] | None = None) -> Any:
         """Step the masters and round them back into the model params.
 
         A ``closure`` is evaluated once (with grad enabled) before the grads are moved.
+
+        ``parts``: disjoint lists of *model* params; the step is then issued part by part (the
+        inner optimizer over only that part's masters, then that part's copy-back), each inside
+        ``around(i)`` (mixprec.engine.overlap puts part ``i`` on a side CUDA stream there). The
+        state is the inner optimizer's own, shared, never copied; for an elementwise optimizer
+        (mixprec.optim.parts.check_separable) the result is bit-identical to one whole step.
+        Params in no part are not stepped.
         """
         loss = None
         if closure is not None:
@@ -222,14 +234,37 @@ class MasterWeights(torch.optim.Optimizer):
                 loss = closure()
             self._grads_ready = False
         self.master_grads()
-        self._inner.step()
         params, masters = self._stepped
-        if params:
-            with torch.no_grad():
-                torch._foreach_copy_(params, masters)  # round-to-nearest into the model dtype
-        self._grads_ready = False
-        self._stepped = ([], [])
+        try:
+            if parts is None:
+                self._inner.step()
+                if params:
+                    with torch.no_grad(), record_function("mixprec.master_copy_back"):
+                        torch._foreach_copy_(params, masters)  # round-to-nearest into the model dtype
+            else:
+                self._step_parts(parts, around, {id(p) for p in params})
+        finally:
+            self._grads_ready = False
+            self._stepped = ([], [])
         return loss
+
+    def _step_parts(self, parts: Sequence[Sequence[Tensor]],
+                    around: Callable[[int], contextlib.AbstractContextManager] | None,
+                    stepped: set[int]) -> None:
+        from mixprec.optim.parts import restricted_groups
+        inner, whole = self._inner, self._inner.param_groups
+        try:
+            for i, part in enumerate(parts):
+                masters = [self.master_of(p) for p in part]
+                with (around(i) if around is not None else contextlib.nullcontext()):
+                    inner.param_groups = restricted_groups(whole, masters)
+                    inner.step()
+                    back = [p for p in part if id(p) in stepped and self._master_of[id(p)] is not p]
+                    if back:
+                        with torch.no_grad(), record_function("mixprec.master_copy_back"):
+                            torch._foreach_copy_(back, [self._master_of[id(p)] for p in back])
+        finally:
+            inner.param_groups = whole
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of the model params and of the masters."""

@@ -87,6 +87,14 @@ class FitConfig:
     """Run the pre-flight precision audit at the start of training."""
     progress: bool = True
     """Show a progress bar (rank 0 only)."""
+    overlap_optimizer: bool = False
+    """Issue each taken optimizer step per module on a side CUDA stream so it overlaps the next
+    forward (bit-identical; in order on CPU). See mixprec/engine/overlap.py."""
+    profile: int = 0
+    """Profile this many steps (after 2 warm-up steps) with torch.profiler: ``profile.txt`` (top
+    operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""
+    compile: bool = False
+    """``torch.compile`` the model (not the loop); the first steps pay the compile time."""
 
     def validate(self) -> None:
         positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches",
@@ -95,7 +103,7 @@ class FitConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("eval_interval", "ckpt_interval", "warmup_steps", "monitor_every",
-                     "weight_decay"):
+                     "weight_decay", "profile"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps <= 0:

@@ -128,6 +128,11 @@ class RunEvents:
         else:
             self._skips_unsaid += 1
 
+    def note(self, message: str, step: int, kind: str = "note") -> None:
+        """A line for the console (rank 0) and ``events.jsonl``."""
+        self.logger.event({"kind": kind, "step": step, "message": message})
+        self._say(message)
+
     def warn(self, kind: str, step: int, message: str, *, say: bool = True) -> None:
         """An event, also said on the terminal unless ``say=False`` (an error says it itself)."""
         self.logger.event({"kind": kind, "step": step, "message": message})

@@ -333,7 +333,21 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _html(run_dir: Path, summary: dict[str, Any], images: list[Path], events: list[dict]) -> str:
+def _profile_html(run_dir: Path, out: Path) -> str:
+    """A link to the run's Chrome trace and its profile table, when ``profile=STEPS`` wrote them."""
+    trace, table = run_dir / "trace.json", run_dir / "profile.txt"
+    if not trace.is_file():
+        return ""
+    esc = html.escape
+    href = Path(os.path.relpath(trace.resolve(), out.resolve())).as_posix()
+    text = table.read_text(encoding="utf-8") if table.is_file() else ""
+    return (f'<h2>Profile</h2>\n<p><a href="{esc(href)}">trace.json</a> (Chrome trace: open it in '
+            f'chrome://tracing or https://ui.perfetto.dev)</p>\n'
+            + (f"<pre>{esc(text)}</pre>\n" if text else ""))
+
+
+def _html(run_dir: Path, summary: dict[str, Any], images: list[Path], events: list[dict],
+          profile: str = "") -> str:
     esc = html.escape
     rows = "\n".join(f"<tr><th>{esc(k)}</th><td>{esc(_fmt(v))}</td></tr>" for k, v in summary.items())
     figures = "\n".join(
@@ -366,7 +380,7 @@ figure {{ margin: 1em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #666
 {figures}
 <h2>Events</h2>
 {events_html}
-</body></html>
+{profile}</body></html>
 """
 
 
@@ -392,5 +406,6 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
                           _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
     images += _plot_numerics(numerics, out)
     html_path = out / "report.html"
-    html_path.write_text(_html(run_path, summarize(rows, events, config), images, events), encoding="utf-8")
+    html_path.write_text(_html(run_path, summarize(rows, events, config), images, events,
+                               _profile_html(run_path, out)), encoding="utf-8")
     return html_path

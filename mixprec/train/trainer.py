@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.profiler import record_function
 
-from mixprec.engine import Precision
+from mixprec.engine import OverlappedUpdate, Precision
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
+from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
@@ -99,6 +101,8 @@ class Trainer:
         self._peak_refreshed = False
         self.monitor = None
         self.scale_watch = None
+        self.overlap: OverlappedUpdate | None = None
+        self.profiler: StepProfiler | None = None
 
     @property
     def policy(self) -> Policy:
@@ -130,6 +134,8 @@ class Trainer:
         precision.setup_module(model, sharded=sharded, optimizer=self._user_optimizer)
         self.objective = make_objective(model, precision, self.loss_fn)
         self.model, _ = strategy.setup(model, precision=precision)  # DDP / FSDP wrapping (or none)
+        if cfg.compile:
+            strategy.unwrap(self.model).compile()     # the model's forward, not the loop
         if self._user_optimizer is not None:
             self.optimizer = precision.setup_optimizer(self._user_optimizer, self.model, sharded=sharded)
             sched = self._user_scheduler
@@ -155,6 +161,12 @@ class Trainer:
                         if cfg.monitor_every else None)
         self.scale_watch = (ScaleWatch(cfg.min_scale, on_stuck=cfg.on_stuck_scale)
                             if precision.scales_loss else None)
+        # The update of a taken step issued per module, overlapping the next forward (CUDA).
+        if self.overlap is not None:
+            self.overlap.close()
+        self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
+                                         per_module=False if cfg.compile else None)
+                        if cfg.overlap_optimizer else None)
 
     _prepare = prepare  # older name, kept for callers of 0.1
 
@@ -171,16 +183,19 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
+        if self.overlap is not None:
+            self.overlap.begin_step()                     # FSDP2/compiled: wait for the update
         with self._sample_numerics():                     # hooks only on sampled steps
             for i, batch in enumerate(micro_batches):
                 inputs, targets = self.strategy.to_device(batch)
                 # Gradients are all-reduced only in the last micro-batch's backward.
                 sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync(model)
                 with sync:
-                    with precision.autocast():            # matmuls in the compute dtype
-                        loss = self.objective(model, inputs, targets)
+                    with precision.autocast(), record_function("mixprec.forward"):
+                        loss = self.objective(model, inputs, targets)  # matmuls in the compute dtype
                     loss = loss.float() / n               # FP32 loss, averaged over micro-batches
-                    precision.backward(loss)              # x loss scale (FP16) or x 1 (BF16/FP32)
+                    with record_function("mixprec.backward"):
+                        precision.backward(loss)          # x loss scale (FP16) or x 1 (BF16/FP32)
                 loss_sum += loss.detach()
                 tokens += targets.numel()
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
@@ -188,10 +203,18 @@ class Trainer:
                 # Unscale once (fused inf/NaN check, agreed across ranks) -> clip the unscaled
                 # gradients -> step the FP32 masters and copy back, or skip -> update the scale.
                 taken = precision.step(opt, clip_grad_norm=self.config.clip_grad_norm,
-                                       measure_grad_norm=logged)
+                                       measure_grad_norm=logged, overlap=self.overlap)
+                if self.monitor is not None and self.monitor.should_sample(self.step + 1):
+                    self.settle()                         # the update statistics read the weights
         if taken:
             self.scheduler.step()  # a skipped step must not advance the LR schedule
         return StepOutput(loss_sum, precision.last_grad_norm, not taken, scale_before, tokens)
+
+    def settle(self) -> None:
+        """Wait (on the device, not the host) for an overlapped update still in flight; before
+        anything outside the forward reads parameters or optimizer state."""
+        if self.overlap is not None:
+            self.overlap.wait()
 
     def _sample_numerics(self) -> contextlib.AbstractContextManager:
         if self.monitor is None:
@@ -210,6 +233,7 @@ class Trainer:
         step, and leaves parameters, gradients and the RNG stream as they were.
         """
         from mixprec.monitor import locate_nonfinite
+        self.settle()
         model = self.strategy.unwrap(self.model)
         n = len(micro_batches)
 
@@ -231,6 +255,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, val_loader: Iterable[Batch], max_batches: int | None = None) -> float:
         """Mean validation loss over up to ``max_batches`` batches, reduced across ranks."""
+        self.settle()
         self.model.eval()
         total = torch.zeros((), device=self.device)
         count = 0
@@ -302,6 +327,7 @@ class Trainer:
                           "smaller batch")
 
     def _save(self, loader: Any) -> Path | None:
+        self.settle()
         return self.checkpointer.save(step=self.step, epoch=self.epoch, model=self.model,
                                       optimizer=self.optimizer, precision=self.precision,
                                       scheduler=self.scheduler, loader=loader, config=self.config)
@@ -348,6 +374,9 @@ class Trainer:
             events.findings(audit(unwrapped, precision=self.precision, optimizer=self.optimizer,
                                   device=self.device), self.step)
         first_step = self.step == 0
+        compiling = cfg.compile                    # the first step of this process compiles
+        self.profiler = (StepProfiler(cfg.profile, self.run_dir, device=self.device, write=main)
+                         if cfg.profile else None)
         events.open_progress(total, self.step)
         try:
             # A lost peer ends the job with one line, not a hang; Ctrl-C/SIGTERM saves, then stops.
@@ -355,9 +384,14 @@ class Trainer:
                 while self.step < total:
                     batches = next(groups)
                     rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skip
-                    out = last_out = self.train_step(batches)
+                    with self.profiler.step() if self.profiler else contextlib.nullcontext():
+                        out = last_out = (self._first_compiled_step(batches) if compiling
+                                          else self.train_step(batches))
+                    compiling = False
                     self.step += 1
+                    self._note_profile()
                     if first_step and cfg.audit:
+                        self.settle()
                         events.findings(audit_after_first_step(unwrapped), self.step)
                         first_step = False
                     self._watch(batches, out, rng, logger)
@@ -380,6 +414,9 @@ class Trainer:
                     # One process checks every step; ranks agree at log intervals (no extra sync).
                     if self._stop_agreed(stop, logged) and self.step < total:
                         self._stop_now(stop, train_loader, saved)
+            self.settle()
+            if self.profiler is not None:
+                self.profiler.finish()                    # a run shorter than warm-up + steps
         finally:
             events.close()
             logger.close()
@@ -414,6 +451,28 @@ class Trainer:
                    f"{self.config.lr:g}), keep clip_grad_norm on, or pick a safer precision; {where}")
         self.events.warn("diverged", self.step, message, say=False)
         raise TrainingDiverged(message)
+
+    def _first_compiled_step(self, batches: list[Batch]) -> StepOutput:
+        """The first step compiles the model; if torch.compile cannot (say why), run eager."""
+        try:
+            return self.train_step(batches)
+        except Exception as e:
+            if not any(type(x).__module__.startswith(("torch._dynamo", "torch._inductor"))
+                       for x in (e, e.__cause__) if x is not None):
+                raise
+            # The compile failed in the first forward, before any gradient or update: undo it.
+            self.strategy.unwrap(self.model)._compiled_call_impl = None
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            self.events.note(f"compile=true failed ({type(e).__name__}: {first}); training eager",
+                             self.step, kind="compile")
+            return self.train_step(batches)
+
+    def _note_profile(self) -> None:
+        if self.profiler is not None and self.profiler.files:
+            self.events.note(f"profile of {self.profiler.summary.steps} steps: "
+                             f"{self.profiler.files[0]}, {self.profiler.files[1]}", self.step,
+                             kind="profile")
+            self.profiler.files = []
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any, logger: MetricsLogger) -> None:
         """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics."""

@@ -1,0 +1,38 @@
+"""``bench train`` variants: ``MODE+overlap`` / ``MODE+compile`` and the flags that add them."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from mixprec.bench import modes
+from mixprec.errors import ConfigError
+
+
+def test_a_mode_name_carries_its_variants():
+    assert modes.split_variant("bf16-mixed") == ("bf16-mixed", frozenset())
+    assert modes.split_variant("bf16-mixed+overlap+compile") == ("bf16-mixed",
+                                                                  frozenset({"overlap", "compile"}))
+    modes.TrainBenchConfig(modes=("32-true+overlap",))          # validated like the mode itself
+    with pytest.raises(ConfigError, match=r"did you mean 'overlap'"):
+        modes.split_variant("32-true+overlapp")
+    with pytest.raises(ConfigError, match="bf61"):
+        modes.TrainBenchConfig(modes=("bf61+overlap",))
+
+
+def test_the_overlap_and_compile_flags_add_a_variant_after_each_mode(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_bench(cfg, memory, log):
+        seen["modes"] = cfg.modes
+        raise SystemExit(0)
+    monkeypatch.setattr(modes, "bench_train", fake_bench)
+    p = argparse.ArgumentParser()
+    modes.configure(p)
+    args = p.parse_args(["--modes", "32-true,bf16-mixed", "--overlap", "--compile", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        modes.run(args)
+    assert seen["modes"] == ("32-true", "32-true+compile", "32-true+overlap", "32-true+overlap+compile",
+                             "bf16-mixed", "bf16-mixed+compile", "bf16-mixed+overlap",
+                             "bf16-mixed+overlap+compile")
+    assert p.parse_args(["--profile"]).profile == 3 and p.parse_args([]).profile == 0
