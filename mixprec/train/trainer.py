@@ -307,7 +307,8 @@ class Trainer:
         self.prepare(total)
         self._setup_run_dir()
         main = self.strategy.is_main
-        self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last)
+        self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last,
+                                         export_hf=cfg.export_hf, model=self.model)
         if resume:
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
@@ -358,6 +359,7 @@ class Trainer:
                     self._save(train_loader)
                 bar.update(1)
         bar.close()
+        self.checkpointer.export_final(self.model)  # a Hugging Face model: RUN_DIR/hf
         logger.close()
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
