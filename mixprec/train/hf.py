@@ -11,8 +11,10 @@ Hub (``auto_map`` / ``trust_remote_code``) is refused.
 
 Exports (:func:`export_pretrained`) are written aside and renamed into place, like checkpoints,
 so a folder named ``hf`` is always complete; ``AutoModelForCausalLM.from_pretrained(folder)``
-loads it. Parameters are exported in the dtype they are stored in during training (FP32 in the
-mixed and ``fp8-*`` modes; 16-bit with FP32 norms in the ``*-true`` modes).
+loads it. Weights are written in FP32, whatever the mode stored them in: the ``*-true`` modes keep
+16-bit weights next to FP32 norms, and a Hugging Face folder has one dtype (``from_pretrained``
+would round the FP32 norms to 16 bits), while upcasting 16-bit values is exact. So the folder
+holds exactly the weights the run trained, and loading it in BF16 is the user's choice.
 """
 from __future__ import annotations
 
@@ -143,9 +145,10 @@ def _load_pretrained(auto: Any, config: Any, folder: str) -> nn.Module:
                           "save_pretrained folder); mixprec never unpickles .bin weights and "
                           "never downloads")
     try:
-        model, info = auto.from_pretrained(str(path), config=config, dtype=torch.float32,
-                                           local_files_only=True, use_safetensors=True,
-                                           trust_remote_code=False, output_loading_info=True)
+        with _quiet_progress():
+            model, info = auto.from_pretrained(str(path), config=config, dtype=torch.float32,
+                                               local_files_only=True, use_safetensors=True,
+                                               trust_remote_code=False, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"init_from={folder} does not load into this architecture: "
@@ -158,6 +161,28 @@ def _load_pretrained(auto: Any, config: Any, folder: str) -> nn.Module:
                           f"{len(missing)} weights missing, {len(mismatched)} of another shape "
                           f"(e.g. {', '.join(map(str, bad))}); use the config.json it was saved with")
     return model
+
+
+def _fp32_state(model: nn.Module, state: dict[str, torch.Tensor] | None
+                ) -> dict[str, torch.Tensor] | None:
+    """``state`` (default: the model's) with 16-bit floats upcast to FP32, tied tensors still
+    shared; None when the model is FP32 already and no state was given."""
+    if state is None:
+        state = model.state_dict()
+        if all(not t.is_floating_point() or t.dtype == torch.float32 for t in state.values()):
+            return None
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, torch.Tensor] = {}
+    for name, t in state.items():
+        t = t.detach()
+        if not t.is_floating_point() or t.dtype == torch.float32:
+            out[name] = t
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key not in seen:
+            seen[key] = t.float()
+        out[name] = seen[key]
+    return out
 
 
 @contextlib.contextmanager
@@ -181,6 +206,7 @@ def export_pretrained(model: nn.Module, folder: Path,
     own. An existing ``folder`` is replaced only once the new one is complete.
     """
     folder = Path(folder)
+    state_dict = _fp32_state(model, state_dict)
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     old = folder.parent / f".old-{folder.name}-{os.getpid()}"
     try:
@@ -188,6 +214,11 @@ def export_pretrained(model: nn.Module, folder: Path,
         folder.parent.mkdir(parents=True, exist_ok=True)
         with _quiet_progress():
             model.save_pretrained(str(tmp), state_dict=state_dict)
+        if state_dict is not None:   # the config names the dtype the folder holds
+            config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+            config["dtype"] = "float32"
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
+                                             encoding="utf-8")
         if folder.exists():
             os.replace(folder, old)
         os.replace(tmp, folder)
