@@ -6,7 +6,7 @@ once through a hand-written loop on the same ``mixprec.Precision`` object ``fit(
 The model comes from a tiny ``LlamaConfig`` (random init, nothing downloaded). mixprec sees that
 it is a causal LM, calls ``model(input_ids=x, use_cache=False)`` and computes the next-token loss
 in FP32 from its logits against the loader's already-shifted targets (see docs/hf.md). The
-``mixprec train`` equivalent is ``mixprec train model=hf:examples/configs/hf-llama-small.json``.
+``mixprec train`` equivalent is ``mixprec train model=hf:examples/configs/hf-llama-tiny.json``.
 """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
