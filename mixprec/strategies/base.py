@@ -201,12 +201,10 @@ class Strategy:
         for k, v in self.unwrap(model).state_dict().items():
             v = v.detach()
             view = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape),
-                    tuple(v.stride()), v.dtype) if v.numel() else None
-            if view is None or view not in copies:
-                copy = v.to("cpu", copy=True)
-                if view is not None:
-                    copies[view] = copy
-            out[k] = copy if view is None else copies[view]
+                    tuple(v.stride()), v.dtype)
+            if not v.numel() or view not in copies:       # empty tensors share no data
+                copies[view] = v.to("cpu", copy=True)
+            out[k] = copies[view]
         return out
 
     def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:

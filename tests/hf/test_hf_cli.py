@@ -134,14 +134,15 @@ def test_init_from_starts_from_a_save_pretrained_folder(tmp_path, corpus_file, c
         build_run(_cfg(tmp_path, corpus_file, other, init_from=str(tmp_path / "pretrained")))
 
 
-def test_random_init_follows_the_seed(tmp_path, corpus_file, config_file):
+def test_model_init_and_data_order_follow_the_seed(tmp_path, corpus_file, config_file):
     llama = config_file("llama")
-    a, *_ = build_run(_cfg(tmp_path, corpus_file, llama, seed=0))
-    b, *_ = build_run(_cfg(tmp_path, corpus_file, llama, seed=0))
-    c, *_ = build_run(_cfg(tmp_path, corpus_file, llama, seed=1))
+    runs = {name: build_run(_cfg(tmp_path, corpus_file, llama, seed=seed))
+            for name, seed in (("a", 0), ("b", 0), ("c", 1))}
     w = "model.layers.0.mlp.up_proj.weight"
-    assert torch.equal(a.state_dict()[w], b.state_dict()[w])
-    assert not torch.equal(a.state_dict()[w], c.state_dict()[w])
+    weights = {k: r[0].state_dict()[w] for k, r in runs.items()}
+    first = {k: next(iter(r[1]))[0] for k, r in runs.items()}
+    assert torch.equal(weights["a"], weights["b"]) and torch.equal(first["a"], first["b"])
+    assert not torch.equal(weights["a"], weights["c"]) and not torch.equal(first["a"], first["c"])
 
 
 def _t5_config(folder: Path) -> str:
