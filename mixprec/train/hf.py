@@ -119,6 +119,28 @@ def _check_fits_data(config: Any, spec: str, vocab_size: int, seq_len: int) -> N
                           f"seq_len <= {positions} or raise max_position_embeddings/n_positions")
 
 
+@torch.no_grad()
+def _check_causal(model: nn.Module, spec: str, vocab_size: int) -> None:
+    """Refuse a model whose position t sees token t+1: an encoder behind a causal-LM head (e.g.
+    BERT without ``is_decoder``) would learn next-token prediction by looking at the answer.
+    One 8-token forward pass; no global RNG is drawn."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab_size, (1, 8), generator=g)
+    y = x.clone()
+    y[0, -1] = (x[0, -1] + 1) % vocab_size                   # change only the last token
+    was_training = model.training
+    model.eval()
+    try:
+        a = model(input_ids=x, use_cache=False).logits[0, :-1]
+        b = model(input_ids=y, use_cache=False).logits[0, :-1]
+    finally:
+        model.train(was_training)
+    if not torch.allclose(a, b, rtol=0, atol=1e-5):
+        raise ConfigError(f"model={spec}: {type(model).__name__} lets each position see later tokens "
+                          "(not causal), so next-token training would read the answer; set "
+                          "\"is_decoder\": true in its config.json or use a decoder-only model")
+
+
 def build_hf_model(spec: str, *, vocab_size: int, seq_len: int, init_from: str | None = None,
                    gradient_checkpointing: bool = False) -> nn.Module:
     """The causal LM of ``model=hf:PATH`` in FP32, randomly initialised from the current torch
@@ -130,6 +152,7 @@ def build_hf_model(spec: str, *, vocab_size: int, seq_len: int, init_from: str |
         model = auto.from_config(config, dtype=torch.float32, trust_remote_code=False)
     else:
         model = _load_pretrained(auto, config, init_from)
+    _check_causal(model, spec, min(vocab_size, getattr(config, "vocab_size", vocab_size)))
     if gradient_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ConfigError(f"{type(model).__name__} does not support gradient checkpointing; "

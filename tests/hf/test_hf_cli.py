@@ -152,6 +152,23 @@ def _t5_config(folder: Path) -> str:
     return str(folder)
 
 
+def _bert_config(folder: Path, **kw) -> str:
+    cfg = transformers.BertConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64, **kw)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg.to_diff_dict()))
+    return str(folder)
+
+
+def test_an_encoder_behind_a_causal_lm_head_is_refused_unless_it_is_a_decoder(tmp_path, corpus_file):
+    """BERT has a causal-LM class (BertLMHeadModel), but attends both ways unless is_decoder."""
+    with pytest.raises(ConfigError, match="not causal"):
+        build_run(_cfg(tmp_path, corpus_file, _bert_config(tmp_path / "bert")))
+    model, *_ = build_run(_cfg(tmp_path, corpus_file,
+                               _bert_config(tmp_path / "decoder", is_decoder=True)))
+    assert type(model).__name__ == "BertLMHeadModel"
+
+
 @pytest.mark.parametrize("case, message", [
     ("small-vocab", "vocab_size=128 but the data's token ids go up to 255"),
     ("long-seq", "handles 64 positions but seq_len=128"),
