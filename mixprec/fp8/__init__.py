@@ -1,4 +1,4 @@
-"""FP8 training: E4M3/E5M2 Linear layers with tensorwise, delayed, rowwise and DeepSeek-V3
+"""FP8 training: E4M3/E5M2 Linear (and Hugging Face Conv1D) layers with tensorwise, delayed, rowwise and DeepSeek-V3
 blockwise scaling; real FP8 GEMMs through ``torch._scaled_mm`` on GPUs with FP8 tensor cores,
 faithful emulation elsewhere.
 
@@ -13,14 +13,14 @@ emulated and slow: FP8 emulation on a CPU is for studying numerics, not for spee
 from mixprec.fp8.config import FORMATS, RECIPES, SCALINGS, Fp8Config
 from mixprec.fp8.convert import Fp8ConversionReport, convert_to_fp8, prepare_fp8
 from mixprec.fp8.emulation import emulated_mm, limited_precision_matmul, round_mantissa
-from mixprec.fp8.linear import Fp8Linear, fp8_gemm
+from mixprec.fp8.linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
 from mixprec.fp8.quantize import Fp8Tensor, compute_amax, dequantize, quantize, scale_from_amax, sqnr_db
 
 __all__ = [
     # configuration
     "Fp8Config", "RECIPES", "SCALINGS", "FORMATS",
     # modules and conversion
-    "Fp8Linear", "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
+    "Fp8Linear", "Fp8Conv1D", "is_conv1d", "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
     # quantization
     "Fp8Tensor", "quantize", "dequantize", "compute_amax", "scale_from_amax", "sqnr_db",
     # GEMMs and emulation

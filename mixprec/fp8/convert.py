@@ -1,4 +1,5 @@
-"""Swap a model's ``nn.Linear`` layers for :class:`Fp8Linear`, and say what was left alone and why.
+"""Swap a model's ``nn.Linear`` layers for :class:`Fp8Linear` (and Hugging Face ``Conv1D`` layers,
+GPT-2's transposed-weight Linears, for :class:`Fp8Conv1D`), and say what was left alone and why.
 
 What stays in high precision by default follows DeepSeek-V3's recipe: embeddings, the output head
 (a Linear tied to an embedding, or named ``lm_head``/``head``/``output``), MoE gates/routers (a
@@ -14,8 +15,9 @@ from torch import nn
 
 from mixprec.errors import ConfigError
 from mixprec.fp8.config import Fp8Config
-from mixprec.fp8.linear import Fp8Linear
+from mixprec.fp8.linear import Fp8Conv1D, Fp8Linear, is_conv1d
 from mixprec.precision import hardware
+from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.exempt import is_norm
 from mixprec.precision.policy import Policy
 
@@ -31,9 +33,13 @@ class Fp8ConversionReport:
 
     config: Fp8Config
     converted: list[str] = field(default_factory=list)
-    """Qualified names of the Linears now running as ``Fp8Linear``."""
+    """Qualified names of the layers now running their GEMMs in FP8 (``Fp8Linear``, or
+    ``Fp8Conv1D`` for a Hugging Face ``Conv1D``)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(qualified name, reason) of Linears, embeddings and norms kept in high precision."""
+    high_precision: str = "high precision"
+    """What the skipped modules run in: the policy's compute dtype when a policy was given (BF16
+    for the ``fp8-*`` presets), else "high precision"."""
     expected_path: str = "emulated"
     """Path the converted layers will take on the model's current device (each layer records the
     path it actually ran in ``Fp8Linear.execution_path``)."""
@@ -44,7 +50,7 @@ class Fp8ConversionReport:
 
     def __str__(self) -> str:
         lines = [f"{self.config.describe()}: {len(self.converted)} Linear layers converted, "
-                 f"{len(self.skipped)} modules kept in high precision; expected path: "
+                 f"{len(self.skipped)} modules kept in {self.high_precision}; expected path: "
                  f"{self.expected_path}"]
         lines += [f"  fp8   {name}" for name in self.converted]
         lines += [f"  skip  {name}: {why}" for name, why in self.skipped]
@@ -55,8 +61,9 @@ def _tied_to_embedding(linear: nn.Linear, embedding_weights: set[int]) -> bool:
     return id(linear.weight) in embedding_weights
 
 
-def _skip_reason(name: str, module: nn.Linear, parent: nn.Module | None,
-                 embedding_weights: set[int]) -> str | None:
+def _skip_reason(name: str, module: nn.Module, parent: nn.Module | None,
+                 embedding_weights: set[int], shape: tuple[int, int]) -> str | None:
+    """Why a Linear (or Conv1D) of GEMM shape ``(in, out)`` stays in high precision, or None."""
     last = name.rsplit(".", 1)[-1]
     if _tied_to_embedding(module, embedding_weights):
         return "output head tied to an embedding"
@@ -66,18 +73,19 @@ def _skip_reason(name: str, module: nn.Linear, parent: nn.Module | None,
         return "kept in FP32 (keep_in_fp32, e.g. an MoE gate)"
     if last in GATE_NAMES:
         return f"MoE gate/router (named '{last}')"
-    if module.in_features % 16 or module.out_features % 16:
-        return (f"shape {module.in_features}->{module.out_features}: FP8 GEMMs need features that "
-                "are multiples of 16")
+    if shape[0] % 16 or shape[1] % 16:
+        return (f"shape {shape[0]}->{shape[1]}: FP8 GEMMs need features that are multiples of 16")
     return None
 
 
 def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
                    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                    policy: Policy | None = None) -> Fp8ConversionReport:
-    """Replace eligible ``nn.Linear`` submodules of ``model`` with :class:`Fp8Linear`, in place.
+    """Replace eligible ``nn.Linear`` submodules of ``model`` with :class:`Fp8Linear`, in place,
+    and Hugging Face ``Conv1D`` ones (GPT-2; recognised by :func:`~mixprec.fp8.linear.is_conv1d`)
+    with :class:`Fp8Conv1D`, which keeps the ``(in, out)`` weight layout and state-dict keys.
 
-    ``module_filter_fn(module, qualified_name) -> bool`` is asked about every Linear that passed
+    ``module_filter_fn(module, qualified_name) -> bool`` is asked about every layer that passed
     the default rules; False keeps it in high precision. A ``policy`` adds its own FP32 exemptions
     (``Policy.keeps_fp32``). Parameters are reused, so an optimizer built before the conversion
     stays valid. Returns a report of converted and skipped modules.
@@ -89,6 +97,8 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         raise ConfigError("convert_to_fp8 swaps submodules in place; wrap a bare nn.Linear in a "
                           "module (e.g. nn.Sequential(linear)) or use Fp8Linear.from_linear")
     report = Fp8ConversionReport(config=config)
+    if policy is not None:
+        report.high_precision = f"high precision ({dtype_name(policy.compute_dtype)} compute)"
     embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     modules = dict(model.named_modules())
     for name, module in list(modules.items()):
@@ -102,9 +112,15 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         if is_norm(module):
             report.skipped.append((name, "normalization layer (kept in high precision)"))
             continue
-        if not isinstance(module, nn.Linear) or isinstance(module, Fp8Linear):
+        if isinstance(module, (Fp8Linear, Fp8Conv1D)):
             continue
-        reason = _skip_reason(name, module, parent, embedding_weights)
+        if isinstance(module, nn.Linear):
+            shape, swap = (module.in_features, module.out_features), Fp8Linear.from_linear
+        elif is_conv1d(module):
+            shape, swap = tuple(module.weight.shape), Fp8Conv1D.from_conv1d
+        else:
+            continue
+        reason = _skip_reason(name, module, parent, embedding_weights, shape)
         if reason is None and policy is not None and policy.keeps_fp32(name, module):
             reason = "kept in FP32 by the precision policy"
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
@@ -112,7 +128,7 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         if reason is not None:
             report.skipped.append((name, reason))
             continue
-        setattr(parent, child, Fp8Linear.from_linear(module, config, fqn=name))
+        setattr(parent, child, swap(module, config, fqn=name))
         report.converted.append(name)
     device = next((p.device for p in model.parameters()), None)
     if config.backend == "emulated" or device is None or device.type != "cuda" or \

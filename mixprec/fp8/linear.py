@@ -1,4 +1,5 @@
-"""``Fp8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8.
+"""``Fp8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8 (and ``Fp8Conv1D``, the same for
+Hugging Face's ``Conv1D``, GPT-2's transposed-weight Linear).
 
 For ``y = x W^T`` (x: (M, K) tokens x in-features, W: (N, K)) training runs three GEMMs:
 
@@ -44,7 +45,7 @@ from mixprec.fp8.emulation import emulated_mm
 from mixprec.fp8.quantize import Block, Fp8Tensor, compute_amax, quantize
 from mixprec.precision import hardware
 
-__all__ = ["Fp8Linear", "fp8_gemm"]
+__all__ = ["Fp8Linear", "Fp8Conv1D", "is_conv1d", "fp8_gemm"]
 
 log = logging.getLogger("mixprec.fp8")
 
@@ -60,23 +61,24 @@ def _operand_block(config: Fp8Config, kind: str) -> Block:
     return config.weight_block if kind == "weight" else config.activation_block
 
 
-class Fp8Linear(nn.Linear):
-    """``nn.Linear`` with FP8 forward, input-gradient and weight-gradient GEMMs (see module doc).
+class _Fp8Gemms:
+    """What :class:`Fp8Linear` and :class:`Fp8Conv1D` share: the recipe, the amax history, the
+    choice of execution path, and the quantization of one GEMM operand. The host class sets
+    ``config``, ``fqn``, ``in_features`` and ``out_features`` (the GEMM's K and N)."""
 
-    Build one from an existing layer with :meth:`from_linear` (or convert a whole model with
-    :func:`mixprec.fp8.convert_to_fp8`); the layer's ``weight``/``bias`` Parameters are reused.
-    """
+    config: Fp8Config
+    fqn: str
+    in_features: int
+    out_features: int
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 config: Fp8Config | None = None, device: Any = None, dtype: Any = None) -> None:
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+    def _init_fp8_state(self, config: Fp8Config | None, device: Any) -> None:
         self.config = config or Fp8Config.from_recipe("tensorwise")
         self.fqn = ""
         """Qualified name in the model (set by convert_to_fp8), used in logs and errors."""
         self.execution_path: str | None = None
         """``cuda-scaled-mm``, ``cpu-scaled-mm`` or ``emulated``: the path of the last call."""
         self.execution_reason: str = "not run yet"
-        self._init_history(self.weight.device)
+        self._init_history(device)
 
     def _init_history(self, device: torch.device) -> None:
         # Non-persistent: FP8 and non-FP8 checkpoints of a model stay interchangeable; after a
@@ -85,18 +87,6 @@ class Fp8Linear(nn.Linear):
         if self.config.scaling == "delayed":
             hist = torch.zeros(3, self.config.amax_history_len, dtype=torch.float32, device=device)
         self.register_buffer("amax_history", hist, persistent=False)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, config: Fp8Config, *, fqn: str = "") -> "Fp8Linear":
-        """An ``Fp8Linear`` sharing ``linear``'s Parameters (no copy, optimizer state stays valid)."""
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  config=config, device="meta")
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new._init_history(linear.weight.device)
-        new.fqn = fqn
-        new.train(linear.training)
-        return new
 
     # --- path selection ------------------------------------------------------------------------
 
@@ -107,9 +97,10 @@ class Fp8Linear(nn.Linear):
             return "emulated", "backend='emulated' requested"
         if cfg.backend == "scaled-mm":
             if not aligned:
-                raise ConfigError(f"Fp8Linear '{self.fqn}' ({self.in_features}->{self.out_features}) "
-                                  "needs in/out features that are multiples of 16 for torch._scaled_mm; "
-                                  "use backend='auto' or leave this layer unconverted")
+                raise ConfigError(f"{type(self).__name__} '{self.fqn}' ({self.in_features}->"
+                                  f"{self.out_features}) needs in/out features that are multiples "
+                                  "of 16 for torch._scaled_mm; use backend='auto' or leave this "
+                                  "layer unconverted")
             return f"{x.device.type}-scaled-mm", "backend='scaled-mm' requested"
         if x.device.type != "cuda":
             return "emulated", f"no FP8 GEMM hardware on {x.device.type} (emulation: numerics, not speed)"
@@ -123,22 +114,21 @@ class Fp8Linear(nn.Linear):
             return "emulated", "in/out features are not multiples of 16"
         return "cuda-scaled-mm", "FP8 tensor cores available"
 
-    # --- forward -------------------------------------------------------------------------------
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _select_path(self, x: torch.Tensor) -> str:
+        """The path of this call; every change of path is logged."""
         path, reason = self._choose_path(x)
         if path != self.execution_path:
-            log.info("Fp8Linear %s (%d->%d, %s): %s path (%s)", self.fqn or "<unnamed>",
+            log.info("%s %s (%d->%d, %s): %s path (%s)", type(self).__name__, self.fqn or "<unnamed>",
                      self.in_features, self.out_features, self.config.recipe, path, reason)
             self.execution_path, self.execution_reason = path, reason
-        lead = x.shape[:-1]
-        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), self.weight, self, path)
-        out = out.reshape(*lead, self.out_features)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
+        return path
 
-    def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, recipe={self.config.recipe}, "
-                f"path={self.execution_path or 'not run yet'}")
+    def _fp8_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w^T`` in FP8 for ``x`` (..., K) and ``w`` (N, K) (a view is fine)."""
+        path = self._select_path(x)
+        lead = x.shape[:-1]
+        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), w, self, path)
+        return out.reshape(*lead, self.out_features)
 
     # --- quantization of one operand -----------------------------------------------------------
 
@@ -157,7 +147,92 @@ class Fp8Linear(nn.Linear):
         return quantize(t, dtype, _operand_block(cfg, kind), margin=cfg.margin,
                         power_of_two=cfg.power_of_two_scales, amax=amax,
                         raise_on_nonfinite=cfg.nonfinite == "raise",
-                        name=f"Fp8Linear '{self.fqn or '<unnamed>'}' {what}")
+                        name=f"{type(self).__name__} '{self.fqn or '<unnamed>'}' {what}")
+
+
+class Fp8Linear(_Fp8Gemms, nn.Linear):
+    """``nn.Linear`` with FP8 forward, input-gradient and weight-gradient GEMMs (see module doc).
+
+    Build one from an existing layer with :meth:`from_linear` (or convert a whole model with
+    :func:`mixprec.fp8.convert_to_fp8`); the layer's ``weight``/``bias`` Parameters are reused.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 config: Fp8Config | None = None, device: Any = None, dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8_state(config, self.weight.device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: Fp8Config, *, fqn: str = "") -> "Fp8Linear":
+        """An ``Fp8Linear`` sharing ``linear``'s Parameters (no copy, optimizer state stays valid)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  config=config, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._init_history(linear.weight.device)
+        new.fqn = fqn
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._fp8_matmul(x, self.weight)                        # weight: (N, K)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, recipe={self.config.recipe}, "
+                f"path={self.execution_path or 'not run yet'}")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """A Hugging Face ``Conv1D`` (GPT-2's projections), recognised without importing transformers:
+    a class named ``Conv1D`` with an ``nf`` attribute and a 2-D weight of shape ``(nx, nf)``, i.e.
+    a Linear whose weight is stored transposed (``y = x @ weight + bias``)."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.shape[1] == module.nf)
+
+
+class Fp8Conv1D(_Fp8Gemms, nn.Module):
+    """A Hugging Face ``Conv1D`` (``y = x @ weight + bias``, weight ``(nx, nf)`` = (in, out)) whose
+    three GEMMs run in FP8, exactly as :class:`Fp8Linear`'s, with the weight read transposed.
+
+    It keeps the original ``weight`` and ``bias`` Parameters in their original layout, so an
+    optimizer built before the swap keeps stepping them, and ``state_dict`` keys and shapes stay
+    those of ``Conv1D`` (a Hugging Face checkpoint loads into it, and ``save_pretrained`` output
+    loads back into GPT-2). Not an ``nn.Linear``: its weight is not ``(out, in)``.
+    """
+
+    def __init__(self, nx: int, nf: int, *, config: Fp8Config | None = None,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.nx, self.nf = nx, nf
+        self.in_features, self.out_features = nx, nf
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype))
+        self._init_fp8_state(config, self.weight.device)
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, config: Fp8Config, *, fqn: str = "") -> "Fp8Conv1D":
+        """An ``Fp8Conv1D`` sharing ``conv``'s Parameters (no copy, optimizer state stays valid)."""
+        if not is_conv1d(conv):
+            raise ConfigError(f"{type(conv).__name__} is not a Hugging Face Conv1D (weight (nx, nf))")
+        nx, nf = conv.weight.shape
+        new = cls(nx, nf, config=config, device="meta")
+        new.weight = conv.weight
+        new.bias = conv.bias
+        new._init_history(conv.weight.device)
+        new.fqn = fqn
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._fp8_matmul(x, self.weight.t())                    # (nx, nf) -> W (N, K)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"nf={self.nf}, nx={self.nx}, recipe={self.config.recipe}, "
+                f"path={self.execution_path or 'not run yet'}")
 
 
 def _out_dtype(t: torch.Tensor) -> torch.dtype:
@@ -169,7 +244,7 @@ def _out_dtype(t: torch.Tensor) -> torch.dtype:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, mod: Fp8Linear, path: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, mod: _Fp8Gemms, path: str) -> torch.Tensor:
         cfg = mod.config
         out_dtype = _out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):

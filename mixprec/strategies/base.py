@@ -205,7 +205,18 @@ class Strategy:
 
         Call it on every rank: sharded strategies gather collectively.
         """
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.unwrap(model).state_dict().items()}
+        # Tied weights (an output head sharing the embedding's tensor) stay one tensor in the
+        # copy, so the checkpoint stores them once and records the alias.
+        copies: dict[tuple, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for k, v in self.unwrap(model).state_dict().items():
+            v = v.detach()
+            view = (v.device, v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape),
+                    tuple(v.stride()), v.dtype)
+            if not v.numel() or view not in copies:       # empty tensors share no data
+                copies[view] = v.to("cpu", copy=True)
+            out[k] = copies[view]
+        return out
 
     def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
         """Load a full state into every rank. Call on every rank; ranks that could not read the

@@ -112,8 +112,7 @@ def _check_fits_in_memory(cfg: TrainConfig, vocab_size: int) -> None:
     """Refuse, before allocating, a model whose weights, gradients and Adam state alone (16 bytes
     per parameter in every precision mode) exceed the memory this machine has free."""
     from mixprec.models import Transformer
-    overrides = {k: getattr(cfg, k) for k in ("num_layers", "d_model", "num_heads", "num_experts",
-                                              "norm", "dropout") if getattr(cfg, k) is not None}
+    overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
     with torch.device("meta"):   # shapes only: nothing is allocated
         n = Transformer.from_preset(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.seq_len,
                                     **overrides).num_parameters()
@@ -151,12 +150,16 @@ def build_run(cfg: TrainConfig):
             val_ds = TokenDataset(cfg.val_data, cfg.seq_len, vocab_size=train_ds.vocab_size)
         else:
             train_ds, val_ds = train_ds.split(cfg.val_fraction)
-    overrides = {k: getattr(cfg, k) for k in ("num_layers", "d_model", "num_heads", "num_experts",
-                                              "norm", "dropout") if getattr(cfg, k) is not None}
-    _check_fits_in_memory(cfg, train_ds.vocab_size)
+    overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
+    if not cfg.model.startswith("hf:"):
+        _check_fits_in_memory(cfg, train_ds.vocab_size)
     torch.manual_seed(cfg.seed)
-    model = Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.seq_len,
-                                    gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
+    if cfg.model.startswith("hf:"):
+        model = _build_hf_model(cfg, train_ds.vocab_size)
+    else:
+        model = Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size,
+                                        max_seq_len=cfg.seq_len,
+                                        gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
     train_loader = DistributedDataLoader(train_ds, cfg.batch_size, num_workers=cfg.num_workers,
                                          shuffle=True, seed=cfg.seed, rank=strategy.rank,
                                          world_size=strategy.world_size)
@@ -164,6 +167,22 @@ def build_run(cfg: TrainConfig):
                                        drop_last=False,
                                        rank=strategy.rank, world_size=strategy.world_size)
     return model, train_loader, val_loader, strategy
+
+
+_PRESET_FIELDS = ("num_layers", "d_model", "num_heads", "num_experts", "norm", "dropout")
+
+
+def _build_hf_model(cfg: TrainConfig, vocab_size: int):
+    """``model=hf:PATH``: a Hugging Face causal LM from a local config.json (see train/hf.py)."""
+    from mixprec.train.hf import build_hf_model
+
+    shaped = [k for k in _PRESET_FIELDS if getattr(cfg, k) is not None]
+    if shaped:
+        raise ConfigError(f"{shaped[0]}= shapes mixprec's own presets; with model={cfg.model} edit "
+                          "its config.json instead")
+    return build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len,
+                          init_from=cfg.init_from,
+                          gradient_checkpointing=cfg.gradient_checkpointing)
 
 
 def run(args: argparse.Namespace) -> int:

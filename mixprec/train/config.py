@@ -95,6 +95,9 @@ class FitConfig:
     operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""
     compile: bool = False
     """``torch.compile`` the model (not the loop); the first steps pay the compile time."""
+    export_hf: bool = False
+    """Hugging Face models: also write a ``save_pretrained`` folder into each checkpoint
+    (``checkpoints/step-N/hf``). The run's final weights always go to ``RUN_DIR/hf``."""
 
     def validate(self) -> None:
         positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches",
@@ -143,9 +146,14 @@ class TrainConfig(FitConfig):
     """Evaluate on the validation data every N steps (0: only at the end)."""
 
     model: str = "small"
-    """Model preset (``tiny``, ``small``, ``gpt-ref``); the fields below override it."""
+    """Model preset (``tiny``, ``small``, ``gpt-ref``; the fields below override it), or
+    ``hf:PATH``: a Hugging Face causal LM built from a local ``config.json`` (or a folder with one;
+    random init from ``seed``, never downloaded; see docs/hf.md)."""
     vocab_size: int | None = None
     """Token ids the model's embedding covers; None: what the data declares or its largest id + 1."""
+    init_from: str | None = None
+    """With ``model=hf:PATH``: start from the weights of this local ``save_pretrained`` folder
+    (safetensors) instead of a random init."""
     num_layers: int | None = None
     d_model: int | None = None
     num_heads: int | None = None
@@ -187,6 +195,9 @@ class TrainConfig(FitConfig):
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.init_from is not None and not self.model.startswith("hf:"):
+            raise ConfigError(f"init_from needs a Hugging Face model: add model=hf:{self.init_from} "
+                              "(the architecture of the folder's config.json)")
         if not 0.0 < self.topk_ratio <= 1.0:
             raise ConfigError(f"topk_ratio must be in (0, 1], got {self.topk_ratio}")
         for name, choices in (("strategy", ("auto", "single", "ddp", "fsdp")),

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from mixprec.engine import Precision
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, ConfigError
 from mixprec.strategies import Strategy
 from mixprec.train import checkpoint as ckpt
+from mixprec.train.hf import export_pretrained, is_hf_model
 
 __all__ = ["Checkpointer", "Restored"]
 
@@ -35,10 +36,19 @@ class Restored:
 class Checkpointer:
     """Writes a run's checkpoints under ``run_dir`` (rank 0) and restores them (every rank)."""
 
-    def __init__(self, strategy: Strategy, run_dir: Path | None, *, keep_last: int) -> None:
+    def __init__(self, strategy: Strategy, run_dir: Path | None, *, keep_last: int,
+                 export_hf: bool = False, model: nn.Module | None = None) -> None:
         self.strategy = strategy
         self.run_dir = run_dir
         self.keep_last = keep_last
+        # A Hugging Face model also goes out as a save_pretrained folder: RUN_DIR/hf at the end,
+        # and checkpoints/step-N/hf with each checkpoint when export_hf is set.
+        self.hf = model is not None and is_hf_model(strategy.unwrap(model))
+        if export_hf and not self.hf:
+            name = type(strategy.unwrap(model)).__name__ if model is not None else "the model"
+            raise ConfigError(f"export_hf=true writes Hugging Face save_pretrained folders, but "
+                              f"{name} is not a transformers model; set export_hf=false")
+        self.export_hf = export_hf
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              precision: Precision, scheduler: Any, loader: Any, config: Any) -> Path | None:
@@ -64,8 +74,27 @@ class Checkpointer:
         if strategy.is_main and self.run_dir is not None:
             path = ckpt.save_checkpoint(self.run_dir, step, model_state=model_state,
                                         train_state=state, keep_last=self.keep_last)
+            if self.export_hf:
+                self._export(model, path / "hf", model_state)
         strategy.barrier()
         return path
+
+    def export_final(self, model: nn.Module) -> Path | None:
+        """A Hugging Face model's final weights as ``RUN_DIR/hf`` (``save_pretrained``); None for
+        other models. Call on every rank (sharded strategies gather collectively)."""
+        if not self.hf or self.run_dir is None:
+            return None
+        state = self.strategy.model_state_dict(model) if self.strategy.shards_parameters else None
+        path = None
+        if self.strategy.is_main:
+            path = self._export(model, self.run_dir / "hf", state)
+        self.strategy.barrier()
+        return path
+
+    def _export(self, model: nn.Module, folder: Path, full_state: dict | None) -> Path:
+        # Unsharded models save themselves (tied weights stay tied); FSDP2 passes the gathered state.
+        state = full_state if self.strategy.shards_parameters else None
+        return export_pretrained(self.strategy.unwrap(model), folder, state_dict=state)
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
              precision: Precision, scheduler: Any, loader: Any) -> Restored:

@@ -342,7 +342,8 @@ class Trainer:
         self.prepare(total)
         self._setup_run_dir(resume=bool(resume))
         main = self.strategy.is_main
-        self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last)
+        self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last,
+                                         export_hf=cfg.export_hf, model=self.model)
         if resume:
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
@@ -417,6 +418,7 @@ class Trainer:
             self.settle()
             if self.profiler is not None:
                 self.profiler.finish()                    # a run shorter than warm-up + steps
+            self.checkpointer.export_final(self.model)    # a Hugging Face model: RUN_DIR/hf
         finally:
             events.close()
             logger.close()
