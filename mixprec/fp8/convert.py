@@ -32,6 +32,8 @@ class Fp8ConversionReport:
     config: Fp8Config
     converted: list[str] = field(default_factory=list)
     """Qualified names of the Linears now running as ``Fp8Linear``."""
+    recipes: dict[str, str] = field(default_factory=dict)
+    """Recipe of each converted Linear (differs from ``config``'s with per-layer formats)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(qualified name, reason) of Linears, embeddings and norms kept in high precision."""
     expected_path: str = "emulated"
@@ -46,7 +48,8 @@ class Fp8ConversionReport:
         lines = [f"{self.config.describe()}: {len(self.converted)} Linear layers converted, "
                  f"{len(self.skipped)} modules kept in high precision; expected path: "
                  f"{self.expected_path}"]
-        lines += [f"  fp8   {name}" for name in self.converted]
+        lines += [f"  fp8   {name}" + (f" ({self.recipes[name]})" if self.recipes.get(name, self.config.recipe)
+                                            != self.config.recipe else "") for name in self.converted]
         lines += [f"  skip  {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
 
@@ -74,12 +77,15 @@ def _skip_reason(name: str, module: nn.Linear, parent: nn.Module | None,
 
 def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
                    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                   policy: Policy | None = None) -> Fp8ConversionReport:
+                   policy: Policy | None = None,
+                   config_fn: Callable[[nn.Module, str], Fp8Config | None] | None = None,
+                   ) -> Fp8ConversionReport:
     """Replace eligible ``nn.Linear`` submodules of ``model`` with :class:`Fp8Linear`, in place.
 
     ``module_filter_fn(module, qualified_name) -> bool`` is asked about every Linear that passed
     the default rules; False keeps it in high precision. A ``policy`` adds its own FP32 exemptions
-    (``Policy.keeps_fp32``). Parameters are reused, so an optimizer built before the conversion
+    (``Policy.keeps_fp32``). ``config_fn(module, qualified_name)`` (per-layer precision) gives
+    each eligible Linear its own recipe, or None to keep it in high precision. Parameters are reused, so an optimizer built before the conversion
     stays valid. Returns a report of converted and skipped modules.
     """
     if not isinstance(config, Fp8Config):
@@ -109,11 +115,17 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
             reason = "kept in FP32 by the precision policy"
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
+        layer_config = config
+        if reason is None and config_fn is not None:
+            layer_config = config_fn(module, name)
+            if layer_config is None:
+                reason = "its per-layer precision is not FP8"
         if reason is not None:
             report.skipped.append((name, reason))
             continue
-        setattr(parent, child, Fp8Linear.from_linear(module, config, fqn=name))
+        setattr(parent, child, Fp8Linear.from_linear(module, layer_config, fqn=name))
         report.converted.append(name)
+        report.recipes[name] = layer_config.recipe
     device = next((p.device for p in model.parameters()), None)
     if config.backend == "emulated" or device is None or device.type != "cuda" or \
             not hardware.cuda_supports_fp8() or config.limited_accumulation or config.format == "e5m2":

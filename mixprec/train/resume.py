@@ -50,6 +50,7 @@ class Checkpointer:
             "epoch": epoch,
             "policy": precision.policy.spec(),
             "precision": precision.name,
+            "overrides": [list(o) for o in precision.policy.overrides],
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
             # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
             "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
@@ -77,6 +78,11 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} was trained with precision {saved}, this run uses "
                 f"{precision.name}; resume with --precision {saved}")
+        saved_overrides = tuple(tuple(o) for o in state.get("overrides", ()))
+        if saved_overrides != precision.policy.overrides:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with per-layer overrides {list(saved_overrides)}, "
+                f"this run uses {list(precision.policy.overrides)}; resume with the same overrides")
         try:
             strategy.load_model_state_dict(model, model_state)
         except (RuntimeError, KeyError) as e:

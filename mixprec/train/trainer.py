@@ -81,9 +81,12 @@ class Trainer:
         self.device = self.strategy.device
         cfg = self.config
         choice = mixed_precision if mixed_precision is not None else cfg.precision
+        if isinstance(choice, Precision) and cfg.precision_overrides:
+            raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
+                              "mixprec.Precision(mode, overrides=...)")
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, init_scale=cfg.init_scale,
+            choice, device=self.device, overrides=cfg.precision_overrides, init_scale=cfg.init_scale,
             growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis,
             min_scale=cfg.min_scale, on_min_scale=cfg.on_stuck_scale)
         self.loss_fn = loss_fn
