@@ -30,11 +30,11 @@ from mixprec.precision import autocast, get_policy
 VARIANTS: dict[str, dict | None] = {
     "bf16-mixed": None,
     "blockwise": {},
-    "blockwise, e5m2 gradients": {"format": "hybrid"},
-    "blockwise, fp32 wgrad": {"high_precision_wgrad": True},
-    "blockwise, pow2 scales": {"power_of_two_scales": True},
-    "blockwise, 1x32 tiles": {"activation_block": (1, 32), "weight_block": (32, 32)},
-    "blockwise, first+last block bf16": {"_keep": ("blocks.0.", "blocks.{last}.")},
+    "blockwise/e5m2-grads": {"format": "hybrid"},
+    "blockwise/fp32-wgrad": {"high_precision_wgrad": True},
+    "blockwise/pow2-scales": {"power_of_two_scales": True},
+    "blockwise/1x32-tiles": {"activation_block": (1, 32), "weight_block": (32, 32)},
+    "blockwise/first+last-block-bf16": {"_keep": ("blocks.0.", "blocks.{last}.")},
     "tensorwise": {"_recipe": "tensorwise"},
 }
 

@@ -232,6 +232,49 @@ class Precision:
             return self.requested_format(qualified_name)
         return self.base_format
 
+    def set_layer_format(self, model: nn.Module, qualified_name: str, fmt: str) -> str:
+        """Switch one Linear of a set-up ``model`` to ``fmt`` while training (re-planning).
+
+        The new module shares the old one's Parameters, so parameters, FP32 masters and optimizer
+        state are untouched; a delayed-scaling FP8 layer starts a fresh amax history. Storage
+        dtypes do not change (a layer switched to ``fp32`` computes in FP32 from its stored
+        weights). Returns the format the layer now runs in (FP8 rules may refuse FP8: then the
+        surrounding format)."""
+        from mixprec.fp8 import Fp8Config, Fp8Linear
+        from mixprec.fp8.convert import fp8_skip_reason
+        from mixprec.nn import FormatLinear
+        from mixprec.precision.overrides import parse_format
+        fmt = parse_format(fmt)
+        parent_name, _, child = qualified_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, child)
+        if not isinstance(old, nn.Linear):
+            raise ConfigError(f"'{qualified_name}' is not a Linear layer ({type(old).__name__})")
+        if self.format_for(qualified_name, old) == fmt:
+            return fmt
+        plain = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
+        plain.weight, plain.bias = old.weight, old.bias
+        plain.train(old.training)
+        new: nn.Module = plain
+        if fmt.startswith("fp8-"):
+            # The FP8 rules of setup (head, tied weights, gates, shape, policy exemptions).
+            embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+            why = fp8_skip_reason(qualified_name, plain, parent, embeddings)
+            if why is None and not self.policy.keeps_fp32(qualified_name, plain):
+                new = Fp8Linear.from_linear(plain, Fp8Config.from_recipe(fmt), fqn=qualified_name)
+        elif fmt != self.base_format:
+            new = FormatLinear.from_linear(plain, fmt)
+        setattr(parent, child, new)
+        got = self.base_format if type(new) is nn.Linear else self.format_for(qualified_name, new)
+        self.layer_formats[qualified_name] = got
+        return got
+
+    def apply_layer_formats(self, model: nn.Module, formats: dict[str, str]) -> None:
+        """Bring a set-up ``model``'s Linears to ``formats`` (a saved :attr:`layer_formats`)."""
+        for name, fmt in formats.items():
+            if name in self.layer_formats and self.layer_formats[name] != fmt:
+                self.set_layer_format(model, name, fmt)
+
     def describe_layers(self) -> list[str]:
         """One line per Linear: its resolved format (after :meth:`setup`)."""
         width = max((len(n) for n in self.layer_formats), default=0)

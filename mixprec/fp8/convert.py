@@ -19,7 +19,8 @@ from mixprec.precision import hardware
 from mixprec.precision.exempt import is_norm
 from mixprec.precision.policy import Policy
 
-__all__ = ["convert_to_fp8", "prepare_fp8", "Fp8ConversionReport", "HEAD_NAMES", "GATE_NAMES"]
+__all__ = ["convert_to_fp8", "prepare_fp8", "fp8_skip_reason", "Fp8ConversionReport", "HEAD_NAMES",
+           "GATE_NAMES"]
 
 HEAD_NAMES: frozenset[str] = frozenset({"lm_head", "head", "output"})
 GATE_NAMES: frozenset[str] = frozenset({"gate", "router"})
@@ -58,8 +59,9 @@ def _tied_to_embedding(linear: nn.Linear, embedding_weights: set[int]) -> bool:
     return id(linear.weight) in embedding_weights
 
 
-def _skip_reason(name: str, module: nn.Linear, parent: nn.Module | None,
-                 embedding_weights: set[int]) -> str | None:
+def fp8_skip_reason(name: str, module: nn.Linear, parent: nn.Module | None,
+                    embedding_weights: set[int]) -> str | None:
+    """Why the default rules keep this Linear out of FP8 (None: eligible)."""
     last = name.rsplit(".", 1)[-1]
     if _tied_to_embedding(module, embedding_weights):
         return "output head tied to an embedding"
@@ -110,7 +112,7 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
             continue
         if not isinstance(module, nn.Linear) or isinstance(module, Fp8Linear):
             continue
-        reason = _skip_reason(name, module, parent, embedding_weights)
+        reason = fp8_skip_reason(name, module, parent, embedding_weights)
         if reason is None and policy is not None and policy.keeps_fp32(name, module):
             reason = "kept in FP32 by the precision policy"
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):

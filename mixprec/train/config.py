@@ -82,6 +82,12 @@ class FitConfig:
     """On a skipped step, replay the batch with hooks to find the layer that made the inf/NaN."""
     monitor_every: int = 0
     """Per-layer range statistics every N steps (0: off)."""
+    replan_every: int = 0
+    """Re-plan per-layer formats every N steps (0: off): an FP8 layer whose inputs stop fitting FP8
+    moves to the mode's non-FP8 format, and back after ``replan_window`` healthy samples
+    (``mixprec.monitor.LayerReplanner``)."""
+    replan_window: int = 3
+    """Healthy samples before a promoted layer returns to its planned FP8 format."""
     audit: bool = True
     """Run the pre-flight precision audit at the start of training."""
     progress: bool = True
@@ -92,13 +98,13 @@ class FitConfig:
         object.__setattr__(self, "precision_overrides", normalize_overrides(self.precision_overrides))
 
     def validate(self) -> None:
-        positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches",
+        positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches", "replan_window",
                     "keep_last", "init_scale", "growth_interval", "hysteresis")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("eval_interval", "ckpt_interval", "warmup_steps", "monitor_every",
-                     "weight_decay"):
+                     "weight_decay", "replan_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps <= 0:

@@ -80,6 +80,11 @@ class RunEvents:
         if self.progress:
             self._say(msg)
 
+    def format_switch(self, switch: Any) -> None:
+        """A layer changed format while training (re-planning): terminal and events.jsonl."""
+        self.logger.event(switch.to_dict())
+        self._say(switch.message)
+
     def warn(self, kind: str, step: int, message: str) -> None:
         self.logger.event({"kind": kind, "step": step, "message": message})
 

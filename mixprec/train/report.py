@@ -383,6 +383,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out, config), _plot_grad_norm(rows, out),
                           _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
     images += _plot_numerics(numerics, out)
+    from mixprec.train.format_timeline import plot_formats
+    last = max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)
+    images += [p for p in (plot_formats(events, last, out),) if p is not None]
     html_path = out / "report.html"
     html_path.write_text(_html(run_path, summarize(rows, events, config), images, events), encoding="utf-8")
     return html_path

@@ -41,7 +41,8 @@ class Checkpointer:
         self.keep_last = keep_last
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             precision: Precision, scheduler: Any, loader: Any, config: Any) -> Path | None:
+             precision: Precision, scheduler: Any, loader: Any, config: Any,
+             replanner: Any = None) -> Path | None:
         """Write checkpoint ``step`` atomically; collectives (FSDP) run on every rank."""
         strategy = self.strategy
         cfg = dataclasses.asdict(config)
@@ -51,6 +52,9 @@ class Checkpointer:
             "policy": precision.policy.spec(),
             "precision": precision.name,
             "overrides": [list(o) for o in precision.policy.overrides],
+            # The current per-layer formats (re-planning changes them) and the re-planner's state.
+            "layer_formats": dict(precision.layer_formats),
+            "replan": replanner.state_dict() if replanner is not None else None,
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
             # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
             "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
@@ -69,7 +73,7 @@ class Checkpointer:
         return path
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-             precision: Precision, scheduler: Any, loader: Any) -> Restored:
+             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None) -> Restored:
         """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
         strategy = self.strategy
         model_state, state, _meta = ckpt.load_checkpoint(path)
@@ -90,6 +94,10 @@ class Checkpointer:
             first = " ".join(lines[:2])[:240]
             raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
                                   "the model settings it was saved with") from None
+        # Same Parameters whatever the formats: restore the plan, then the optimizer.
+        precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
+        if replanner is not None and state.get("replan"):
+            replanner.load_state_dict(state["replan"])
         strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         precision.scaler.load_state_dict(state["scaler"])
         scheduler.load_state_dict(state["scheduler"])

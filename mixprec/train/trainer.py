@@ -23,7 +23,7 @@ from torch import nn
 
 from mixprec.engine import Precision
 from mixprec.errors import ConfigError
-from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
+from mixprec.monitor import LayerReplanner, NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
@@ -100,6 +100,7 @@ class Trainer:
         self._peak_refreshed = False
         self.monitor = None
         self.scale_watch = None
+        self.replanner = None
 
     @property
     def policy(self) -> Policy:
@@ -156,6 +157,12 @@ class Trainer:
                         if cfg.monitor_every else None)
         self.scale_watch = (ScaleWatch(cfg.min_scale, on_stuck=cfg.on_stuck_scale)
                             if precision.scales_loss else None)
+        if cfg.replan_every:
+            if sharded:
+                raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
+                                  "them: use strategy=ddp or single, or replan_every=0")
+            self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
+                                            window=cfg.replan_window)
 
     _prepare = prepare  # older name, kept for callers of 0.1
 
@@ -172,7 +179,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
-        with self._sample_numerics():                     # hooks only on sampled steps
+        with self._sample_numerics(), self._sample_formats():   # hooks only on sampled steps
             for i, batch in enumerate(micro_batches):
                 inputs, targets = self.strategy.to_device(batch)
                 # Gradients are all-reduced only in the last micro-batch's backward.
@@ -198,6 +205,11 @@ class Trainer:
         if self.monitor is None:
             return contextlib.nullcontext()
         return self.monitor.sample(self.step + 1)
+
+    def _sample_formats(self) -> contextlib.AbstractContextManager:
+        if self.replanner is None:
+            return contextlib.nullcontext()
+        return self.replanner.sample(self.strategy.unwrap(self.model), self.step + 1)
 
     def _track_updates(self) -> contextlib.AbstractContextManager:
         if self.monitor is None:
@@ -300,7 +312,8 @@ class Trainer:
     def _save(self, loader: Any) -> Path | None:
         return self.checkpointer.save(step=self.step, epoch=self.epoch, model=self.model,
                                       optimizer=self.optimizer, precision=self.precision,
-                                      scheduler=self.scheduler, loader=loader, config=self.config)
+                                      scheduler=self.scheduler, loader=loader, config=self.config,
+                                      replanner=self.replanner)
 
     def fit(self, train_loader: Iterable[Batch], val_loader: Iterable[Batch] | None = None, *,
             resume: str | Path | bool | None = None) -> FitResult:
@@ -315,7 +328,7 @@ class Trainer:
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
                 optimizer=self.optimizer, precision=self.precision, scheduler=self.scheduler,
-                loader=train_loader)
+                loader=train_loader, replanner=self.replanner)
             self.step, self.epoch, self._loader_resumed = (restored.step, restored.epoch,
                                                            restored.loader_resumed)
         logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
@@ -382,6 +395,10 @@ class Trainer:
                 self.events.warn("stuck-scale", self.step, warning)
         if self.monitor is not None and self.monitor.should_sample(self.step):
             logger.log_numerics(self.monitor.last_rows)
+        if self.replanner is not None:
+            # Layers whose inputs stopped fitting FP8 move up, healthy ones move back.
+            for switch in self.replanner.decide(self.strategy.unwrap(self.model), self.step):
+                self.events.format_switch(switch)
 
 
 class _Meter:
