@@ -35,14 +35,30 @@ _MAX_EVENTS_SHOWN = 200
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``mixprec report``."""
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder `mixprec train` printed")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                        help="the run folder `mixprec train` printed; several: one page overlaying "
+                             "them (the first is the reference)")
     parser.add_argument("-o", "--out", metavar="OUT", default=None,
-                        help="folder for the PNGs and report.html (default: RUN_DIR/report)")
+                        help="folder for the PNGs and report.html (default: RUN_DIR/report, or "
+                             "FIRST_RUN/compare for several runs)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the report and print where it is."""
-    html_path = write_report(args.run_dir, args.out)
+    """Write the report (or, for several runs, the comparison) and print where it is."""
+    if len(args.run_dir) > 1:
+        from mixprec.train.compare import _load as _load_run
+        from mixprec.train.compare import compare_summary, write_comparison
+        html_path = write_comparison(args.run_dir, args.out)
+        rows = compare_summary([_load_run(Path(d)) for d in args.run_dir])
+        keys = list(rows[0])
+        print(" | ".join(keys))
+        for r in rows:
+            print(" | ".join("-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
+                             f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+        print(f"comparison: {html_path}")
+        print(f"plots:      {html_path.parent}/compare_*.png")
+        return 0
+    html_path = write_report(args.run_dir[0], args.out)
     print(f"report: {html_path}")
     print(f"plots:  {html_path.parent}/*.png")
     return 0
