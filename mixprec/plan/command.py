@@ -32,6 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None,
                         help="'measure' (this machine's GEMM throughput) or a GPU (H100, H200, "
                              "H800, A100, B200); default: measure on an FP8 GPU, else H100")
+    parser.add_argument("--criterion", choices=("fisher", "measured"), default="fisher",
+                        help="spend the budget on the estimated (fisher, default) or the measured "
+                             "loss change (see docs/per-layer.md)")
     parser.add_argument("--batches", type=int, default=2, help="calibration batches")
     parser.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                         help="load the model weights of this run's latest checkpoint")
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
           f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
     plan = plan_precision(model, batches, candidates=args.candidates.split(","),
                           budget=args.budget / 100, base=base, target=args.target, seed=cfg.seed,
+                          criterion=args.criterion,
                           progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
     print(plan.table())
     out = plan.write(args.output)
