@@ -382,7 +382,8 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
         backward_buffers = tokens * (recompute or biggest) / tp
     s = float(shards * tp * pp)
-    return MemoryEstimate(mode=policy.name, parameters=params / s, gradients=grads / s,
+    name = policy.name + ("+overrides" if layers is not None else "")
+    return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
                           loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
@@ -422,6 +423,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=float, default=None,
                         help="target total parameters (e.g. 67e9): sets the number of layers")
     parser.add_argument("--moe", type=int, default=None, help="experts per block (0: dense)")
+    parser.add_argument("--overrides", default=None, metavar="PATTERN=FORMAT,...",
+                        help="per-layer formats applied to every mode, e.g. 'blocks.0.*=fp32,head=bf16'")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--d-model", type=int, default=None)
 
@@ -453,6 +456,9 @@ def run(args: argparse.Namespace) -> int:
     shape = _shape_from_args(args)
     seq = args.seq or shape.max_seq_len
     modes = [m.strip() for m in args.precision.split(",") if m.strip()]
+    if getattr(args, "overrides", None):
+        from mixprec.engine import Precision
+        modes = [Precision(m, overrides=args.overrides) for m in modes]
     rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
                             shards=args.gpus) for m in modes]

@@ -20,7 +20,12 @@ Decision after each sampled step, per layer (a pure function of the measurements
 A switch swaps the module only (:meth:`mixprec.Precision.set_layer_format`): parameters, FP32
 masters and optimizer state are the same tensors before and after. The trainer writes each switch
 to ``events.jsonl`` (``"kind": "format"``) and the terminal, and saves the current formats and
-this object's state in checkpoints. One host sync per sampled step.
+this object's state in checkpoints. One host sync per sampled step; under ``torch.distributed``
+the measurements are reduced (MAX) across ranks first, so all ranks switch alike.
+
+Not measured (yet): FP8 saturation under delayed scaling (the measurement uses current scaling)
+and per-layer gradient SQNR; the numerics monitor's own rows are not read (it checks outputs
+against one format, this checks each FP8 layer's input against its recipe).
 """
 from __future__ import annotations
 
@@ -123,8 +128,13 @@ class LayerReplanner:
         names = [n for n in self.planned if stats[n]]
         if not names:
             return []
-        # One host sync: every layer's (underflow, amax), the max over micro-batches.
-        values = torch.stack([torch.stack(stats[n]).amax(0) for n in names]).tolist()
+        # One host sync: every layer's (underflow, amax), the max over micro-batches and, under
+        # torch.distributed, over ranks, so that every rank makes the same switches.
+        values = torch.stack([torch.stack(stats[n]).amax(0) for n in names])
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        values = values.tolist()
         switches = []
         for name, (underflow, amax) in zip(names, values):
             self.last_measured[name] = (underflow, amax)
