@@ -106,3 +106,13 @@ def test_zero_budget_keeps_every_layer_at_its_exact_format():
     assert p.formats == {"blocks.0.fc": "fp32"}
     with pytest.raises(ConfigError, match="did you mean 'blocks.0.fc'"):
         mp.plan_precision(_Net(n=1), _batches(), layers=["blocks.0.fcc"], target="H100")
+
+
+def test_measured_throughput_drops_fp8_where_it_would_be_emulated():
+    from mixprec.plan import format_throughput
+    thr, notes = format_throughput("measure", ["fp32", "bf16", "fp8-tensorwise"],
+                                   device=torch.device("cpu"), n=64, min_time=0.01)
+    assert set(thr) == {"fp32", "bf16"} and all(v > 0 for v in thr.values())
+    assert any("fp8-tensorwise left out" in n for n in notes)
+    a100, notes = format_throughput("A100", ["fp32", "bf16", "fp8-blockwise"], device=torch.device("cpu"))
+    assert a100 == {"fp32": 19.5e12, "bf16": 312e12} and any("no FP8" in n for n in notes)
