@@ -240,32 +240,8 @@ class Precision:
         dtypes do not change (a layer switched to ``fp32`` computes in FP32 from its stored
         weights). Returns the format the layer now runs in (FP8 rules may refuse FP8: then the
         surrounding format)."""
-        from mixprec.fp8 import Fp8Config, Fp8Linear
-        from mixprec.fp8.convert import fp8_skip_reason
-        from mixprec.nn import FormatLinear
-        from mixprec.precision.overrides import parse_format
-        fmt = parse_format(fmt)
-        parent_name, _, child = qualified_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        old = getattr(parent, child)
-        if not isinstance(old, nn.Linear):
-            raise ConfigError(f"'{qualified_name}' is not a Linear layer ({type(old).__name__})")
-        if self.format_for(qualified_name, old) == fmt:
-            return fmt
-        plain = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None, device="meta")
-        plain.weight, plain.bias = old.weight, old.bias
-        plain.train(old.training)
-        new: nn.Module = plain
-        if fmt.startswith("fp8-"):
-            # The FP8 rules of setup (head, tied weights, gates, shape, policy exemptions).
-            embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-            why = fp8_skip_reason(qualified_name, plain, parent, embeddings)
-            if why is None and not self.policy.keeps_fp32(qualified_name, plain):
-                new = Fp8Linear.from_linear(plain, Fp8Config.from_recipe(fmt), fqn=qualified_name)
-        elif fmt != self.base_format:
-            new = FormatLinear.from_linear(plain, fmt)
-        setattr(parent, child, new)
-        got = self.base_format if type(new) is nn.Linear else self.format_for(qualified_name, new)
+        from mixprec.engine.layer_formats import swap_layer
+        got = swap_layer(self, model, qualified_name, fmt)
         self.layer_formats[qualified_name] = got
         return got
 
@@ -387,29 +363,8 @@ class Precision:
         """Give every Linear its format: FP8 layers become ``Fp8Linear`` (asked per module; the FP8
         rules may keep one out, and the report says why), layers whose format differs from the
         surrounding one become ``FormatLinear``; the rest stay as they are."""
-        from mixprec.nn import FormatLinear
-        wanted = {n: self.requested_format(n) for n, m in model.named_modules()
-                  if isinstance(m, nn.Linear)}
-        if any(f.startswith("fp8-") for f in wanted.values()):
-            from mixprec.fp8 import Fp8Config, convert_to_fp8
-            configs = {f: Fp8Config.from_recipe(f) for f in set(wanted.values()) if f.startswith("fp8-")}
-            base = self.fp8_config or next(iter(configs.values()))
-            self.fp8_report = convert_to_fp8(
-                model, config=base, policy=self.policy,
-                config_fn=lambda module, name: configs.get(wanted.get(name, "")))
-        modules = dict(model.named_modules())
-        for name, module in list(modules.items()):
-            if not isinstance(module, nn.Linear):
-                continue
-            fmt = wanted.get(name, self.base_format)
-            if not fmt.startswith("fp8-") and fmt != self.base_format and type(module) is nn.Linear:
-                parent, _, child = name.rpartition(".")
-                setattr(modules[parent], child, FormatLinear.from_linear(module, fmt))
-        self.layer_formats = {}
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                self.layer_formats[name] = (self.base_format if type(module) is nn.Linear
-                                            else self.format_for(name, module))
+        from mixprec.engine.layer_formats import apply_formats
+        self.layer_formats = apply_formats(self, model)
 
     def _cast(self, model: nn.Module, master_of: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Store each module's parameters in :meth:`param_dtype_for`; tag FP32 ones for optimizers.
