@@ -36,6 +36,8 @@ VARIANTS: dict[str, dict | None] = {
     "blockwise/1x32-tiles": {"activation_block": (1, 32), "weight_block": (32, 32)},
     "blockwise/first+last-block-bf16": {"_keep": ("blocks.0.", "blocks.{last}.")},
     "tensorwise": {"_recipe": "tensorwise"},
+    "tensorwise/e4m3-grads": {"_recipe": "tensorwise", "format": "e4m3"},
+    "rowwise": {"_recipe": "rowwise"},
 }
 
 
