@@ -327,7 +327,7 @@ class Precision:
                 f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
                 f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
                 f"precision '{wanted}', or build the optimizer without fp16_params")
-        self.policy = get_policy(wanted)
+        self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides)
         self.scaler = self._make_scaler()
         self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
                           f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")

@@ -166,3 +166,12 @@ def test_fit_logs_formats_and_resume_refuses_other_overrides(tmp_path):
     with pytest.raises(CheckpointError, match="per-layer overrides"):
         mp.train.fit(_model(), loader, mixed_precision="32-true", resume=run,
                      **{**kw, "max_steps": 3})
+
+
+def test_auto_switching_to_a_true_mode_keeps_the_overrides():
+    model = _model()
+    optimizer = mp.optim.AdamW(model.parameters(), fp16_params=True, param_dtype=torch.bfloat16)
+    p = mp.Precision("auto", overrides={"head": "fp32"})
+    model, _ = p.setup(model, optimizer)
+    assert p.name == "bf16-true" and p.policy.overrides == (("head", "fp32"),)
+    assert p.layer_formats["head"] == "fp32"
