@@ -17,9 +17,9 @@ so the FP8 rules and modules are the training ones), and, with *only* ``L`` in `
 
 Why two: quantization noise is uncorrelated with the gradient, so the *first-order* term
 ``g . e`` of a measured loss difference is zero-mean noise, and on a few calibration batches it
-dominates (measured on the outlier model of ``tests/plan/test_planner.py``: 0.01-0.07 % for
-ordinary layers in FP8 against 0.31 % for the outlier layer, while the estimate gives
-0.0001-0.02 % against 0.27 %). The budget is spent on the estimate (``criterion="fisher"``, the
+dominates (measured on the outlier model of ``tests/plan/test_planner.py``: 0.004-0.08 % for
+ordinary layers in ``fp8-tensorwise`` against 0.33 % for the outlier layer, while the estimate
+gives 0.0001-0.002 % against 0.108 %). The budget is spent on the estimate (``criterion="fisher"``, the
 default) or on the measured change (``criterion="measured"``); the table shows both.
 
 Cost: one FP32 forward+backward, then per (layer, format) one forward over the batches plus the
