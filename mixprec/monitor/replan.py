@@ -9,11 +9,15 @@ exist only then) it measures each such layer's input the way its planned recipe 
                  (``|x| / scale <= smallest_subnormal / 2`` of the forward FP8 format: values an
                  outlier pushed out of range; with current scaling nothing saturates, so this is
                  the failure that grows with outliers),
-* ``amax``       the input's largest magnitude, compared with the previous sample (growth).
+* ``amax``       the input's largest magnitude, compared with the previous sample (growth),
+* ``grad underflow``  the same flush share for the gradient arriving at the layer's output,
+                 quantized as the recipe quantizes it for the input-gradient GEMM (its gradient
+                 format, tiles along the output features).
 
 Decision after each sampled step, per layer (a pure function of the measurements and the state):
 
-* in FP8 and (``underflow > max_underflow`` or ``amax > max_amax_growth * previous amax``):
+* in FP8 and (``underflow > max_underflow``, ``grad underflow > max_underflow`` or
+  ``amax > max_amax_growth * previous amax``):
   switch to ``fallback`` (the mode's non-FP8 compute format, e.g. ``bf16``) at once;
 * promoted and healthy on ``window`` consecutive samples: switch back to the planned format.
 
@@ -23,9 +27,11 @@ to ``events.jsonl`` (``"kind": "format"``) and the terminal, and saves the curre
 this object's state in checkpoints. One host sync per sampled step; under ``torch.distributed``
 the measurements are reduced (MAX) across ranks first, so all ranks switch alike.
 
-Not measured (yet): FP8 saturation under delayed scaling (the measurement uses current scaling)
-and per-layer gradient SQNR; the numerics monitor's own rows are not read (it checks outputs
-against one format, this checks each FP8 layer's input against its recipe).
+Not measured (yet): FP8 saturation under delayed scaling (the measurement uses current scaling).
+Flush shares, not SQNR, are the signal: an outlier dominates a tensor's energy, so the SQNR of a
+tensor with outliers stays high while everything but the outliers is lost. The numerics
+monitor's own rows are not read (it checks outputs against one format, this checks each FP8
+layer's operands against its recipe).
 """
 from __future__ import annotations
 
@@ -82,7 +88,7 @@ class LayerReplanner:
         self.last_amax: dict[str, float] = {}
         self._stats: dict[str, list[torch.Tensor]] | None = None
         self.last_measured: dict[str, tuple[float, float]] = {}
-        """name -> (underflow, amax) of the last sampled step."""
+        """name -> (input underflow, input amax, gradient underflow) of the last sampled step."""
 
     def should_sample(self, step: int) -> bool:
         return bool(self.planned) and step % self.every == 0
@@ -98,8 +104,7 @@ class LayerReplanner:
         handles = []
         for name, fmt in self.planned.items():
             config = Fp8Config.from_recipe(fmt)
-            handles.append(model.get_submodule(name).register_forward_pre_hook(
-                self._hook(name, config)))
+            handles.append(model.get_submodule(name).register_forward_hook(self._hook(name, config)))
         try:
             yield
         finally:
@@ -111,13 +116,21 @@ class LayerReplanner:
         from mixprec.fp8.quantize import quantize
         block = _operand_block(config, "act")
 
-        def hook(module: nn.Module, args) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            q = quantize(x, config.forward_dtype, block, margin=config.margin,
-                         power_of_two=config.power_of_two_scales)
-            flushed = ((q.data.float() == 0) & (x != 0)).sum()
-            nonzero = (x != 0).sum().clamp(min=1)
-            self._stats[name].append(torch.stack([flushed / nonzero, x.abs().amax()]))
+        def flushed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            t = t.detach().reshape(-1, t.shape[-1]).float()
+            q = quantize(t, dtype, block, margin=config.margin, power_of_two=config.power_of_two_scales)
+            nonzero = (t != 0).sum().clamp(min=1)
+            return ((q.data.float() == 0) & (t != 0)).sum() / nonzero
+
+        def hook(module: nn.Module, args, output) -> None:
+            x = args[0]
+            rec = [flushed(x, config.forward_dtype), x.detach().abs().amax().float(),
+                   torch.zeros((), device=x.device)]
+            self._stats[name].append(rec)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                def on_grad(g: torch.Tensor) -> None:
+                    rec[2] = flushed(g, config.grad_dtype)
+                output.register_hook(on_grad)
         return hook
 
     def decide(self, model: nn.Module, step: int) -> list[FormatSwitch]:
@@ -128,22 +141,25 @@ class LayerReplanner:
         names = [n for n in self.planned if stats[n]]
         if not names:
             return []
-        # One host sync: every layer's (underflow, amax), the max over micro-batches and, under
+        # One host sync: every layer's (underflow, amax, grad underflow), the max over micro-batches and, under
         # torch.distributed, over ranks, so that every rank makes the same switches.
-        values = torch.stack([torch.stack(stats[n]).amax(0) for n in names])
+        values = torch.stack([torch.stack([torch.stack(r) for r in stats[n]]).amax(0) for n in names])
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(values, op=dist.ReduceOp.MAX)
         values = values.tolist()
         switches = []
-        for name, (underflow, amax) in zip(names, values):
-            self.last_measured[name] = (underflow, amax)
+        for name, (underflow, amax, grad_underflow) in zip(names, values):
+            self.last_measured[name] = (underflow, amax, grad_underflow)
             previous = self.last_amax.get(name)
             self.last_amax[name] = amax
             reasons = []
             if not underflow <= self.max_underflow:          # NaN counts as bad
                 reasons.append(f"{100 * underflow:.1f}% of its inputs flush to zero in "
                                f"{self.planned[name]} (limit {100 * self.max_underflow:g}%)")
+            if not grad_underflow <= self.max_underflow:
+                reasons.append(f"{100 * grad_underflow:.1f}% of its output gradient flushes to zero "
+                               f"in {self.planned[name]} (limit {100 * self.max_underflow:g}%)")
             if previous and amax > self.max_amax_growth * previous:
                 reasons.append(f"input amax grew {amax / previous:.0f}x since step {step - self.every}")
             current = self.precision.layer_formats[name]

@@ -110,3 +110,33 @@ def test_a_switch_keeps_parameters_and_optimizer_state():
     assert precision.set_layer_format(model, "head", "fp8-tensorwise") == "bf16"   # FP8 rules hold
     replanner = LayerReplanner(precision, model, every=1)
     assert "head" not in replanner.planned
+
+
+class _LoudGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies two channels of the gradient by 10^6."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        g[..., [1, 17]] *= 1e6
+        return g
+
+
+def test_gradient_outliers_promote_a_layer_too():
+    precision = mp.Precision("fp8-blockwise")        # E4M3 gradients: 10^6 is past their range
+    model, _ = precision.setup(_Net())
+    replanner = LayerReplanner(precision, model, every=1)
+    x, y = _loader()[0]
+    original = model.blocks[0].forward
+    model.blocks[0].forward = lambda h: _LoudGrad.apply(original(h))   # reaches blocks.0.proj's output
+    with replanner.sample(model, 1):
+        with precision.autocast():
+            model(x, y).backward()
+    switches = replanner.decide(model, 1)
+    assert [(s.module, s.new) for s in switches] == [("blocks.0.proj", "bf16")], switches
+    assert "output gradient flushes" in switches[0].reason
+    assert replanner.last_measured["blocks.0.fc"][2] <= 0.01            # its gradient: no outliers
