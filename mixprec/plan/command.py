@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--criterion", choices=("fisher", "measured"), default="fisher",
                         help="spend the budget on the estimated (fisher, default) or the measured "
                              "loss change (see docs/per-layer.md)")
-    parser.add_argument("--batches", type=int, default=2, help="calibration batches")
+    parser.add_argument("--batches", type=int, default=2,
+                        help="calibration batches (of the batch_size x seq_len of the settings)")
     parser.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                         help="load the model weights of this run's latest checkpoint")
     parser.add_argument("-o", "--output", default="plan.json", help="plan file (.json or .toml)")
