@@ -11,6 +11,7 @@ from mixprec.models import Transformer
 from mixprec.precision import Policy, autocast, cast_module, get_policy
 from mixprec.strategies import FSDPStrategy, MirroredStrategy, SingleDeviceStrategy
 from mixprec.train import FitConfig, Trainer, TrainConfig, fit
+from mixprec.plan import plan_precision
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,8 @@ __all__ = [
     "GradScaler",
     # training
     "Trainer", "fit", "FitConfig", "TrainConfig",
+    # per-layer precision planning
+    "plan_precision",
     # models
     "Transformer",
     # strategies

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("mixprec.data.prepare", "tokenize text files into a mixprec token file"),
     "bench": ("mixprec.bench.command", "benchmarks: matmul throughput, training step per precision"),
     "memory": ("mixprec.bench.memory", "estimate memory per precision mode: params, grads, masters, moments, activations"),
+    "plan": ("mixprec.plan.command", "choose FP8/BF16/FP32 per Linear layer from measured sensitivity and cost"),
     "estimate": ("mixprec.bench.estimate", "estimate memory, time, energy and cost of a training run on a cluster"),
 }
 

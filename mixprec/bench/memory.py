@@ -32,6 +32,16 @@ parts. The rules it encodes:
 * **Autocast weight copies**: under ``*-mixed`` each matmul weight is cast to the compute dtype
   once per step and kept for backward (``c`` bytes per matmul parameter).
 
+* **Per-layer formats** (a precision with overrides, mixprec's dense Transformer names
+  ``blocks.{i}.attn.qkv|attn.proj|mlp.fc|mlp.proj`` and ``head``): each Linear's weight copy is
+  counted in its own format (``bf16``/``fp16`` layers: 2 bytes per weight when the stored weight is
+  wider; ``fp32`` layers: none, and they store FP32 parameters without masters in the 16-bit "true"
+  modes; FP8 layers: like the surrounding compute dtype, as the uniform ``fp8-*`` modes always
+  were), and each Linear's *saved input* (``d``, ``d``, ``d`` and ``r*d`` per token for the four
+  block Linears) in its format's bytes instead of the compute dtype's (FP8 layers save their
+  input in the surrounding dtype). Everything else keeps the mode's dtypes: a simple, stated
+  approximation (MoE experts keep the mode's format).
+
 Peak = parameters + masters + moments + max(activation phase, gradient/optimizer phase), where the
 activation phase is weight copies + activations + the larger of the loss and block-backward buffers.
 """
@@ -45,7 +55,7 @@ import torch
 
 from mixprec.errors import ConfigError
 
-__all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "activation_bytes_per_token",
+__all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "activation_bytes_per_token", "dense_linears",
            "MOE_67B", "format_table", "configure", "run"]
 
 GB = 1e9
@@ -202,6 +212,47 @@ d=4096 with 16 experts, top-2."""
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
+def dense_linears(shape: ModelShape) -> list[tuple[str, int, int, int]]:
+    """(qualified name, weight elements, bias elements, saved-input width) of each Linear of
+    mixprec's Transformer of ``shape`` (MoE blocks contribute their attention Linears only)."""
+    d, hid, b = shape.d_model, shape._hidden, int(shape.bias)
+    out = []
+    for i in range(shape.num_layers):
+        out += [(f"blocks.{i}.attn.qkv", 3 * d * d, b * 3 * d, d),
+                (f"blocks.{i}.attn.proj", d * d, b * d, d)]
+        if not (shape.num_experts and i >= shape.dense_layers):
+            out += [(f"blocks.{i}.mlp.fc", d * hid, b * hid, d),
+                    (f"blocks.{i}.mlp.proj", d * hid, b * d, hid)]
+    return out + [("head", shape.vocab_size * d, 0, d)]
+
+
+def _per_layer(shape: ModelShape, precision, *, pb: int, cb: int, copies_on: bool
+               ) -> tuple[float, float, float, float] | None:
+    """(weight-copy bytes change, activation bytes per token change, max change of one block,
+    parameters moved to FP32) of per-layer formats against the uniform mode; None without overrides."""
+    if shape is None or not precision.policy.overrides or shape.attention_weights or shape.gated_mlp:
+        return None
+    from mixprec.precision.overrides import format_dtype
+    copy_delta = act_delta = fp32_params = 0.0
+    block_delta: dict[str, float] = {}
+    uniform_copy = cb if copies_on else 0
+    for name, numel, bias, width in dense_linears(shape):
+        fmt = precision.requested_format(name)
+        dt = format_dtype(fmt)
+        if dt is None:                                # FP8: as the surrounding compute dtype
+            continue
+        fb = _BYTES[dt]
+        layer_pb = 4 if fmt == "fp32" else pb
+        copy_delta += numel * ((fb if fb < layer_pb else 0) - uniform_copy)
+        if fmt == "fp32" and pb < 4:
+            fp32_params += numel + bias
+        if name != "head":
+            block = name.split(".")[1]
+            block_delta[block] = block_delta.get(block, 0.0) + (fb - cb) * width
+    act_delta = sum(block_delta.values())
+    return copy_delta, act_delta, max(block_delta.values(), default=0.0), fp32_params
+
+
 def activation_bytes_per_token(shape: ModelShape, compute_bytes: int, *, residual_bytes: int = 4,
                                checkpointing: bool = False, moe: bool | None = None) -> tuple[float, float]:
     """(bytes kept per token by one block, bytes of one block during its recompute or 0).
@@ -289,8 +340,12 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError("estimate_memory needs a model shape or num_parameters")
     P = num_parameters or shape.num_parameters()
     norm_params = shape.norm_parameters() if shape is not None else 0    # kept FP32 by every policy
-    low_p = P - norm_params
     pb, cb = _BYTES[policy.param_dtype], _BYTES[policy.compute_dtype]
+    mixed_copies = policy.autocast_copies_weights
+    layers = _per_layer(shape, policy, pb=pb, cb=cb, copies_on=mixed_copies)
+    if layers is not None:
+        norm_params += layers[3]                     # fp32 layers store FP32 params, no masters
+    low_p = P - norm_params
     params = low_p * pb + norm_params * 4
     grads = params
     masters = low_p * 4 if policy.keeps_masters else 0
@@ -300,12 +355,13 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
     # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks.
     scratch = 4 * P if optimizer == "adamw" else 0
-    mixed_copies = policy.autocast_copies_weights
     if shape is None:
         copies = low_p * cb if mixed_copies else 0
         acts = loss_buffers = backward_buffers = 0.0
     else:
         copies = shape.matmul_weights() * cb if mixed_copies else 0
+        if layers is not None:
+            copies += layers[0]
         tokens = batch * seq
         residual = pb if policy.stores_low_precision else 4
         kept_moe, rec_moe = activation_bytes_per_token(shape, cb, residual_bytes=residual,
@@ -315,6 +371,11 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         dense_layers = shape.num_layers - shape.moe_layers
         kept = shape.moe_layers * kept_moe + dense_layers * kept_dense
         recompute = max(rec_moe if shape.moe_layers else 0, rec_dense if dense_layers else 0)
+        if layers is not None:
+            if checkpointing:
+                recompute += layers[2]
+            else:
+                kept += layers[1]
         d, V = shape.d_model, shape.vocab_size
         head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids
         acts = tokens * (kept + recompute + head) / tp
@@ -323,7 +384,8 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
         backward_buffers = tokens * (recompute or biggest) / tp
     s = float(shards * tp * pp)
-    return MemoryEstimate(mode=policy.name, parameters=params / s, gradients=grads / s,
+    name = policy.name + ("+overrides" if layers is not None else "")
+    return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
                           loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
@@ -364,6 +426,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=float, default=None,
                         help="target total parameters (e.g. 67e9): sets the number of layers")
     parser.add_argument("--moe", type=int, default=None, help="experts per block (0: dense)")
+    parser.add_argument("--overrides", default=None, metavar="PATTERN=FORMAT,...",
+                        help="per-layer formats applied to every mode, e.g. 'blocks.0.*=fp32,head=bf16'")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--d-model", type=int, default=None)
 
@@ -395,6 +459,9 @@ def run(args: argparse.Namespace) -> int:
     shape = _shape_from_args(args)
     seq = args.seq or shape.max_seq_len
     modes = [m.strip() for m in args.precision.split(",") if m.strip()]
+    if getattr(args, "overrides", None):
+        from mixprec.engine import Precision
+        modes = [Precision(m, overrides=args.overrides) for m in modes]
     rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
                             shards=args.gpus) for m in modes]

@@ -11,6 +11,8 @@ storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``k
 FP32 master weights         :attr:`Precision.keeps_masters`; :meth:`setup` wraps or builds the
                             optimizer accordingly
 FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
+each Linear's format        :meth:`Precision.format_for` (per-module overrides, first match
+                            wins); :meth:`setup` swaps FP8 / FP32 / BF16 / FP16 layers
 loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
 the forward's dtype         :meth:`autocast`, :meth:`convert_output`
 gradient reduction          :attr:`reduce_dtype`, :meth:`fsdp_mixed_precision`,
@@ -45,6 +47,7 @@ from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
 from mixprec.precision import Policy, autocast, get_policy, hardware
 from mixprec.precision.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
+from mixprec.precision.overrides import check_patterns, normalize_overrides
 
 if TYPE_CHECKING:
     from mixprec.engine.overlap import OverlappedUpdate
@@ -70,23 +73,33 @@ class Precision:
             :class:`~mixprec.precision.Policy`.
         device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
             available, else CPU); decides ``auto`` and the autocast device type.
+        overrides: per-module compute formats ``{pattern: format}`` or ``((pattern, format), ...)``
+            (``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``; first match wins); they come before
+            (so win over) overrides the policy already carries, e.g. from a plan file.
         **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
             on only when the mode needs it (FP16); the non-finite check and skip are always on.
     """
 
     def __init__(self, precision: str | Policy | bool | None = "auto", *,
-                 device: torch.device | str | None = None, **scaler_options: Any) -> None:
+                 device: torch.device | str | None = None, overrides: Any = None,
+                 **scaler_options: Any) -> None:
         self._requested = precision
         self._auto = precision is True or (isinstance(precision, str)
                                            and precision.strip().lower() in ("auto", "true", "best"))
         self.device = torch.device(device) if device is not None else hardware.default_device()
         self.policy: Policy = get_policy(precision, device=self.device)
+        extra = normalize_overrides(overrides)
+        if extra:
+            self.policy = self.policy.replace(name=self.policy.name,
+                                              overrides=extra + self.policy.overrides)
         self._scaler_options = dict(scaler_options)
         self.scaler = self._make_scaler()
         self.notes: list[str] = []
         """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
         self.fp8_report = None
+        self.layer_formats: dict[str, str] = {}
+        """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
         self.last_grad_norm: torch.Tensor | None = None
         """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
 
@@ -175,12 +188,77 @@ class Precision:
         return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
 
     def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
-        """Whether ``module``'s own parameters stay FP32 (:meth:`Policy.keeps_fp32`)."""
-        return self.policy.keeps_fp32(qualified_name, module)
+        """Whether ``module``'s own parameters stay FP32 (:meth:`Policy.keeps_fp32`, or a Linear
+        whose per-layer format is ``fp32``)."""
+        if self.policy.keeps_fp32(qualified_name, module):
+            return True
+        return isinstance(module, nn.Linear) and self.policy.override_for(qualified_name) == "fp32"
 
     def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype:
         """The dtype ``module``'s own floating parameters are stored in under this mode."""
         return _F32 if self.keeps_fp32(qualified_name, module) else self.param_dtype
+
+    # --- per-layer formats ----------------------------------------------------------------------
+
+    @property
+    def base_format(self) -> str:
+        """The format a layer computes in when nothing makes it FP8 or overrides it: the compute
+        dtype's name (``fp32``, ``bf16`` or ``fp16``)."""
+        return dtype_name(self.compute_dtype)
+
+    @property
+    def default_format(self) -> str:
+        """What a Linear without an override asks for: ``fp8-<recipe>`` in ``fp8-*`` modes."""
+        return f"fp8-{self.policy.fp8_recipe}" if self.policy.fp8_recipe else self.base_format
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Some layer may run in FP8 (an ``fp8-*`` mode, or an FP8 override)."""
+        return bool(self.policy.fp8_recipe) or any(f.startswith("fp8-") for _, f in self.policy.overrides)
+
+    def requested_format(self, qualified_name: str) -> str:
+        """The format a Linear named ``qualified_name`` asks for: its first matching override,
+        else :attr:`default_format`. FP8 is granted only where the FP8 rules allow (see
+        :meth:`format_for`)."""
+        return self.policy.override_for(qualified_name) or self.default_format
+
+    def format_for(self, qualified_name: str, module: nn.Module) -> str:
+        """The format ``module`` computes in: after :meth:`setup`, what the layer actually runs
+        (an ``Fp8Linear``'s recipe, a ``FormatLinear``'s format, else the surrounding
+        :attr:`base_format`); for a Linear not yet set up, :meth:`requested_format`."""
+        from mixprec.fp8 import Fp8Conv1D, Fp8Linear
+        from mixprec.nn import FormatLinear
+        if isinstance(module, (Fp8Linear, Fp8Conv1D)):
+            return f"fp8-{module.config.recipe}"
+        if isinstance(module, FormatLinear):
+            return module.compute_format
+        if isinstance(module, nn.Linear) and qualified_name not in self.layer_formats:
+            return self.requested_format(qualified_name)
+        return self.base_format
+
+    def set_layer_format(self, model: nn.Module, qualified_name: str, fmt: str) -> str:
+        """Switch one Linear of a set-up ``model`` to ``fmt`` while training (re-planning).
+
+        The new module shares the old one's Parameters, so parameters, FP32 masters and optimizer
+        state are untouched; a delayed-scaling FP8 layer starts a fresh amax history. Storage
+        dtypes do not change (a layer switched to ``fp32`` computes in FP32 from its stored
+        weights). Returns the format the layer now runs in (FP8 rules may refuse FP8: then the
+        surrounding format)."""
+        from mixprec.engine.layer_formats import swap_layer
+        got = swap_layer(self, model, qualified_name, fmt)
+        self.layer_formats[qualified_name] = got
+        return got
+
+    def apply_layer_formats(self, model: nn.Module, formats: dict[str, str]) -> None:
+        """Bring a set-up ``model``'s Linears to ``formats`` (a saved :attr:`layer_formats`)."""
+        for name, fmt in formats.items():
+            if name in self.layer_formats and self.layer_formats[name] != fmt:
+                self.set_layer_format(model, name, fmt)
+
+    def describe_layers(self) -> list[str]:
+        """One line per Linear: its resolved format (after :meth:`setup`)."""
+        width = max((len(n) for n in self.layer_formats), default=0)
+        return [f"{n:<{width}}  {f}" for n, f in self.layer_formats.items()]
 
     def casts_before_sharding(self) -> bool:
         """Under FSDP2 the FP32 shards are the masters; only a mode without masters casts the
@@ -205,8 +283,14 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
 
     def describe(self) -> str:
-        """One line for logs."""
-        return self.policy.describe()
+        """One line for logs (after :meth:`setup`, with how many Linears run in each format)."""
+        text = self.policy.describe()
+        if self.layer_formats:
+            counts: dict[str, int] = {}
+            for f in self.layer_formats.values():
+                counts[f] = counts.get(f, 0) + 1
+            text += "; Linear layers: " + ", ".join(f"{n} {f}" for f, n in counts.items())
+        return text
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
@@ -247,7 +331,7 @@ class Precision:
                 f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
                 f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
                 f"precision '{wanted}', or build the optimizer without fp16_params")
-        self.policy = get_policy(wanted)
+        self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides)
         self.scaler = self._make_scaler()
         self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
                           f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
@@ -260,20 +344,31 @@ class Precision:
         master values back."""
         done = getattr(model, _SETUP_TAG, None)
         if done is not None:
-            if done != self.policy.spec():
+            if done != self._identity():
                 raise ConfigError(f"this model was already set up for precision {done}; build a "
-                                  f"new model to train it in {self.policy.spec()}")
+                                  f"new model to train it in {self._identity()}")
             return model
+        check_patterns(self.policy.overrides,
+                       [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device
         if not sharded or self.casts_before_sharding():
             self._cast(model, getattr(optimizer, "master_of", None))
-        if self.policy.fp8_recipe:
-            from mixprec.fp8 import convert_to_fp8
-            self.fp8_report = convert_to_fp8(model, config=self.fp8_config, policy=self.policy)
-        setattr(model, _SETUP_TAG, self.policy.spec())
+        self._apply_formats(model)
+        setattr(model, _SETUP_TAG, self._identity())
         return model
+
+    def _identity(self) -> str:
+        ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
+        return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
+
+    def _apply_formats(self, model: nn.Module) -> None:
+        """Give every Linear its format: FP8 layers become ``Fp8Linear`` (asked per module; the FP8
+        rules may keep one out, and the report says why), layers whose format differs from the
+        surrounding one become ``FormatLinear``; the rest stay as they are."""
+        from mixprec.engine.layer_formats import apply_formats
+        self.layer_formats = apply_formats(self, model)
 
     def _cast(self, model: nn.Module, master_of: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
         """Store each module's parameters in :meth:`param_dtype_for`; tag FP32 ones for optimizers.
@@ -394,10 +489,12 @@ class Precision:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.spec(), "name": self.name, "scaler": self.scaler.state_dict()}
+        return {"policy": self.policy.spec(), "name": self.name, "scaler": self.scaler.state_dict(),
+                "overrides": [list(o) for o in self.policy.overrides]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("policy") != self.policy.spec():
+        if state.get("policy") != self.policy.spec() or \
+                normalize_overrides(state.get("overrides", ())) != self.policy.overrides:
             raise CheckpointError(f"the state was saved under precision {state.get('name') or state.get('policy')}, "
                                   f"this run uses {self.name}; use the same precision to resume")
         self.scaler.load_state_dict(state["scaler"])

@@ -21,7 +21,8 @@ from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.exempt import is_norm
 from mixprec.precision.policy import Policy
 
-__all__ = ["convert_to_fp8", "prepare_fp8", "Fp8ConversionReport", "HEAD_NAMES", "GATE_NAMES"]
+__all__ = ["convert_to_fp8", "prepare_fp8", "fp8_skip_reason", "Fp8ConversionReport", "HEAD_NAMES",
+           "GATE_NAMES"]
 
 HEAD_NAMES: frozenset[str] = frozenset({"lm_head", "head", "output"})
 GATE_NAMES: frozenset[str] = frozenset({"gate", "router"})
@@ -35,6 +36,8 @@ class Fp8ConversionReport:
     converted: list[str] = field(default_factory=list)
     """Qualified names of the layers now running their GEMMs in FP8 (``Fp8Linear``, or
     ``Fp8Conv1D`` for a Hugging Face ``Conv1D``)."""
+    recipes: dict[str, str] = field(default_factory=dict)
+    """Recipe of each converted layer (differs from ``config``'s with per-layer formats)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(qualified name, reason) of Linears, embeddings and norms kept in high precision."""
     high_precision: str = "high precision"
@@ -52,7 +55,8 @@ class Fp8ConversionReport:
         lines = [f"{self.config.describe()}: {len(self.converted)} Linear layers converted, "
                  f"{len(self.skipped)} modules kept in {self.high_precision}; expected path: "
                  f"{self.expected_path}"]
-        lines += [f"  fp8   {name}" for name in self.converted]
+        lines += [f"  fp8   {name}" + (f" ({self.recipes[name]})" if self.recipes.get(name, self.config.recipe)
+                                            != self.config.recipe else "") for name in self.converted]
         lines += [f"  skip  {name}: {why}" for name, why in self.skipped]
         return "\n".join(lines)
 
@@ -61,9 +65,12 @@ def _tied_to_embedding(linear: nn.Linear, embedding_weights: set[int]) -> bool:
     return id(linear.weight) in embedding_weights
 
 
-def _skip_reason(name: str, module: nn.Module, parent: nn.Module | None,
-                 embedding_weights: set[int], shape: tuple[int, int]) -> str | None:
-    """Why a Linear (or Conv1D) of GEMM shape ``(in, out)`` stays in high precision, or None."""
+def fp8_skip_reason(name: str, module: nn.Module, parent: nn.Module | None,
+                    embedding_weights: set[int], shape: tuple[int, int] | None = None) -> str | None:
+    """Why the default rules keep a Linear (or Conv1D) of GEMM shape ``(in, out)`` out of FP8
+    (None: eligible). ``shape`` defaults to a Linear's ``(in_features, out_features)``."""
+    if shape is None:
+        shape = (module.in_features, module.out_features)
     last = name.rsplit(".", 1)[-1]
     if _tied_to_embedding(module, embedding_weights):
         return "output head tied to an embedding"
@@ -80,14 +87,17 @@ def _skip_reason(name: str, module: nn.Module, parent: nn.Module | None,
 
 def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
                    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-                   policy: Policy | None = None) -> Fp8ConversionReport:
+                   policy: Policy | None = None,
+                   config_fn: Callable[[nn.Module, str], Fp8Config | None] | None = None,
+                   ) -> Fp8ConversionReport:
     """Replace eligible ``nn.Linear`` submodules of ``model`` with :class:`Fp8Linear`, in place,
     and Hugging Face ``Conv1D`` ones (GPT-2; recognised by :func:`~mixprec.fp8.linear.is_conv1d`)
     with :class:`Fp8Conv1D`, which keeps the ``(in, out)`` weight layout and state-dict keys.
 
     ``module_filter_fn(module, qualified_name) -> bool`` is asked about every layer that passed
     the default rules; False keeps it in high precision. A ``policy`` adds its own FP32 exemptions
-    (``Policy.keeps_fp32``). Parameters are reused, so an optimizer built before the conversion
+    (``Policy.keeps_fp32``). ``config_fn(module, qualified_name)`` (per-layer precision) gives
+    each eligible Linear its own recipe, or None to keep it in high precision. Parameters are reused, so an optimizer built before the conversion
     stays valid. Returns a report of converted and skipped modules.
     """
     if not isinstance(config, Fp8Config):
@@ -120,16 +130,22 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
             shape, swap = tuple(module.weight.shape), Fp8Conv1D.from_conv1d
         else:
             continue
-        reason = _skip_reason(name, module, parent, embedding_weights, shape)
+        reason = fp8_skip_reason(name, module, parent, embedding_weights, shape)
         if reason is None and policy is not None and policy.keeps_fp32(name, module):
             reason = "kept in FP32 by the precision policy"
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
+        layer_config = config
+        if reason is None and config_fn is not None:
+            layer_config = config_fn(module, name)
+            if layer_config is None:
+                reason = "its per-layer precision is not FP8"
         if reason is not None:
             report.skipped.append((name, reason))
             continue
-        setattr(parent, child, swap(module, config, fqn=name))
+        setattr(parent, child, swap(module, layer_config, fqn=name))
         report.converted.append(name)
+        report.recipes[name] = layer_config.recipe
     device = next((p.device for p in model.parameters()), None)
     if config.backend == "emulated" or device is None or device.type != "cuda" or \
             not hardware.cuda_supports_fp8() or config.limited_accumulation or config.format == "e5m2":

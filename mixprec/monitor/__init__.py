@@ -2,6 +2,7 @@
 a pre-flight precision audit and a stuck-loss-scale watch."""
 from mixprec.monitor.audit import Finding, audit, audit_after_first_step, format_findings
 from mixprec.monitor.stats import NUMERICS_COLUMNS, NumericsMonitor, NumericsRow, Sample, range_counts, ulp
+from mixprec.monitor.replan import FormatSwitch, LayerReplanner
 from mixprec.monitor.stuck import ScaleWatch, StuckScaleWarning
 from mixprec.monitor.trace import (NonFiniteEvent, RngState, capture_rng_state, locate_nonfinite,
                                    replay_rng_state)
@@ -13,6 +14,8 @@ __all__ = [
     "NumericsMonitor", "NumericsRow", "Sample", "NUMERICS_COLUMNS", "range_counts", "ulp",
     # pre-flight audit
     "audit", "audit_after_first_step", "Finding", "format_findings",
+    # re-planning per-layer formats while training
+    "LayerReplanner", "FormatSwitch",
     # stuck loss scale
     "ScaleWatch", "StuckScaleWarning",
 ]

@@ -31,6 +31,11 @@ Checks (``code``: severity):
 * ``fp8-unsupported``, ``bf16-emulated``, ``fp16-emulated``: warning. The policy asks for a format
   the device does not compute natively; the fix names the preset to use instead.
 
+* ``layer-formats``: info. With per-layer formats (overrides, or FP8 in some layers only), the
+  format every Linear computes in (as :meth:`mixprec.Precision.format_for` resolves it).
+* ``fp8-override-refused``: warning. An override asks FP8 for a layer the FP8 rules keep out
+  (output head, gate, features not multiples of 16); the layer runs in the surrounding format.
+
 ``audit_after_first_step(model)`` adds ``no-gradient`` (warning): trainable parameters that got no
 gradient from one full step.
 """
@@ -206,6 +211,25 @@ def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding
             fix="use mixprec.nn.MoEGate (keep_in_fp32) or set keep_in_fp32 = True on the gate module"))
 
 
+def _check_formats(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:
+    formats = {n: precision.format_for(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if len(set(formats.values())) > 1 or precision.policy.overrides:
+        findings.append(Finding(
+            code="layer-formats", severity="info",
+            message="Linear layers compute in: " + ", ".join(f"{n}={f}" for n, f in formats.items()),
+            fix="change them with per-layer overrides (precision_overrides / [overrides]) or a plan "
+                "file from `mixprec plan`"))
+    report = precision.fp8_report
+    refused = [(n, why) for n, why in (report.skipped if report is not None else [])
+               if (precision.policy.override_for(n) or "").startswith("fp8-")]
+    if refused:
+        findings.append(Finding(
+            code="fp8-override-refused", severity="warning",
+            message="overrides ask FP8 for layers the FP8 rules keep out: " +
+                    "; ".join(f"{n} ({why}), runs {formats.get(n, precision.base_format)}" for n, why in refused),
+            fix="narrow the override pattern, or give these layers bf16/fp32 explicitly"))
+
+
 def _check_hardware(precision: Precision, device: torch.device, findings: list[Finding]) -> None:
     on_gpu = device.type == "cuda"
     dts = {precision.param_dtype, precision.compute_dtype}
@@ -277,6 +301,7 @@ def audit(model: nn.Module, *, policy: Policy | str | bool | None = None,
     _check_scaler(model, precision, scaler, findings)
     _check_layers(model, precision, findings)
     _check_hardware(precision, device, findings)
+    _check_formats(model, precision, findings)
     if loss_fn is not None:
         _check_loss(loss_fn, precision, findings)
     return sorted(findings, key=lambda f: _SEVERITIES.index(f.severity))

@@ -1,6 +1,7 @@
 """Numerics-safe layers: FP32-statistics norms, FP32-softmax attention, MoE with an FP32 router,
 and opt-in activation clamping."""
 from mixprec.nn.attention import ATTENTION_IMPLS, CausalSelfAttention, causal_attention_fp32_softmax
+from mixprec.nn.format_linear import FormatLinear
 from mixprec.nn.clamp import DEFAULT_CLAMP_BOUND, ClampHandle, clamp_activations
 from mixprec.nn.moe import Expert, MoEGate, MoELayer
 from mixprec.nn.norms import NORM_LAYERS, MixedPrecisionLayerNorm, RMSNorm, make_norm
@@ -12,6 +13,8 @@ __all__ = [
     "CausalSelfAttention", "causal_attention_fp32_softmax", "ATTENTION_IMPLS",
     # mixture of experts
     "MoELayer", "MoEGate", "Expert",
+    # per-layer compute format
+    "FormatLinear",
     # clamping
     "clamp_activations", "ClampHandle", "DEFAULT_CLAMP_BOUND",
 ]

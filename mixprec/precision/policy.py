@@ -28,6 +28,7 @@ from mixprec.errors import ConfigError, closest
 from mixprec.precision import hardware
 from mixprec.precision.dtypes import dtype_name, parse_dtype
 from mixprec.precision.exempt import is_norm
+from mixprec.precision.overrides import PLAN_PREFIX, Overrides, load_plan, match_override, normalize_overrides
 
 __all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES"]
 
@@ -68,6 +69,10 @@ class Policy:
     """Further module types whose own parameters stay FP32."""
     keep_fp32_names: tuple[str, ...] = ()
     """``fnmatch`` patterns of qualified module names whose parameters stay FP32."""
+    overrides: Overrides = ()
+    """Per-module compute formats, ordered ``((pattern, format), ...)``; the first pattern matching
+    a layer's name (or a parent's) wins. Formats: ``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``
+    (see :mod:`mixprec.precision.overrides`). Also accepts a dict (its order is kept)."""
 
     def __post_init__(self) -> None:
         for f in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
@@ -78,8 +83,6 @@ class Policy:
             object.__setattr__(self, f, dt)
         if self.master_weights is None:
             object.__setattr__(self, "master_weights", self.param_dtype in _LOW)
-        if self.loss_scaling is None:
-            object.__setattr__(self, "loss_scaling", _F16 in (self.param_dtype, self.compute_dtype))
         if self.param_dtype == _F16 and self.compute_dtype == _BF16 or \
            self.param_dtype == _BF16 and self.compute_dtype == _F16:
             raise ConfigError(f"param dtype {dtype_name(self.param_dtype)} with compute dtype "
@@ -93,6 +96,9 @@ class Policy:
                               f"; valid: {', '.join(recipes)}")
         object.__setattr__(self, "keep_fp32_types", tuple(self.keep_fp32_types))
         object.__setattr__(self, "keep_fp32_names", tuple(self.keep_fp32_names))
+        object.__setattr__(self, "overrides", normalize_overrides(self.overrides))
+        if self.loss_scaling is None:
+            object.__setattr__(self, "loss_scaling", self._derived_loss_scaling())
 
     # --- what the rest of mixprec asks --------------------------------------------------------
 
@@ -116,13 +122,23 @@ class Policy:
             return True
         return any(fnmatch.fnmatchcase(qualified_name, pat) for pat in self.keep_fp32_names)
 
+    def override_for(self, qualified_name: str) -> str | None:
+        """The compute format an override gives this module (first match wins), or None."""
+        return match_override(self.overrides, qualified_name)
+
     def cast_output(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.output_dtype) if x.is_floating_point() else x
 
     def replace(self, **changes) -> "Policy":
         """A copy with some fields changed (and ``name`` reset to ``"custom"`` unless given)."""
         changes.setdefault("name", "custom")
+        if "loss_scaling" not in changes and self.loss_scaling == self._derived_loss_scaling():
+            changes["loss_scaling"] = None   # derived, not chosen: derive it again (fp16 overrides)
         return dataclasses.replace(self, **changes)
+
+    def _derived_loss_scaling(self) -> bool:
+        return _F16 in (self.param_dtype, self.compute_dtype) or \
+            any(fmt == "fp16" for _, fmt in self.overrides)
 
     def spec(self) -> str:
         """The compact form, e.g. ``p=f32,c=bf16,o=f32,r=f32``."""
@@ -137,10 +153,14 @@ class Policy:
                   f"loss scaling {'dynamic' if self.loss_scaling else 'off'}"]
         if self.allow_tf32:
             extras.append("tf32 matmuls")
+        if self.overrides:
+            extras.append("overrides (first match wins) " +
+                          ", ".join(f"{pat}={fmt}" for pat, fmt in self.overrides))
         return f"{self.name} ({self.spec()}; {', '.join(extras)})"
 
     def __str__(self) -> str:
-        return self.name if self.name != "custom" else self.spec()
+        name = self.name if self.name != "custom" else self.spec()
+        return f"{name}+{len(self.overrides)} overrides" if self.overrides else name
 
 
 def _compact(dt: torch.dtype) -> str:
@@ -216,7 +236,8 @@ def get_policy(name: str | Policy | bool | None = True, *,
     Accepts a ``Policy``; a preset name (``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed``,
     ``bf16-true``, ``16-true``, ``fp8-*``); an alias other tools use (``fp32``, ``no``, ``bf16``,
     ``fp16``, ``mixed_float16``, ``mixed_bfloat16``); the compact form ``p=f32,c=bf16,o=f32``;
-    ``True`` for the best safe mixed mode on ``device`` (BF16 where the hardware runs it natively,
+    ``plan:PATH`` for a plan file (a base mode plus per-module overrides, written by
+    ``mixprec plan``); ``True`` for the best safe mixed mode on ``device`` (BF16 where the hardware runs it natively,
     FP16 with loss scaling on older GPUs, FP32 on CPUs that only emulate BF16); ``False``/``None``
     for FP32.
     """
@@ -229,6 +250,10 @@ def get_policy(name: str | Policy | bool | None = True, *,
     if not isinstance(name, str):
         raise ConfigError(f"precision must be a name, a Policy or a bool, not {type(name).__name__}")
     key = name.strip().lower()
+    if key.startswith(PLAN_PREFIX):
+        base, overrides = load_plan(name.strip()[len(PLAN_PREFIX):])
+        policy = get_policy(base, device=device)
+        return policy.replace(name=policy.name, overrides=overrides)
     if key in ("true", "auto", "best"):
         return _best_safe(torch.device(device) if device is not None else None)
     if "=" in key:

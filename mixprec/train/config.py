@@ -8,6 +8,7 @@ impossible values with a one-line message.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import typing
 from dataclasses import dataclass
@@ -29,7 +30,12 @@ class FitConfig:
     """Knobs of the training loop (:class:`mixprec.Trainer`)."""
 
     precision: str = "auto"
-    """Policy name (see ``mixprec.get_policy``); ``auto`` = best safe mode for this hardware."""
+    """Policy name (see ``mixprec.get_policy``); ``auto`` = best safe mode for this hardware;
+    ``plan:PATH`` = a plan file written by ``mixprec plan``."""
+    precision_overrides: tuple[tuple[str, str], ...] = ()
+    """Per-layer compute formats, first match wins: ``{"head": "bf16", "blocks.0.*": "fp32"}`` in
+    Python, an ``[overrides]`` table in TOML, ``precision_overrides=head=bf16,blocks.0.*=fp32`` on
+    the command line (see ``mixprec/precision/overrides.py``)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (skipped steps count). None: run ``epochs``."""
     epochs: int = 1
@@ -83,6 +89,12 @@ class FitConfig:
     """On a skipped step, replay the batch with hooks to find the layer that made the inf/NaN."""
     monitor_every: int = 0
     """Per-layer range statistics every N steps (0: off)."""
+    replan_every: int = 0
+    """Re-plan per-layer formats every N steps (0: off): an FP8 layer whose inputs stop fitting FP8
+    moves to the mode's non-FP8 format, and back after ``replan_window`` healthy samples
+    (``mixprec.monitor.LayerReplanner``)."""
+    replan_window: int = 3
+    """Healthy samples before a promoted layer returns to its planned FP8 format."""
     audit: bool = True
     """Run the pre-flight precision audit at the start of training."""
     progress: bool = True
@@ -99,14 +111,18 @@ class FitConfig:
     """Hugging Face models: also write a ``save_pretrained`` folder into each checkpoint
     (``checkpoints/step-N/hf``). The run's final weights always go to ``RUN_DIR/hf``."""
 
+    def __post_init__(self) -> None:
+        from mixprec.precision.overrides import normalize_overrides
+        object.__setattr__(self, "precision_overrides", normalize_overrides(self.precision_overrides))
+
     def validate(self) -> None:
-        positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches",
+        positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches", "replan_window",
                     "keep_last", "init_scale", "growth_interval", "hysteresis")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("eval_interval", "ckpt_interval", "warmup_steps", "monitor_every",
-                     "weight_decay", "profile"):
+                     "weight_decay", "profile", "replan_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps <= 0:
@@ -294,7 +310,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         p = Path(path)
         try:
             with p.open("rb") as f:
-                layers.append((f"file {p.name}", _flatten(tomllib.load(f)), False))
+                table = tomllib.load(f)
+            # [overrides] maps layer patterns to formats: a table of data, not a group of settings.
+            layer_table = table.pop("overrides", None)
+            flat = _flatten(table)
+            if layer_table is not None:
+                flat["precision_overrides"] = layer_table
+            layers.append((f"file {p.name}", flat, False))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {p}") from None
         except tomllib.TOMLDecodeError as e:
@@ -306,7 +328,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             if key not in types:
                 raise ConfigError(f"unknown setting '{key}' ({origin}){closest(key, types)}; valid: "
                                   f"{', '.join(sorted(types))}")
-            values[key] = _coerce(key, value, types[key], from_text=from_text)
+            if key == "precision_overrides":
+                from mixprec.precision.overrides import normalize_overrides
+                values[key] = normalize_overrides(value)
+            else:
+                values[key] = _coerce(key, value, types[key], from_text=from_text)
             source[key] = origin
     config = cls(**values)
     config.validate()
@@ -316,8 +342,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 def config_to_toml(config: FitConfig) -> str:
     """The resolved config as TOML (None values are written as comments)."""
     lines = []
+    table: list[str] = []
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
+        if f.name == "precision_overrides":
+            # TOML tables come after the plain keys; their order is kept (first match wins).
+            table = ["", "[overrides]", *(f"{json.dumps(pat)} = {json.dumps(fmt)}" for pat, fmt in v)]
+            continue
         if v is None:
             lines.append(f"# {f.name} = (none)")
         elif isinstance(v, bool):
@@ -326,4 +357,4 @@ def config_to_toml(config: FitConfig) -> str:
             lines.append(f"{f.name} = {v!r}")
         else:
             lines.append(f'{f.name} = "{v}"')
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + (table if len(table) > 2 else [])) + "\n"

@@ -99,9 +99,15 @@ class RunEvents:
                  f"run folder: {run_dir}"]
         if fp8_report is not None:
             lines.append(f"fp8: {fp8_report}")
+        if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
+            lines.append("layer formats:")
+            lines += [f"  {row}" for row in precision.describe_layers()]
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
         self.logger.event({"kind": "start", "step": step, "message": "; ".join(lines)})
+        self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
+                           "message": f"{len(precision.layer_formats)} Linear layers: "
+                                      + ", ".join(f"{n}={f}" for n, f in precision.layer_formats.items())})
 
     def skip(self, step: int, out: StepOutput, origin_event: Any) -> None:
         """Log a skipped step, with the layer that produced the inf/NaN when it was traced."""
@@ -127,6 +133,11 @@ class RunEvents:
             self._skips_unsaid = 0
         else:
             self._skips_unsaid += 1
+
+    def format_switch(self, switch: Any) -> None:
+        """A layer changed format while training (re-planning): terminal and events.jsonl."""
+        self.logger.event(switch.to_dict())
+        self._say(switch.message)
 
     def note(self, message: str, step: int, kind: str = "note") -> None:
         """A line for the console (rank 0) and ``events.jsonl``."""

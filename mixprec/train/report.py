@@ -36,23 +36,44 @@ _MAX_EVENTS_SHOWN = 200
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``mixprec report``."""
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run folder `mixprec train` printed")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                        help="the run folder `mixprec train` printed; several: one page overlaying "
+                             "them (the first is the reference)")
     parser.add_argument("-o", "--out", metavar="OUT", default=None,
-                        help="folder for the PNGs and report.html (default: RUN_DIR/report)")
+                        help="folder for the PNGs and report.html (default: RUN_DIR/report, or "
+                             "FIRST_RUN/compare for several runs)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Write the report and print where it is."""
+    """Write the report (or, for several runs, the comparison) and print where it is."""
     try:
-        html_path = write_report(args.run_dir, args.out)
+        if len(args.run_dir) > 1:
+            return _compare(args)
+        html_path = write_report(args.run_dir[0], args.out)
     except OSError as e:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
             raise
-        where = args.out or Path(args.run_dir) / "report"
+        where = args.out or Path(args.run_dir[0]) / "report"
         raise DataError(f"cannot write the report into {where} ({e.strerror}); write it elsewhere "
                         "with --out DIR") from None
     print(f"report: {html_path}")
     print(f"plots:  {html_path.parent}/*.png")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """``mixprec report RUN_A RUN_B ...``: the overlay page and a summary table."""
+    from mixprec.train.compare import _load as _load_run
+    from mixprec.train.compare import compare_summary, write_comparison
+    html_path = write_comparison(args.run_dir, args.out)
+    rows = compare_summary([_load_run(Path(d)) for d in args.run_dir])
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join("-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
+                         f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    print(f"comparison: {html_path}")
+    print(f"plots:      {html_path.parent}/compare_*.png")
     return 0
 
 
@@ -405,6 +426,9 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out, config), _plot_grad_norm(rows, out),
                           _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
     images += _plot_numerics(numerics, out)
+    from mixprec.train.format_timeline import plot_formats
+    last = max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)
+    images += [p for p in (plot_formats(events, last, out),) if p is not None]
     html_path = out / "report.html"
     html_path.write_text(_html(run_path, summarize(rows, events, config), images, events,
                                _profile_html(run_path, out)), encoding="utf-8")

@@ -51,7 +51,8 @@ class Checkpointer:
         self.export_hf = export_hf
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             precision: Precision, scheduler: Any, loader: Any, config: Any) -> Path | None:
+             precision: Precision, scheduler: Any, loader: Any, config: Any,
+             replanner: Any = None) -> Path | None:
         """Write checkpoint ``step`` atomically; collectives (FSDP) run on every rank."""
         strategy = self.strategy
         cfg = dataclasses.asdict(config)
@@ -60,6 +61,10 @@ class Checkpointer:
             "epoch": epoch,
             "policy": precision.policy.spec(),
             "precision": precision.name,
+            "overrides": [list(o) for o in precision.policy.overrides],
+            # The current per-layer formats (re-planning changes them) and the re-planner's state.
+            "layer_formats": dict(precision.layer_formats),
+            "replan": replanner.state_dict() if replanner is not None else None,
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
             # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
             "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
@@ -97,7 +102,7 @@ class Checkpointer:
         return export_pretrained(self.strategy.unwrap(model), folder, state_dict=state)
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-             precision: Precision, scheduler: Any, loader: Any) -> Restored:
+             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None) -> Restored:
         """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
         strategy = self.strategy
         model_state, state, _meta = ckpt.load_checkpoint(path)
@@ -106,6 +111,11 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} was trained with precision {saved}, this run uses "
                 f"{precision.name}; resume with --precision {saved}")
+        saved_overrides = tuple(tuple(o) for o in state.get("overrides", ()))
+        if saved_overrides != precision.policy.overrides:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with per-layer overrides {list(saved_overrides)}, "
+                f"this run uses {list(precision.policy.overrides)}; resume with the same overrides")
         try:
             strategy.load_model_state_dict(model, model_state)
         except (RuntimeError, KeyError) as e:
@@ -113,6 +123,10 @@ class Checkpointer:
             first = " ".join(lines[:2])[:240]
             raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
                                   "the model settings it was saved with") from None
+        # Same Parameters whatever the formats: restore the plan, then the optimizer.
+        precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
+        if replanner is not None and state.get("replan"):
+            replanner.load_state_dict(state["replan"])
         strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         precision.scaler.load_state_dict(state["scaler"])
         scheduler.load_state_dict(state["scheduler"])

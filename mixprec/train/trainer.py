@@ -24,7 +24,7 @@ from torch.autograd.profiler import record_function
 
 from mixprec.engine import OverlappedUpdate, Precision
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
-from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
+from mixprec.monitor import LayerReplanner, NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
@@ -85,9 +85,12 @@ class Trainer:
         self.device = self.strategy.device
         cfg = self.config
         choice = mixed_precision if mixed_precision is not None else cfg.precision
+        if isinstance(choice, Precision) and cfg.precision_overrides:
+            raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
+                              "mixprec.Precision(mode, overrides=...)")
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, init_scale=cfg.init_scale,
+            choice, device=self.device, overrides=cfg.precision_overrides, init_scale=cfg.init_scale,
             growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis,
             min_scale=cfg.min_scale, on_min_scale=cfg.on_stuck_scale)
         self.loss_fn = loss_fn
@@ -103,6 +106,7 @@ class Trainer:
         self.scale_watch = None
         self.overlap: OverlappedUpdate | None = None
         self.profiler: StepProfiler | None = None
+        self.replanner = None
 
     @property
     def policy(self) -> Policy:
@@ -167,6 +171,12 @@ class Trainer:
         self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
                                          per_module=False if cfg.compile else None)
                         if cfg.overlap_optimizer else None)
+        if cfg.replan_every:
+            if sharded:
+                raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
+                                  "them: use strategy=ddp or single, or replan_every=0")
+            self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
+                                            window=cfg.replan_window)
 
     _prepare = prepare  # older name, kept for callers of 0.1
 
@@ -185,7 +195,7 @@ class Trainer:
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
         if self.overlap is not None:
             self.overlap.begin_step()                     # FSDP2/compiled: wait for the update
-        with self._sample_numerics():                     # hooks only on sampled steps
+        with self._sample_numerics(), self._sample_formats():   # hooks only on sampled steps
             for i, batch in enumerate(micro_batches):
                 inputs, targets = self.strategy.to_device(batch)
                 # Gradients are all-reduced only in the last micro-batch's backward.
@@ -220,6 +230,11 @@ class Trainer:
         if self.monitor is None:
             return contextlib.nullcontext()
         return self.monitor.sample(self.step + 1)
+
+    def _sample_formats(self) -> contextlib.AbstractContextManager:
+        if self.replanner is None:
+            return contextlib.nullcontext()
+        return self.replanner.sample(self.strategy.unwrap(self.model), self.step + 1)
 
     def _track_updates(self) -> contextlib.AbstractContextManager:
         if self.monitor is None:
@@ -330,7 +345,8 @@ class Trainer:
         self.settle()
         return self.checkpointer.save(step=self.step, epoch=self.epoch, model=self.model,
                                       optimizer=self.optimizer, precision=self.precision,
-                                      scheduler=self.scheduler, loader=loader, config=self.config)
+                                      scheduler=self.scheduler, loader=loader, config=self.config,
+                                      replanner=self.replanner)
 
     def fit(self, train_loader: Iterable[Batch], val_loader: Iterable[Batch] | None = None, *,
             resume: str | Path | bool | None = None) -> FitResult:
@@ -348,7 +364,7 @@ class Trainer:
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
                 optimizer=self.optimizer, precision=self.precision, scheduler=self.scheduler,
-                loader=train_loader)
+                loader=train_loader, replanner=self.replanner)
             self.step, self.epoch, self._loader_resumed = (restored.step, restored.epoch,
                                                            restored.loader_resumed)
         try:
@@ -492,6 +508,10 @@ class Trainer:
                 self.events.warn("stuck-scale", self.step, warning)
         if self.monitor is not None and self.monitor.should_sample(self.step):
             logger.log_numerics(self.monitor.last_rows)
+        if self.replanner is not None:
+            # Layers whose inputs stopped fitting FP8 move up, healthy ones move back.
+            for switch in self.replanner.decide(self.strategy.unwrap(self.model), self.step):
+                self.events.format_switch(switch)
 
 
 class _Meter:

@@ -1,0 +1,6 @@
+"""Per-layer precision planning: measure each Linear's sensitivity and cost, choose its format
+(``mixprec plan``, :func:`plan_precision`)."""
+from mixprec.plan.plan import LayerMeasure, PrecisionPlan, format_throughput
+from mixprec.plan.planner import DEFAULT_CANDIDATES, plan_precision
+
+__all__ = ["plan_precision", "PrecisionPlan", "LayerMeasure", "DEFAULT_CANDIDATES", "format_throughput"]

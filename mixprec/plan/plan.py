@@ -1,0 +1,238 @@
+"""A per-layer precision plan: what the planner measured, the choice, and how it is shown.
+
+:class:`PrecisionPlan` holds one :class:`LayerMeasure` per Linear; :func:`choose` spends the loss
+budget greedily (see :mod:`mixprec.plan.planner`); :func:`format_throughput` gives the FLOP/s per
+format the step-time model uses (measured here, or a GPU's datasheet).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.engine import Precision
+from mixprec.precision.overrides import LAYER_FORMATS, format_dtype, write_plan
+
+__all__ = ["PrecisionPlan", "LayerMeasure", "format_throughput", "choose"]
+
+
+@dataclass
+class LayerMeasure:
+    """What the planner measured for one Linear."""
+
+    name: str
+    flops_per_token: int
+    """Training GEMM FLOPs per token: ``6 * in_features * out_features``."""
+    flops_share: float = 0.0
+    """Share of all measured Linears' GEMM FLOPs."""
+    sqnr_out: dict[str, float] = field(default_factory=dict)
+    sqnr_grad: dict[str, float] = field(default_factory=dict)
+    loss_change: dict[str, float] = field(default_factory=dict)
+    """Relative loss change per format (fraction of the FP32 loss)."""
+    loss_change_est: dict[str, float] = field(default_factory=dict)
+    """Second-order (Fisher) estimate of the relative loss increase per format."""
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Formats this layer cannot run in, and why (FP8 rules)."""
+    chosen: str = "fp32"
+
+
+@dataclass
+class PrecisionPlan:
+    """A plan: one format per Linear, the measurements behind it, and what it is estimated to save."""
+
+    base: str
+    """The mode everything outside the planned Linears runs in (the plan file's ``precision``)."""
+    layers: list[LayerMeasure]
+    throughput: dict[str, float]
+    """FLOP/s per format used for the cost."""
+    target: str
+    budget: float
+    criterion: str
+    """``fisher`` (budget spent on the estimated loss increase) or ``measured``."""
+    loss: float
+    """Mean FP32 calibration loss."""
+    step_time: float = 0.0
+    """Estimated GEMM seconds per token under the plan."""
+    step_time_fp32: float = 0.0
+    step_time_fastest: float = 0.0
+    """... with every layer in its fastest available candidate, ignoring the budget."""
+    loss_change: float = 0.0
+    """Summed relative loss change of the chosen formats."""
+    seconds: float = 0.0
+    """Wall time the planner took."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def formats(self) -> dict[str, str]:
+        return {m.name: m.chosen for m in self.layers}
+
+    @property
+    def overrides(self) -> tuple[tuple[str, str], ...]:
+        """Exact layer names -> format (no wildcards, so order does not matter)."""
+        return tuple((m.name, m.chosen) for m in self.layers)
+
+    def precision(self, **kwargs: Any) -> Precision:
+        """A :class:`mixprec.Precision` running this plan."""
+        return Precision(self.base, overrides=self.overrides, **kwargs)
+
+    def write(self, path: str | Path) -> Path:
+        """The plan file (JSON with the measurements, or TOML with the formats only)."""
+        return write_plan(path, self.base, self.overrides, target=self.target, budget=self.budget,
+                          criterion=self.criterion,
+                          loss=self.loss, step_time=self.step_time, step_time_fp32=self.step_time_fp32,
+                          loss_change=self.loss_change, throughput=self.throughput,
+                          planner_seconds=self.seconds, notes=self.notes,
+                          layers=[_finite(asdict(m)) for m in self.layers])
+
+    def table(self) -> str:
+        """The planner's table: layer, FLOPs share, SQNR (out/grad) and loss change per format, choice."""
+        fmts = [f for f in self._formats() if f != "fp32"]
+        head = f"{'layer':<22} {'flops':>6} " + " ".join(f"{_short(f):>29}" for f in fmts) + "  chosen"
+        sub = f"{'':<22} {'share':>6} " + " ".join(f"{'sqnr o/g dB  dloss% meas/est':>29}" for _ in fmts)
+        lines = [head, sub]
+        for m in self.layers:
+            cells = []
+            for f in fmts:
+                if f in m.unavailable:
+                    cells.append(f"{'n/a':>29}")
+                else:
+                    cells.append(f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_grad[f]:>5.1f} "
+                                 f"{100 * m.loss_change[f]:>8.4f}/{100 * m.loss_change_est[f]:<8.4f}")
+            lines.append(f"{m.name:<22} {100 * m.flops_share:>5.1f}% " + " ".join(cells) + f"  {m.chosen}")
+        counts: dict[str, int] = {}
+        for m in self.layers:
+            counts[m.chosen] = counts.get(m.chosen, 0) + 1
+        lines.append(f"plan: {', '.join(f'{n} {f}' for f, n in counts.items())}; base {self.base}; "
+                     f"{self.criterion} loss change {100 * self.loss_change:.4f}% of {self.loss:.4f} (budget "
+                     f"{100 * self.budget:.3f}%); GEMM time per token {self.step_time / self.step_time_fp32:.3f}x "
+                     f"of all-fp32 (fastest possible {self.step_time_fastest / self.step_time_fp32:.3f}x) "
+                     f"at {self.target} throughput; planner took {self.seconds:.1f} s")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _formats(self) -> list[str]:
+        seen = []
+        for m in self.layers:
+            for f in [*m.sqnr_out, *m.unavailable]:
+                if f not in seen:
+                    seen.append(f)
+        return sorted(seen, key=LAYER_FORMATS.index)
+
+    def plot(self, path: str | Path) -> Path:
+        """A PNG: output SQNR per layer and format (bars), the chosen format marked."""
+        from matplotlib.figure import Figure
+        fmts = [f for f in self._formats() if f != "fp32"]
+        names = [m.name for m in self.layers]
+        fig = Figure(figsize=(max(6, 0.5 * len(names) + 2), 6))
+        ax, ax2 = fig.subplots(2, 1, sharex=True)
+        width = 0.8 / max(len(fmts), 1)
+        for i, f in enumerate(fmts):
+            xs = [j + (i - (len(fmts) - 1) / 2) * width for j in range(len(names))]
+            ax.bar(xs, [min(m.sqnr_out.get(f, 0.0), 80) for m in self.layers], width, label=f)
+            ax2.bar(xs, [100 * m.loss_change.get(f, 0.0) for m in self.layers], width, label=f)
+        ax.set_ylabel("output SQNR vs fp32 (dB)")
+        ax2.set_ylabel("loss change (% of loss)")
+        ax2.set_yscale("symlog", linthresh=1e-3)
+        ax.legend(fontsize=8)
+        ax2.set_xticks(range(len(names)))
+        ax2.set_xticklabels([f"{n}\n[{m.chosen}]" for n, m in zip(names, self.layers)], rotation=90,
+                            fontsize=7)
+        ax.set_title(f"per-layer sensitivity; chosen format in brackets (base {self.base}, "
+                     f"budget {100 * self.budget:.3f}%)", fontsize=9)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        return path
+
+
+def _short(fmt: str) -> str:
+    return fmt.replace("fp8-", "fp8/")
+
+
+def _finite(d: dict) -> dict:
+    """JSON has no inf: an exact match (infinite SQNR) is written as 999 dB."""
+    def fix(v):
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        return 999.0 if isinstance(v, float) and v == float("inf") else v
+    return fix(d)
+
+
+def format_throughput(target: str, candidates: Sequence[str], *, device: torch.device,
+                      n: int = 512, min_time: float = 0.1) -> tuple[dict[str, float], list[str]]:
+    """FLOP/s per candidate format: measured here (``target="measure"``) or a GPU's datasheet."""
+    notes: list[str] = []
+    if target != "measure":
+        from mixprec.bench.gpus import get_gpu
+        gpu = get_gpu(target)
+        out = {}
+        for f in candidates:
+            kind = "fp8" if f.startswith("fp8-") else ("bf16" if f in ("bf16", "fp16") else "fp32")
+            value = getattr(gpu, f"{kind}_tflops")
+            if value is None:
+                notes.append(f"{gpu.name} has no FP8 tensor cores: {f} left out")
+                continue
+            out[f] = value * 1e12
+        notes.append(f"throughput: {gpu.name} dense datasheet peaks ({gpu.source})")
+        return out, notes
+    from mixprec.bench.matmul import _time_matmul
+    from mixprec.precision import hardware
+    out = {}
+    fp8_native = device.type == "cuda" and hardware.cuda_supports_fp8()
+    for f in candidates:
+        if f.startswith("fp8-"):
+            if not fp8_native:
+                notes.append(f"{f} left out: no FP8 GEMMs on {device.type} (it would be emulated, "
+                             "slower than fp32); plan for a GPU with target='H100'")
+                continue
+            if "fp8" not in out:
+                out["fp8"] = _time_matmul("fp8", None, device, n, min_time)
+            out[f] = out["fp8"]
+        else:
+            out[f] = _time_matmul(f, format_dtype(f), device, n, min_time)
+    out.pop("fp8", None)
+    notes.append(f"throughput: measured on {device.type} with {n}x{n} GEMMs: " +
+                 ", ".join(f"{f} {v / 1e9:.0f} GFLOPS" for f, v in out.items()))
+    return out, notes
+
+
+def choose(plan: PrecisionPlan, cands: list[str]) -> None:
+    """Greedy: most accurate first, then the best time saved per loss change within the budget."""
+    thr = plan.throughput
+
+    def t(m: LayerMeasure, f: str) -> float:
+        return m.flops_per_token / thr[f]
+
+    avail = {m.name: [f for f in cands if f in m.loss_change] for m in plan.layers}
+    cost = {m.name: (m.loss_change_est if plan.criterion == "fisher" else m.loss_change)
+            for m in plan.layers}
+    for m in plan.layers:
+        m.chosen = "fp32"
+    used = 0.0
+    while True:
+        best = None
+        for m in sorted(plan.layers, key=lambda m: m.name):
+            cur = m.chosen
+            for g in avail[m.name]:
+                gain = t(m, cur) - t(m, g)
+                if gain <= 0:
+                    continue
+                dc = cost[m.name][g] - cost[m.name][cur]
+                if used + dc > plan.budget:
+                    continue
+                key = (gain / max(dc, 1e-15), gain)
+                if best is None or key > best[0]:
+                    best = (key, m, g, dc)
+        if best is None:
+            break
+        _, m, g, dc = best
+        m.chosen = g
+        used += dc
+    plan.loss_change = used
+    plan.step_time = sum(t(m, m.chosen) for m in plan.layers)
+    plan.step_time_fp32 = sum(t(m, "fp32") for m in plan.layers)
+    plan.step_time_fastest = sum(min(t(m, f) for f in avail[m.name]) for m in plan.layers)

@@ -1,0 +1,245 @@
+"""The per-layer precision planner: measure each Linear's sensitivity and cost, pick its format.
+
+One FP32 forward and backward over the calibration batches records, for every Linear ``L``, its
+input, output and output gradient, and its weight gradient. Then for every candidate format ``f``
+``L`` is built as it would run in training (:class:`mixprec.Precision` with a per-layer override,
+so the FP8 rules and modules are the training ones), and, with *only* ``L`` in ``f``:
+
+* output SQNR: ``L_f(x)`` against ``L``'s FP32 output on the recorded inputs
+  (:func:`mixprec.fp8.sqnr_db`),
+* gradient SQNR: ``L_f``'s weight gradient, from the recorded inputs and FP32 output gradients,
+  against the FP32 weight gradient,
+* loss change, measured: the model's forward loss with ``L`` swapped for ``L_f``: ``mean
+  |loss_f - loss_fp32| / mean loss_fp32`` over the batches,
+* loss change, estimated: the expected loss *increase* from ``L``'s output error ``e``, to second
+  order with the diagonal empirical Fisher: ``1/2 * N * sum (g * e)^2`` per batch (``g`` the
+  recorded gradient of the batch-mean loss w.r.t. ``L``'s output, ``N`` its rows), over the loss.
+
+Why two: quantization noise is uncorrelated with the gradient, so the *first-order* term
+``g . e`` of a measured loss difference is zero-mean noise, and on a few calibration batches it
+dominates (measured on the outlier model of ``tests/plan/test_planner.py``: 0.004-0.08 % for
+ordinary layers in ``fp8-tensorwise`` against 0.33 % for the outlier layer, while the estimate
+gives 0.0001-0.002 % against 0.108 %). The budget is spent on the estimate (``criterion="fisher"``, the
+default) or on the measured change (``criterion="measured"``); the table shows both.
+
+Cost: one FP32 forward+backward, then per (layer, format) one forward over the batches plus the
+layer's own GEMMs.
+
+Step-time model: each layer's GEMM FLOPs per token (``6 * in * out``: forward, input and weight gradient) at
+the throughput of its format: measured on this machine with ``mixprec bench matmul``'s timer
+(``target="measure"``), or the dense datasheet peaks of a GPU from :data:`mixprec.bench.gpus.GPUS`
+(``target="H100"``, ...). On a device without FP8 GEMMs FP8 would be emulated, so measured
+targets drop the FP8 candidates (with a note). The estimated step time is the sum of the GEMM
+times; the rest of the step does not depend on the plan and is left out.
+
+Choice: every layer starts in its most accurate available candidate; then, greedily, the move
+(layer -> faster format) with the largest time saved per unit of added loss change is taken while
+the summed loss change stays within ``budget`` (a fraction of the loss; default 0.1 %). Ties go to
+the larger saving, then to the layer name, so a plan is deterministic for a seed and a stated
+throughput table.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.engine import Precision
+from mixprec.errors import ConfigError
+from mixprec.fp8 import sqnr_db
+from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
+from mixprec.precision.overrides import parse_format
+
+__all__ = ["plan_precision", "DEFAULT_CANDIDATES"]
+
+DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "fp8-tensorwise", "fp8-blockwise")
+
+
+def _reference(model: nn.Module, batches: Sequence[Any], objective: Callable, names: list[str],
+               seed: int) -> tuple[list[float], dict[str, list[tuple[torch.Tensor, ...]]]]:
+    """The FP32 pass: losses; per Linear and batch its (input, output, output gradient)."""
+    seen: dict[str, list[list[torch.Tensor]]] = {n: [] for n in names}
+    mods = dict(model.named_modules())
+
+    def hook(name):
+        def fn(module, args, output):
+            rec = [args[0].detach(), output.detach()]
+            seen[name].append(rec)
+            if output.requires_grad:
+                output.register_hook(lambda g: rec.append(g.detach()))
+        return fn
+
+    handles = [mods[n].register_forward_hook(hook(n)) for n in names]
+    losses = []
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for inputs, targets in batches:
+                loss = objective(model, inputs, targets).float()
+                (loss / len(batches)).backward()
+                losses.append(float(loss.detach()))
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return losses, {n: [tuple(r) for r in v] for n, v in seen.items()}
+
+
+@torch.no_grad()
+def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Sequence[Any],
+                 objective: Callable, seed: int) -> list[float]:
+    """Forward losses of ``model`` with the Linear ``name`` temporarily replaced by ``variant``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    original = getattr(parent, child)
+    setattr(parent, child, variant)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return [float(objective(model, x, y).float()) for x, y in batches]
+    finally:
+        setattr(parent, child, original)
+
+
+def _local(layer: nn.Module, records: list[tuple[torch.Tensor, ...]]
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output, weight gradient) of ``layer`` on its recorded FP32 inputs, with the recorded FP32
+    output gradients flowing into it: the layer alone, everything around it exact. (Measured for
+    the FP32 layer too, so a weight shared with another module, a tied head, compares like with
+    like.)"""
+    layer.zero_grad(set_to_none=True)
+    outs = []
+    with torch.enable_grad():
+        for rec in records:
+            y = layer(rec[0])
+            outs.append(y.detach().float().flatten())
+            if len(rec) > 2:
+                y.backward(rec[2].to(y.dtype))
+    g = layer.weight.grad
+    g = None if g is None else g.detach().float().clone()
+    layer.zero_grad(set_to_none=True)
+    return torch.cat(outs), g
+
+
+def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tensor, out: torch.Tensor
+                   ) -> float:
+    """Second-order estimate of the loss increase from the layer's output error ``dy_err``:
+    ``1/2 * sum_t (N * g_t)^2 . dy_err_t^2 / N`` per batch (diagonal empirical Fisher, ``g`` the
+    recorded gradient of the batch-mean loss w.r.t. the output, ``N`` its rows), averaged over
+    batches. Non-negative and free of the first-order noise a measured loss difference carries."""
+    total, start = 0.0, 0
+    for rec in records:
+        if len(rec) < 3:
+            return float("nan")
+        g = rec[2].float().reshape(-1, rec[2].shape[-1])
+        n = g.shape[0]
+        err = (out[start:start + g.numel()] - ref_out[start:start + g.numel()]).reshape(g.shape)
+        start += g.numel()
+        total += 0.5 * n * float((g.square() * err.square()).sum())
+    return total / len(records)
+
+
+def plan_precision(model: nn.Module, batches: Sequence[Any], *,
+                   candidates: Sequence[str] = DEFAULT_CANDIDATES, budget: float = 1e-3,
+                   base: str = "auto", target: str | None = None,
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                   layers: Sequence[str] | None = None, seed: int = 0, criterion: str = "fisher",
+                   progress: Callable[[str], None] | None = None) -> PrecisionPlan:
+    """Measure each Linear's sensitivity to each candidate format and choose a plan (module doc).
+
+    ``model``: an FP32 model (left untouched: the planner works on copies). ``batches``: a few
+    calibration batches ``(inputs, targets)``; the loss comes from the model as in ``fit()``
+    (``loss_fn(outputs, targets)`` if given). ``budget``: the summed loss change allowed, as a
+    fraction of the loss. ``base``: the mode outside the planned Linears (``auto`` resolves to the
+    best safe mode here). ``target``: ``"measure"`` (this machine) or a GPU name from the
+    ``mixprec estimate`` table; default: measure on a CUDA GPU with FP8, else ``H100`` (stated in
+    the notes). ``layers``: restrict to these Linear names. ``criterion``: what the budget is
+    spent on, ``fisher`` (estimated loss increase) or ``measured`` (see the module docstring).
+    """
+    if criterion not in ("fisher", "measured"):
+        raise ConfigError(f"criterion must be 'fisher' or 'measured', not '{criterion}'")
+    t0 = time.perf_counter()
+    if not batches:
+        raise ConfigError("plan_precision needs at least one calibration batch")
+    if not 0 <= budget < 1:
+        raise ConfigError(f"budget is a fraction of the loss in [0, 1), e.g. 0.001 for 0.1 %, not {budget}")
+    cands = list(dict.fromkeys(parse_format(c) for c in candidates))
+    if "fp32" not in cands:
+        cands.insert(0, "fp32")            # the reference every layer may fall back to
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    from mixprec.precision import hardware
+    if target is None:
+        target = "measure" if device.type == "cuda" and hardware.cuda_supports_fp8() else "H100"
+    throughput, notes = format_throughput(target, cands, device=device)
+    if target != "measure" and device.type != "cuda":
+        notes.insert(0, f"planning for {target} (datasheet throughput) while measuring numerics on "
+                        f"{device.type}; target='measure' plans for this machine's own speed")
+    cands = [c for c in cands if c in throughput]
+    base_precision = Precision(base, device=device)
+    base_name = base_precision.name
+    say = progress or (lambda s: None)
+
+    from mixprec.train.objective import make_objective
+    ref_model = copy.deepcopy(model)
+    Precision("32-true", device=device).setup(ref_model)
+    ref_model.train()
+    objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
+    names = [n for n, m in ref_model.named_modules() if isinstance(m, nn.Linear)]
+    if layers is not None:
+        unknown = [n for n in layers if n not in names]
+        if unknown:
+            from mixprec.errors import closest
+            raise ConfigError(f"no Linear named '{unknown[0]}'{closest(unknown[0], names)}")
+        names = [n for n in names if n in layers]
+    ref_losses, records = _reference(ref_model, batches, objective, names, seed)
+    ref_loss = sum(ref_losses) / len(ref_losses)
+    # One copy per format with every eligible Linear in that format (the FP8 rules refuse some):
+    # each trial swaps one of its layers into the FP32 model.
+    variants: dict[str, nn.Module] = {}
+    refused: dict[str, dict[str, str]] = {}
+    for f in cands:
+        if f == "fp32":
+            continue
+        trial = copy.deepcopy(model)
+        prec = Precision("32-true", device=device, overrides=(("*", f),))
+        prec.setup(trial)
+        trial.train()
+        variants[f] = trial
+        why = dict(prec.fp8_report.skipped) if prec.fp8_report else {}
+        refused[f] = {n: why.get(n, f"runs {got}") for n, got in prec.layer_formats.items() if got != f}
+
+    mods = dict(ref_model.named_modules())
+    measures = [LayerMeasure(n, 6 * mods[n].in_features * mods[n].out_features) for n in names]
+    total = sum(m.flops_per_token for m in measures)
+    for m in measures:
+        m.flops_share = m.flops_per_token / total
+    for i, m in enumerate(measures):
+        ref_out, ref_grad = _local(mods[m.name], records[m.name])
+        for f in cands:
+            if f == "fp32":
+                m.sqnr_out[f] = m.sqnr_grad[f] = float("inf")
+                m.loss_change[f] = m.loss_change_est[f] = 0.0
+                continue
+            if m.name in refused[f]:
+                m.unavailable[f] = refused[f][m.name]
+                continue
+            variant = variants[f].get_submodule(m.name)
+            out, grad = _local(variant, records[m.name])
+            m.sqnr_out[f] = sqnr_db(ref_out, out)
+            m.loss_change_est[f] = _fisher_change(records[m.name], ref_out, out) / ref_loss
+            m.sqnr_grad[f] = sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else float("nan")
+            losses = _losses_with(ref_model, m.name, variant, batches, objective, seed)
+            m.loss_change[f] = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
+        say(f"[{i + 1}/{len(measures)}] {m.name}")
+    del ref_model, variants, records
+
+    plan = PrecisionPlan(base=base_name, layers=measures, throughput=throughput, target=target,
+                         budget=budget, criterion=criterion, loss=ref_loss, notes=notes)
+    choose(plan, cands)
+    plan.seconds = time.perf_counter() - t0
+    return plan

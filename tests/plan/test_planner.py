@@ -1,0 +1,118 @@
+"""The per-layer planner: sensitivity measured per layer and format, a plan within the loss budget."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.errors import ConfigError
+
+OUTLIER_LAYER = "blocks.2.proj"
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, h: int, outliers: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, h)
+        self.proj = nn.Linear(h, d)
+        boost = torch.ones(h)
+        boost[list(outliers)] = 1e4          # a few activation channels 10^4 times the rest ...
+        self.register_buffer("boost", boost)
+        with torch.no_grad():                # ... and weights that undo it: same function in FP32
+            self.proj.weight[:, list(outliers)] /= 1e4
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.norm(x))) * self.boost)
+
+
+class _Net(nn.Module):
+    def __init__(self, outlier_block: int | None = 2, d: int = 64, h: int = 128, n: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.blocks = nn.ModuleList(_Block(d, h, (3, 50, 90) if i == outlier_block else ())
+                                    for i in range(n))
+        self.head = nn.Linear(d, 256)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _batches(n: int = 2, seed: int = 0):
+    """A learnable task (target = 7 * token + 3 mod 256)."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, 256, (8, 32), generator=g) for _ in range(n)]
+    return [(x, (7 * x + 3) % 256) for x in xs]
+
+
+def _trained(steps: int = 30) -> nn.Module:
+    """At initialisation no layer matters to the loss; a few steps make the layers count."""
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for x, y in _batches(steps, seed=1):
+        opt.zero_grad()
+        net(x, y).backward()
+        opt.step()
+    return net
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
+                             budget=1e-3, target="H100", seed=0)
+
+
+def test_outlier_layer_stays_out_of_fp8_tensorwise_while_most_others_go_fp8(plan):
+    formats = plan.formats
+    assert not formats[OUTLIER_LAYER].startswith("fp8")
+    others = [n for n in formats if n.startswith("blocks.") and n != OUTLIER_LAYER]
+    assert sum(formats[n] == "fp8-tensorwise" for n in others) >= len(others) - 1
+    by_name = {m.name: m for m in plan.layers}
+    worst_other = min(by_name[n].sqnr_out["fp8-tensorwise"] for n in others)
+    assert by_name[OUTLIER_LAYER].sqnr_out["fp8-tensorwise"] < worst_other - 3    # dB
+    est = {n: by_name[n].loss_change_est["fp8-tensorwise"] for n in formats if n != "head"}
+    assert est[OUTLIER_LAYER] > 3 * max(v for n, v in est.items() if n != OUTLIER_LAYER)
+    assert plan.loss_change <= plan.budget
+    assert "head" in by_name and "fp8-tensorwise" in by_name["head"].unavailable  # FP8 rules
+    assert "chosen" in plan.table()
+
+
+def test_plan_is_deterministic_and_round_trips_as_a_precision(plan, tmp_path):
+    some = ["blocks.1.fc", OUTLIER_LAYER]
+    again = mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
+                              budget=1e-3, target="H100", seed=0, layers=some)
+    first = {m.name: m for m in plan.layers}
+    for m in again.layers:      # the same measurements, bit for bit
+        assert (m.sqnr_out, m.loss_change, m.loss_change_est) == \
+            (first[m.name].sqnr_out, first[m.name].loss_change, first[m.name].loss_change_est)
+    path = plan.write(tmp_path / "plan.json")
+    assert json.loads(path.read_text())["layers"][0]["name"] == "blocks.0.fc"
+    precision = mp.Precision(f"plan:{path}")
+    model, _ = precision.setup(_Net())
+    assert precision.layer_formats == plan.formats
+    assert plan.plot(tmp_path / "plan.png").stat().st_size > 1000
+
+
+def test_zero_budget_keeps_every_layer_at_its_exact_format():
+    torch.manual_seed(0)
+    p = mp.plan_precision(_Net(outlier_block=None, n=1), _batches()[:1], candidates=("fp8-tensorwise",),
+                          budget=0.0, target="H100", layers=["blocks.0.fc"])
+    assert p.formats == {"blocks.0.fc": "fp32"}
+    with pytest.raises(ConfigError, match="did you mean 'blocks.0.fc'"):
+        mp.plan_precision(_Net(n=1), _batches(), layers=["blocks.0.fcc"], target="H100")
+
+
+def test_measured_throughput_drops_fp8_where_it_would_be_emulated():
+    from mixprec.plan import format_throughput
+    thr, notes = format_throughput("measure", ["fp32", "bf16", "fp8-tensorwise"],
+                                   device=torch.device("cpu"), n=64, min_time=0.01)
+    assert set(thr) == {"fp32", "bf16"} and all(v > 0 for v in thr.values())
+    assert any("fp8-tensorwise left out" in n for n in notes)
+    a100, notes = format_throughput("A100", ["fp32", "bf16", "fp8-blockwise"], device=torch.device("cpu"))
+    assert a100 == {"fp32": 19.5e12, "bf16": 312e12} and any("no FP8" in n for n in notes)

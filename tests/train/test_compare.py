@@ -1,0 +1,39 @@
+"""``mixprec report RUN_A RUN_B``: runs overlaid in one page, differences against the first."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.cli import main
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(256, 32)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, idx, targets):
+        return F.cross_entropy(self.head(F.gelu(self.fc(self.emb(idx)))).flatten(0, 1), targets.flatten())
+
+
+def test_report_overlays_runs_with_differences_against_the_first(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    loader = [(x, (3 * x) % 256) for x in (torch.randint(0, 256, (4, 8), generator=g) for _ in range(4))]
+    runs = []
+    for name, mode in (("fp32", "32-true"), ("fp8", "fp8-tensorwise")):
+        runs.append(tmp_path / name)
+        mp.train.fit(_Net(), loader, val_loader=loader[:1], mixed_precision=mode, max_steps=4,
+                     run_dir=str(runs[-1]), progress=False, audit=False, log_interval=1,
+                     eval_interval=2, ckpt_interval=0)
+    assert main(["report", str(runs[0]), str(runs[1]), "-o", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith(("fp32 |", "fp8 |"))]
+    assert lines[0].split(" | ")[4] == "+0.00"                      # the reference against itself
+    assert "1 fp8-tensorwise" in lines[1]                           # fc in FP8, the head not
+    page = (tmp_path / "cmp" / "compare.html").read_text()
+    assert "fp8-tensorwise" in page and "val loss vs first (%)" in page
+    for name in ("loss", "val_loss", "loss_relative", "skipped", "fp8_share"):
+        assert (tmp_path / "cmp" / f"compare_{name}.png").is_file(), name
