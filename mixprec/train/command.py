@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             if s != "default" and getattr(cfg, k) != getattr(defaults, k):
                 print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
-            print(f"[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
+            print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
                   if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
                   file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import resource
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +26,11 @@ from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
-from mixprec.precision.peak import peak_flops
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import FitConfig, config_to_toml
 from mixprec.train.events import RunEvents
+from mixprec.train.health import RunHealth, seed_everything
+from mixprec.train.meter import IntervalMeter
 from mixprec.train.metrics import MetricsLogger
 from mixprec.train.objective import extract_loss, make_objective
 from mixprec.train.resume import Checkpointer
@@ -54,12 +52,6 @@ class FitResult:
     final_loss: float | None
     final_val_loss: float | None
     policy: str
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 class Trainer:
@@ -381,8 +373,8 @@ class Trainer:
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
                      fp8_report=self.fp8_report)
-        meter = _Meter(self, unwrapped, logger)
-        health = _Health(cfg, start_step=self.step)
+        meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger)
+        health = RunHealth(cfg, start_step=self.step)
         last_val = None
         last_out: StepOutput | None = None
         self.model.train()
@@ -420,7 +412,9 @@ class Trainer:
                     meter.add(out)
                     logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
-                        loss = meter.log(out, val_loss=last_val if do_eval else None)
+                        loss = meter.log(out, step=self.step, epoch=self.epoch,
+                                         lr=self.scheduler.get_last_lr()[0],
+                                         val_loss=last_val if do_eval else None)
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
                                         lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None))
@@ -512,96 +506,6 @@ class Trainer:
             # Layers whose inputs stopped fitting FP8 move up, healthy ones move back.
             for switch in self.replanner.decide(self.strategy.unwrap(self.model), self.step):
                 self.events.format_switch(switch)
-
-
-class _Meter:
-    """Throughput, MFU and the loss of each logged interval (one host sync per interval)."""
-
-    def __init__(self, trainer: Trainer, model: nn.Module, logger: MetricsLogger) -> None:
-        self.trainer, self.logger = trainer, logger
-        self.device = trainer.device
-        self.peak = peak_flops(trainer.precision.compute_dtype, self.device)
-        self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
-                                else 6 * sum(p.numel() for p in model.parameters()))
-        self.refreshed = False
-        self.last_tps = 0.0
-        self._reset()
-
-    def _reset(self) -> None:
-        self.losses: list[torch.Tensor] = []
-        self.tokens = 0
-        self.t0 = time.perf_counter()
-
-    def add(self, out: StepOutput) -> None:
-        self.losses.append(out.loss)
-        self.tokens += out.tokens
-
-    def log(self, out: StepOutput, *, val_loss: float | None) -> float:
-        t, strategy, precision = self.trainer, self.trainer.strategy, self.trainer.precision
-        # One host sync per logged interval: the losses of the interval come back together.
-        losses = torch.stack(self.losses).tolist()
-        loss = strategy.reduce_mean(sum(losses) / len(losses))
-        elapsed = time.perf_counter() - self.t0
-        tps = self.tokens * strategy.world_size / elapsed
-        mfu = tps / strategy.world_size * self.flops_per_token / self.peak
-        if mfu > 1.0 and not self.refreshed:
-            # The cached peak was measured on a busy machine: measure it again.
-            self.refreshed = True
-            self.peak = peak_flops(precision.compute_dtype, self.device, refresh=True)
-            mfu = tps / strategy.world_size * self.flops_per_token / self.peak
-        self.logger.log(t.step, epoch=t.epoch, loss=loss, val_loss=val_loss,
-                        lr=t.scheduler.get_last_lr()[0], loss_scale=precision.scale,
-                        skipped=int(out.skipped), skipped_total=precision.num_skipped_steps,
-                        grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
-                        tokens_per_s=tps, mfu=mfu,
-                        peak_mem_mb=_peak_memory_mb(self.device), time_s=elapsed)
-        self.last_tps = tps
-        self._reset()
-        return loss
-
-
-class _Health:
-    """Is the run still training? It is not when the validation loss is non-finite, when
-    ``_MAX_SKIP_RUN`` steps in a row were skipped (a non-finite loss is always a skipped step),
-    or when more than ``max_skipped_fraction`` of the steps after warm-up were skipped. Skips before
-    any step was taken (a loss scale calibrating down from its initial value) are not counted.
-    An occasional skipped step (an FP16 overflow, then the scale backs off) is normal."""
-
-    _MAX_SKIP_RUN = 20   # > the 16 back-offs that take a 2**16 loss scale down to 1
-
-    def __init__(self, cfg: FitConfig, *, start_step: int) -> None:
-        self.warmup = cfg.warmup_steps
-        self.limit = cfg.max_skipped_fraction
-        self.min_window = max(cfg.log_interval, 10)
-        self.counted = self.skipped = self.run = 0
-        self.taken_any = start_step > 0
-
-    def add(self, step: int, skipped: bool) -> None:
-        self.taken_any = self.taken_any or not skipped
-        self.run = self.run + 1 if skipped else 0
-        if step > self.warmup and self.taken_any:
-            self.counted += 1
-            self.skipped += int(skipped)
-
-    def verdict(self, val_loss: float | None) -> str | None:
-        if val_loss is not None and not math.isfinite(val_loss):
-            return f"the validation loss is {val_loss}"
-        if self.limit < 1.0 and self.run >= self._MAX_SKIP_RUN:
-            return f"the last {self.run} steps were all skipped (non-finite loss or gradients)"
-        if self.limit < 1.0 and self.counted >= self.min_window and self.skipped > self.limit * self.counted:
-            return (f"{self.skipped} of the {self.counted} steps after warm-up were skipped for "
-                    f"non-finite gradients (max_skipped_fraction={self.limit:g})")
-        return None
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and CUDA), numpy and ``random``."""
-    import random
-
-    import numpy as np
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,

@@ -1,0 +1,55 @@
+"""Is a run still training? The verdict that ends a diverged run with a clear message; and the
+seeding of every random generator a run uses."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mixprec.train.config import FitConfig
+
+__all__ = ["RunHealth", "seed_everything"]
+
+
+class RunHealth:
+    """Is the run still training? It is not when the validation loss is non-finite, when
+    ``_MAX_SKIP_RUN`` steps in a row were skipped (a non-finite loss is always a skipped step),
+    or when more than ``max_skipped_fraction`` of the steps after warm-up were skipped. Skips before
+    any step was taken (a loss scale calibrating down from its initial value) are not counted.
+    An occasional skipped step (an FP16 overflow, then the scale backs off) is normal."""
+
+    _MAX_SKIP_RUN = 20   # > the 16 back-offs that take a 2**16 loss scale down to 1
+
+    def __init__(self, cfg: FitConfig, *, start_step: int) -> None:
+        self.warmup = cfg.warmup_steps
+        self.limit = cfg.max_skipped_fraction
+        self.min_window = max(cfg.log_interval, 10)
+        self.counted = self.skipped = self.run = 0
+        self.taken_any = start_step > 0
+
+    def add(self, step: int, skipped: bool) -> None:
+        self.taken_any = self.taken_any or not skipped
+        self.run = self.run + 1 if skipped else 0
+        if step > self.warmup and self.taken_any:
+            self.counted += 1
+            self.skipped += int(skipped)
+
+    def verdict(self, val_loss: float | None) -> str | None:
+        if val_loss is not None and not math.isfinite(val_loss):
+            return f"the validation loss is {val_loss}"
+        if self.limit < 1.0 and self.run >= self._MAX_SKIP_RUN:
+            return f"the last {self.run} steps were all skipped (non-finite loss or gradients)"
+        if self.limit < 1.0 and self.counted >= self.min_window and self.skipped > self.limit * self.counted:
+            return (f"{self.skipped} of the {self.counted} steps after warm-up were skipped for "
+                    f"non-finite gradients (max_skipped_fraction={self.limit:g})")
+        return None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy and ``random``."""
+    import random
+
+    import numpy as np
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

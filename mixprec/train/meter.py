@@ -1,0 +1,70 @@
+"""Throughput, MFU, memory and the loss of each logged interval of a run."""
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+from torch import nn
+
+from mixprec.engine import Precision
+from mixprec.precision.peak import peak_flops
+from mixprec.strategies import Strategy
+from mixprec.train.metrics import MetricsLogger
+from mixprec.train.step import StepOutput
+
+__all__ = ["IntervalMeter", "peak_memory_mb"]
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class IntervalMeter:
+    """Throughput, MFU and the loss of each logged interval (one host sync per interval)."""
+
+    def __init__(self, strategy: Strategy, precision: Precision, model: nn.Module,
+                 logger: MetricsLogger) -> None:
+        self.strategy, self.precision, self.logger = strategy, precision, logger
+        self.device = strategy.device
+        self.peak = peak_flops(precision.compute_dtype, self.device)
+        self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
+                                else 6 * sum(p.numel() for p in model.parameters()))
+        self.refreshed = False
+        self.last_tps = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, out: StepOutput) -> None:
+        self.losses.append(out.loss)
+        self.tokens += out.tokens
+
+    def log(self, out: StepOutput, *, step: int, epoch: int, lr: float, val_loss: float | None) -> float:
+        """Write the interval's metrics row; return its mean loss (agreed across ranks)."""
+        strategy, precision = self.strategy, self.precision
+        # One host sync per logged interval: the losses of the interval come back together.
+        losses = torch.stack(self.losses).tolist()
+        loss = strategy.reduce_mean(sum(losses) / len(losses))
+        elapsed = time.perf_counter() - self.t0
+        tps = self.tokens * strategy.world_size / elapsed
+        mfu = tps / strategy.world_size * self.flops_per_token / self.peak
+        if mfu > 1.0 and not self.refreshed:
+            # The cached peak was measured on a busy machine: measure it again.
+            self.refreshed = True
+            self.peak = peak_flops(precision.compute_dtype, self.device, refresh=True)
+            mfu = tps / strategy.world_size * self.flops_per_token / self.peak
+        self.logger.log(step, epoch=epoch, loss=loss, val_loss=val_loss,
+                        lr=lr, loss_scale=precision.scale,
+                        skipped=int(out.skipped), skipped_total=precision.num_skipped_steps,
+                        grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
+                        tokens_per_s=tps, mfu=mfu,
+                        peak_mem_mb=peak_memory_mb(self.device), time_s=elapsed)
+        self.last_tps = tps
+        self._reset()
+        return loss
