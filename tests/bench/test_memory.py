@@ -108,7 +108,9 @@ def test_unknown_optimizer_is_a_config_error():
 def test_estimate_agrees_with_measured_peak_within_10_percent():
     from mixprec.bench.modes import TrainBenchConfig, measure_peak_memory
     B, T = 16, 128           # ~90 MiB of activations: far above allocator noise (~5 MiB)
-    measured = measure_peak_memory("32-true", TrainBenchConfig(model="small", modes=("32-true",), batch=B,
-                                                               seq=T, threads=1), steps=2)
+    cfg = TrainBenchConfig(model="small", modes=("32-true",), batch=B, seq=T, threads=1)
+    # Peak RSS only ever over-counts (pages the allocator keeps, fragmentation): 96-107 MiB over
+    # repeated probes of the same step. The smallest of three is the measurement.
+    measured = min(measure_peak_memory("32-true", cfg, steps=2) for _ in range(3))
     est = estimate_memory(ModelShape.from_config(get_model_config("small")), "32-true", batch=B, seq=T).peak
     assert est == pytest.approx(measured, rel=0.10), (est / 2**20, measured / 2**20)
