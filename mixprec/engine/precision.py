@@ -45,7 +45,7 @@ from torch.autograd.profiler import record_function
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
-from mixprec.precision import Policy, autocast, get_policy, hardware
+from mixprec.precision import Policy, autocast, cast_module, get_policy, hardware
 from mixprec.precision.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.precision.overrides import check_patterns, normalize_overrides
 
@@ -84,7 +84,6 @@ class Precision:
     def __init__(self, precision: str | Policy | bool | None = "auto", *,
                  device: torch.device | str | None = None, overrides: Any = None,
                  **scaler_options: Any) -> None:
-        self._requested = precision
         self._auto = precision is True or (isinstance(precision, str)
                                            and precision.strip().lower() in ("auto", "true", "best"))
         self.device = torch.device(device) if device is not None else hardware.default_device()
@@ -354,7 +353,11 @@ class Precision:
         if first is not None:
             self.device = first.device
         if not sharded or self.casts_before_sharding():
-            self._cast(model, getattr(optimizer, "master_of", None))
+            # Storage dtypes (FP32 exemptions kept; an fp16_params optimizer's exact FP32 masters
+            # go back into exempt parameters).
+            master_of = getattr(optimizer, "master_of", None)
+            cast_module(model, self.policy, dtype_for=self.param_dtype_for,
+                        master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
         self._apply_formats(model)
         setattr(model, _SETUP_TAG, self._identity())
         return model
@@ -369,29 +372,6 @@ class Precision:
         surrounding one become ``FormatLinear``; the rest stay as they are."""
         from mixprec.engine.layer_formats import apply_formats
         self.layer_formats = apply_formats(self, model)
-
-    def _cast(self, model: nn.Module, master_of: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
-        """Store each module's parameters in :meth:`param_dtype_for`; tag FP32 ones for optimizers.
-
-        Buffers follow their module's parameters; buffers of parameter-free modules (rotary
-        frequencies, masks) keep their dtype. ``master_of``: an optimizer's FP32 master of a
-        parameter it already stored in 16 bits (an exempt one gets the exact FP32 value back).
-        """
-        for qname, sub in model.named_modules():
-            own = [p for p in sub.parameters(recurse=False)]
-            if not own:
-                continue
-            target = self.param_dtype_for(qname, sub)
-            for p in own:
-                if target == _F32:
-                    p.keep_in_fp32 = True  # read by MasterWeights: no 16-bit copy, no extra master
-                if p.is_floating_point() and p.dtype != target:
-                    master = _master_or_none(master_of, p)
-                    exact = master is not None and master.dtype == target
-                    p.data = master.detach().clone() if exact else p.data.to(target)
-            for bname, b in list(sub.named_buffers(recurse=False)):
-                if b is not None and b.is_floating_point() and b.dtype != target:
-                    setattr(sub, bname, b.to(target))
 
     def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
                         sharded: bool = False) -> torch.optim.Optimizer | None:

@@ -18,6 +18,7 @@ that turns it into decisions: casting, masters, loss scaling, FP8, what strategi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import fnmatch
 from dataclasses import dataclass
 
@@ -265,17 +266,34 @@ def get_policy(name: str | Policy | bool | None = True, *,
                       "or the compact form 'p=f32,c=bf16,o=f32'")
 
 
-def cast_module(module: nn.Module, policy: Policy) -> nn.Module:
-    """Store ``module``'s floating parameters and buffers in ``policy.param_dtype``, in place.
+def cast_module(module: nn.Module, policy: Policy, *,
+                dtype_for: Callable[[str, nn.Module], torch.dtype] | None = None,
+                master_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> nn.Module:
+    """Store ``module``'s floating parameters in ``policy.param_dtype``, in place.
 
-    Modules the policy keeps in FP32 (see :meth:`Policy.keeps_fp32`) keep FP32 parameters and
-    buffers. Returns ``module`` for chaining.
+    Modules the policy keeps in FP32 (see :meth:`Policy.keeps_fp32`) keep FP32 parameters, which
+    are tagged ``keep_in_fp32`` for optimizers (as :func:`mark_fp32_params` does). Buffers follow
+    their module's parameters; buffers of parameter-free modules (rotary frequencies, masks) keep
+    their dtype. ``dtype_for(qname, module)`` replaces the policy's choice per module
+    (``mixprec.Precision`` passes its per-layer decision); ``master_of(param)`` returns an
+    optimizer's FP32 master of a parameter it already stored in 16 bits, so an exempt parameter
+    gets its exact FP32 value back. Returns ``module`` for chaining.
     """
     for qname, sub in module.named_modules():
-        target = _F32 if policy.keeps_fp32(qname, sub) else policy.param_dtype
-        for pname, p in list(sub.named_parameters(recurse=False)):
+        own = list(sub.parameters(recurse=False))
+        if not own:
+            continue
+        if dtype_for is not None:
+            target = dtype_for(qname, sub)
+        else:
+            target = _F32 if policy.keeps_fp32(qname, sub) else policy.param_dtype
+        for p in own:
+            if target == _F32:
+                p.keep_in_fp32 = True   # read by MasterWeights: no 16-bit copy, no extra master
             if p.is_floating_point() and p.dtype != target:
-                p.data = p.data.to(target)
+                master = master_of(p) if master_of is not None else None
+                exact = master is not None and master.dtype == target
+                p.data = master.detach().clone() if exact else p.data.to(target)
         for bname, b in list(sub.named_buffers(recurse=False)):
             if b is not None and b.is_floating_point() and b.dtype != target:
                 setattr(sub, bname, b.to(target))

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     inputs, targets = strategy.to_device(batch)
 
     def probe() -> torch.Tensor:
-        return trainer._loss(trainer.model, inputs, targets)
+        return trainer.objective(trainer.model, inputs, targets)
 
     findings = audit(strategy.unwrap(trainer.model), precision=trainer.precision,
                      optimizer=trainer.optimizer, loss_fn=probe, device=trainer.device)

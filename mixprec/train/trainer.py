@@ -32,7 +32,7 @@ from mixprec.train.events import RunEvents
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.metrics import MetricsLogger
-from mixprec.train.objective import extract_loss, make_objective
+from mixprec.train.objective import make_objective
 from mixprec.train.resume import Checkpointer
 from mixprec.train.run_dir import claim_run_dir
 from mixprec.train.signals import StopRequest
@@ -41,7 +41,6 @@ from mixprec.train.step import Batch, StepOutput
 
 __all__ = ["Trainer", "fit", "FitResult", "StepOutput"]
 
-_extract_loss = extract_loss  # the name older code imported
 
 
 @dataclass
@@ -170,12 +169,7 @@ class Trainer:
             self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
                                             window=cfg.replan_window)
 
-    _prepare = prepare  # older name, kept for callers of 0.1
-
     # ------------------------------------------------------------------ the step
-
-    def _loss(self, model: nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        return self.objective(model, inputs, targets)
 
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
         """One optimizer step over ``len(micro_batches)`` micro-batches (gradient accumulation)."""
