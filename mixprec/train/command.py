@@ -108,14 +108,11 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _check_fits_in_memory(cfg: TrainConfig, vocab_size: int) -> None:
-    """Refuse, before allocating, a model whose weights, gradients and Adam state alone (16 bytes
-    per parameter in every precision mode) exceed the memory this machine has free."""
-    from mixprec.models import Transformer
-    overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
+def _check_fits_in_memory(build, vocab_size: int) -> None:
+    """Refuse, before allocating, a model (``build()`` makes it) whose weights, gradients and Adam
+    state alone (16 bytes per parameter in every precision mode) exceed the memory free here."""
     with torch.device("meta"):   # shapes only: nothing is allocated
-        n = Transformer.from_preset(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.seq_len,
-                                    **overrides).num_parameters()
+        n = build().num_parameters()
     free = _available_memory_bytes()
     on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory
     if free is not None and on_cpu and 16 * n > free:
@@ -151,15 +148,17 @@ def build_run(cfg: TrainConfig):
         else:
             train_ds, val_ds = train_ds.split(cfg.val_fraction)
     overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
-    if not cfg.model.startswith("hf:"):
-        _check_fits_in_memory(cfg, train_ds.vocab_size)
-    torch.manual_seed(cfg.seed)
+
+    def build_transformer():
+        return Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.seq_len,
+                                       gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
     if cfg.model.startswith("hf:"):
+        torch.manual_seed(cfg.seed)
         model = _build_hf_model(cfg, train_ds.vocab_size)
     else:
-        model = Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size,
-                                        max_seq_len=cfg.seq_len,
-                                        gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
+        _check_fits_in_memory(build_transformer, train_ds.vocab_size)
+        torch.manual_seed(cfg.seed)
+        model = build_transformer()
     train_loader = DistributedDataLoader(train_ds, cfg.batch_size, num_workers=cfg.num_workers,
                                          shuffle=True, seed=cfg.seed, rank=strategy.rank,
                                          world_size=strategy.world_size)

@@ -228,12 +228,12 @@ def test_one_stray_token_id_is_refused_before_anything_is_built(tmp_path):
 
 def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatch):
     from mixprec.train import command
-    from mixprec.train.config import TrainConfig
     monkeypatch.setattr(command, "_available_memory_bytes", lambda: 2**30)
     monkeypatch.setattr(command.torch.cuda, "is_available", lambda: False)
+    from mixprec.models import Transformer
     with pytest.raises(ConfigError, match=r"need at least .* GiB but 1.0 GiB are free"):
-        command._check_fits_in_memory(TrainConfig(model="small", d_model=2048), 256)
-    command._check_fits_in_memory(TrainConfig(model="tiny"), 256)   # fits
+        command._check_fits_in_memory(lambda: Transformer.from_preset("small", d_model=2048), 256)
+    command._check_fits_in_memory(lambda: Transformer.from_preset("tiny"), 256)   # fits
 
 
 # --- 8. OS errors are one line ------------------------------------------------------------------
