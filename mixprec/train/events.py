@@ -139,13 +139,9 @@ class RunEvents:
         self.logger.event(switch.to_dict())
         self._say(switch.message)
 
-    def note(self, message: str, step: int, kind: str = "note") -> None:
-        """A line for the console (rank 0) and ``events.jsonl``."""
-        self.logger.event({"kind": kind, "step": step, "message": message})
-        self._say(message)
-
-    def warn(self, kind: str, step: int, message: str, *, say: bool = True) -> None:
-        """An event, also said on the terminal unless ``say=False`` (an error says it itself)."""
+    def note(self, message: str, step: int, kind: str = "note", *, say: bool = True) -> None:
+        """An ``events.jsonl`` record, also said on the terminal (rank 0) unless ``say=False``
+        (an error that ends the run says it itself)."""
         self.logger.event({"kind": kind, "step": step, "message": message})
         if say:
             self._say(message)

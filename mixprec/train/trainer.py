@@ -443,7 +443,7 @@ class Trainer:
         why = stop.name or "a stop request on another rank"
         message = (f"stopped by {why} at step {self.step}; checkpoint saved in {path}; continue "
                    f"with: mixprec train --resume {self.run_dir}")
-        self.events.warn("interrupted", self.step, message, say=False)
+        self.events.note(message, self.step, "interrupted", say=False)
         raise RunInterrupted(message)
 
     def _stop_if_diverged(self, problem: str | None) -> None:
@@ -455,7 +455,7 @@ class Trainer:
                  if done else "no checkpoint was written before it")
         message = (f"training diverged at step {self.step}: {problem}; lower lr (now "
                    f"{self.config.lr:g}), keep clip_grad_norm on, or pick a safer precision; {where}")
-        self.events.warn("diverged", self.step, message, say=False)
+        self.events.note(message, self.step, "diverged", say=False)
         raise TrainingDiverged(message)
 
     def _first_compiled_step(self, batches: list[Batch]) -> StepOutput:
@@ -493,7 +493,7 @@ class Trainer:
         if self.scale_watch is not None:
             warning = self.scale_watch.observe(self.step, self.precision.scale, out.skipped, origin)
             if warning:
-                self.events.warn("stuck-scale", self.step, warning)
+                self.events.note(warning, self.step, "stuck-scale")
         if self.monitor is not None and self.monitor.should_sample(self.step):
             logger.log_numerics(self.monitor.last_rows)
         if self.replanner is not None:
