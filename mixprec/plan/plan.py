@@ -100,14 +100,14 @@ class PrecisionPlan:
                     cells.append(f"{'n/a':>29}")
                 else:
                     cells.append(f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_grad[f]:>5.1f} "
-                                 f"{100 * m.loss_change[f]:>8.4f}/{100 * m.loss_change_est[f]:<8.4f}")
+                                 f"{100 * m.loss_change[f]:>8.2g}/{100 * m.loss_change_est[f]:<8.2g}")
             lines.append(f"{m.name:<22} {100 * m.flops_share:>5.1f}% " + " ".join(cells) + f"  {m.chosen}")
         counts: dict[str, int] = {}
         for m in self.layers:
             counts[m.chosen] = counts.get(m.chosen, 0) + 1
         lines.append(f"plan: {', '.join(f'{n} {f}' for f, n in counts.items())}; base {self.base}; "
-                     f"{self.criterion} loss change {100 * self.loss_change:.4f}% of {self.loss:.4f} (budget "
-                     f"{100 * self.budget:.3f}%); GEMM time per token {self.step_time / self.step_time_fp32:.3f}x "
+                     f"{self.criterion} loss change {100 * self.loss_change:.3g}% of {self.loss:.4f} (budget "
+                     f"{100 * self.budget:.3g}%); GEMM time per token {self.step_time / self.step_time_fp32:.3f}x "
                      f"of all-fp32 (fastest possible {self.step_time_fastest / self.step_time_fp32:.3f}x) "
                      f"at {self.target} throughput; planner took {self.seconds:.1f} s")
         lines += [f"note: {n}" for n in self.notes]
@@ -141,7 +141,7 @@ class PrecisionPlan:
         ax2.set_xticklabels([f"{n}\n[{m.chosen}]" for n, m in zip(names, self.layers)], rotation=90,
                             fontsize=7)
         ax.set_title(f"per-layer sensitivity; chosen format in brackets (base {self.base}, "
-                     f"budget {100 * self.budget:.3f}%)", fontsize=9)
+                     f"budget {100 * self.budget:.3g}%)", fontsize=9)
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,6 +232,15 @@ def choose(plan: PrecisionPlan, cands: list[str]) -> None:
         _, m, g, dc = best
         m.chosen = g
         used += dc
+    # Free improvements: a format as fast as the chosen one with a smaller loss change (two FP8
+    # recipes at the same datasheet throughput, whose ratios tied when both changes were ~0).
+    for m in plan.layers:
+        better = [g for g in avail[m.name]
+                  if t(m, g) <= t(m, m.chosen) and cost[m.name][g] < cost[m.name][m.chosen]]
+        if better:
+            g = min(better, key=lambda g: (cost[m.name][g], t(m, g)))
+            used += cost[m.name][g] - cost[m.name][m.chosen]
+            m.chosen = g
     plan.loss_change = used
     plan.step_time = sum(t(m, m.chosen) for m in plan.layers)
     plan.step_time_fp32 = sum(t(m, "fp32") for m in plan.layers)

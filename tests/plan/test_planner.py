@@ -116,3 +116,18 @@ def test_measured_throughput_drops_fp8_where_it_would_be_emulated():
     assert any("fp8-tensorwise left out" in n for n in notes)
     a100, notes = format_throughput("A100", ["fp32", "bf16", "fp8-blockwise"], device=torch.device("cpu"))
     assert a100 == {"fp32": 19.5e12, "bf16": 312e12} and any("no FP8" in n for n in notes)
+
+
+def test_choice_takes_the_more_accurate_of_two_equally_fast_formats():
+    # Both FP8 recipes cost ~nothing by the estimate, so their time-per-loss ratios tie; the plan
+    # must still end on the one with the smaller loss change.
+    from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose
+    m = LayerMeasure("fc", 600)
+    m.loss_change = {"fp32": 0.0, "fp8-tensorwise": 1e-16, "fp8-blockwise": 0.0}
+    m.loss_change_est = dict(m.loss_change)
+    plan = PrecisionPlan(base="bf16-mixed", layers=[m], target="H100", budget=1e-3,
+                         criterion="fisher", loss=1.0,
+                         throughput={"fp32": 1.0, "fp8-tensorwise": 4.0, "fp8-blockwise": 4.0})
+    choose(plan, ["fp32", "fp8-tensorwise", "fp8-blockwise"])
+    assert plan.formats == {"fc": "fp8-blockwise"}
+    assert plan.loss_change == 0.0

@@ -1,0 +1,182 @@
+"""Issue 15's planner check on a model with activation outliers: plan vs uniform FP8 vs bf16-mixed.
+
+Large language models grow a few activation channels 10^3-10^4 times larger than the rest, with
+correspondingly small weights, and one per-tensor FP8 scale then spends the whole E4M3 range on
+those few channels. This benchmark injects that into one chosen Linear of mixprec's Transformer:
+
+* the chosen Linear's input channels ``--channels`` are multiplied by ``--gain`` (1e4) on the way
+  in (a forward pre-hook on its parent module, whose input is the Linear's input: the layer must
+  be the first Linear its parent calls, ``attn.qkv`` or ``mlp.fc``; FP8 conversion replaces the
+  Linear itself, so a hook there would be lost), and
+* the matching weight columns are divided by the gain at initialisation and frozen (their
+  gradient is zeroed), so the model computes exactly what it computed before in FP32 and BF16, and
+  AdamW, whose update size does not follow a weight's scale, cannot blow those columns up.
+
+Then per seed, on the same initial weights and data order, it trains with the trainer of
+``mixprec train`` (built-in corpus, parity.py's settings): ``bf16-mixed``, uniform FP8 recipes,
+and ``plan``: ``mixprec.plan_precision`` run on the initial model (2 calibration batches, default
+candidates and budget unless given), saved as a plan file and trained with ``plan:PATH``. Prints
+what the planner chose per seed and one Markdown table of final validation losses against
+``bf16-mixed``.
+
+    python benchmarks/plan_outliers.py --model small --layer blocks.1.mlp.fc --steps 1000 \
+        --seeds 0,1,2 --modes bf16-mixed,fp8-tensorwise,fp8-blockwise,plan
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from torch import nn
+
+OUTLIER_CHANNELS = (3, 22, 45)
+
+
+def inject_outliers(model: nn.Module, layer: str, channels: Sequence[int] = OUTLIER_CHANNELS,
+                    gain: float = 1e4) -> None:
+    """Make ``channels`` of ``layer``'s input ``gain`` times larger and its matching weight columns
+    ``gain`` times smaller (frozen), leaving the function of the model unchanged (module doc)."""
+    linear = model.get_submodule(layer)
+    parent_name, _, child = layer.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    first = next((n for n, m in parent.named_children() if isinstance(m, nn.Linear)), None)
+    if not isinstance(linear, nn.Linear) or first != child:
+        raise SystemExit(f"plan_outliers: {layer} must be the first Linear of its parent module "
+                         f"(e.g. blocks.1.mlp.fc or blocks.0.attn.qkv)")
+    idx = torch.tensor(channels, dtype=torch.long, device=linear.weight.device)
+    boost = torch.ones(linear.in_features, device=linear.weight.device)
+    boost[idx] = gain
+
+    def boost_input(module, args):
+        x, *rest = args
+        return (x * boost.to(x.dtype), *rest)
+
+    def freeze_columns(grad):
+        return grad.index_fill(1, idx.to(grad.device), 0.0)
+
+    with torch.no_grad():
+        linear.weight[:, idx] /= gain
+    parent.register_forward_pre_hook(boost_input)
+    linear.weight.register_hook(freeze_columns)
+
+
+def _config(args, mode: str, seed: int, run_dir: str):
+    from mixprec.train.config import TrainConfig
+    return TrainConfig(model=args.model, precision=mode, max_steps=args.steps, seq_len=args.seq,
+                       batch_size=args.batch, eval_interval=0, eval_batches=args.eval_batches,
+                       ckpt_interval=0, log_interval=10, lr=args.lr,
+                       warmup_steps=args.steps // 10, progress=False, seed=seed, run_dir=run_dir)
+
+
+def make_plan(args, seed: int, path: Path):
+    """Plan on the seed's initial weights, outliers injected, 2 batches of the training data."""
+    from mixprec.plan import plan_precision
+    from mixprec.train.command import build_run
+    cfg = _config(args, "bf16-mixed", seed, str(path.parent / f"unused-{seed}"))
+    model, train_loader, _, strategy = build_run(cfg)
+    inject_outliers(model, args.layer, gain=args.gain)
+    batches = [b for _, b in zip(range(2), train_loader)]
+    plan = plan_precision(model, batches, candidates=args.candidates.split(","),
+                          budget=args.budget / 100, base="bf16-mixed", seed=seed)
+    strategy.teardown()
+    plan.write(path)
+    return plan
+
+
+def train(args, mode: str, seed: int, run_dir: str) -> dict:
+    from mixprec.train.command import build_run
+    from mixprec.train.metrics import read_events
+    from mixprec.train.trainer import Trainer
+    cfg = _config(args, mode, seed, run_dir)
+    model, train_loader, val_loader, strategy = build_run(cfg)
+    inject_outliers(model, args.layer, gain=args.gain)
+    start = time.perf_counter()
+    result = Trainer(model, config=cfg, strategy=strategy).fit(train_loader, val_loader)
+    strategy.teardown()
+    formats = next(e["layers"] for e in read_events(run_dir) if e.get("kind") == "formats")
+    return {"val": result.final_val_loss, "skipped": result.skipped_steps, "formats": formats,
+            "wall_s": time.perf_counter() - start}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="bf16-mixed,fp8-tensorwise,fp8-blockwise,plan",
+                   help="comma-separated policies, 'plan' (planned on the initial weights), or "
+                        "plan:PATH; bf16-mixed is the reference")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--model", default="small")
+    p.add_argument("--layer", default="blocks.1.mlp.fc")
+    p.add_argument("--gain", type=float, default=1e4)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-batches", type=int, default=40)
+    p.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise")
+    p.add_argument("--budget", type=float, default=0.1, help="planner budget, percent of the loss")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    if "bf16-mixed" not in modes:
+        modes.insert(0, "bf16-mixed")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    res: dict[tuple[str, int], dict] = {}
+    flops: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for seed in seeds:
+            for i, mode in enumerate(modes):
+                run_mode = mode
+                if mode == "plan":
+                    plan = make_plan(args, seed, Path(root) / f"plan-{seed}.json")
+                    flops = {m.name: m.flops_per_token for m in plan.layers}
+                    print(f"[plan_outliers] seed {seed} plan ({plan.seconds:.0f} s):\n{plan.table()}",
+                          file=sys.stderr, flush=True)
+                    run_mode = f"plan:{Path(root) / f'plan-{seed}.json'}"
+                r = train(args, run_mode, seed, str(Path(root) / f"s{seed}-m{i}"))
+                res[mode, seed] = r
+                print(f"[plan_outliers] seed {seed} {mode}: val {r['val']:.4f} "
+                      f"({r['skipped']} skipped, {r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    if not flops:
+        from mixprec.train.command import build_run
+        model, *_ , strategy = build_run(_config(args, "32-true", 0, None))
+        flops = {n: 6 * m.in_features * m.out_features for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear)}
+        strategy.teardown()
+    total = sum(flops.values())
+    print(f"\n{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, torch "
+          f"{torch.__version__}; model {args.model}, outliers x{args.gain:g} in channels "
+          f"{list(OUTLIER_CHANNELS)} of {args.layer}'s input; {args.steps} steps of "
+          f"{args.batch}x{args.seq} tokens, seeds {','.join(map(str, seeds))}\n")
+    print("| mode | FP8 share of Linear GEMM FLOPs | " + " | ".join(
+        f"val loss seed {s} (vs bf16-mixed)" for s in seeds) + " | mean difference |")
+    print("|---" * (3 + len(seeds)) + "|")
+    for mode in modes:
+        shares, cells, diffs = [], [], []
+        for s in seeds:
+            fmts = res[mode, s]["formats"]
+            shares.append(100 * sum(f for n, f in flops.items() if fmts.get(n, "").startswith("fp8-")) / total)
+            v, ref = res[mode, s]["val"], res["bf16-mixed", s]["val"]
+            diffs.append((v / ref - 1.0) * 100.0)
+            cells.append(f"{v:.4f} ({diffs[-1]:+.2f}%)")
+        share = f"{min(shares):.1f}%" if min(shares) == max(shares) else f"{min(shares):.1f}-{max(shares):.1f}%"
+        print(f"| {mode} | {share} | " + " | ".join(cells) + f" | {statistics.mean(diffs):+.2f}% |")
+    for mode in modes:
+        for s in seeds:
+            fmts = res[mode, s]["formats"]
+            print(f"\n{mode} seed {s}: " + ", ".join(f"{n}={f}" for n, f in fmts.items())
+                  + (f" (skipped steps: {res[mode, s]['skipped']})" if res[mode, s]["skipped"] else ""), end="")
+            if not mode.startswith("plan"):
+                break
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
