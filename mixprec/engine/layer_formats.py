@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from mixprec.errors import ConfigError
+from mixprec.nn.swap import replace_module
 
 if TYPE_CHECKING:
     from mixprec.engine.precision import Precision
@@ -48,7 +49,7 @@ def apply_formats(precision: "Precision", model: nn.Module) -> dict[str, str]:
         fmt = wanted.get(name, precision.base_format)
         if not fmt.startswith("fp8-") and fmt != precision.base_format and type(module) is nn.Linear:
             parent, _, child = name.rpartition(".")
-            setattr(modules[parent], child, FormatLinear.from_linear(module, fmt))
+            replace_module(modules[parent], child, FormatLinear.from_linear(module, fmt))
     formats: dict[str, str] = {}
     for name, module in model.named_modules():
         if is_gemm_layer(module):
@@ -83,5 +84,5 @@ def swap_layer(precision: "Precision", model: nn.Module, qualified_name: str, fm
             new = Fp8Linear.from_linear(plain, Fp8Config.from_recipe(fmt), fqn=qualified_name)
     elif fmt != precision.base_format:
         new = FormatLinear.from_linear(plain, fmt)
-    setattr(parent, child, new)
+    replace_module(parent, child, new)
     return precision.base_format if type(new) is nn.Linear else precision.format_for(qualified_name, new)

@@ -16,6 +16,7 @@ from torch import nn
 from mixprec.errors import ConfigError
 from mixprec.fp8.config import Fp8Config
 from mixprec.fp8.linear import Fp8Conv1D, Fp8Linear, is_conv1d
+from mixprec.nn.swap import replace_module
 from mixprec.precision import hardware
 from mixprec.precision.dtypes import dtype_name
 from mixprec.precision.exempt import is_norm
@@ -143,7 +144,7 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         if reason is not None:
             report.skipped.append((name, reason))
             continue
-        setattr(parent, child, swap(module, layer_config, fqn=name))
+        replace_module(parent, child, swap(module, layer_config, fqn=name))
         report.converted.append(name)
         report.recipes[name] = layer_config.recipe
     device = next((p.device for p in model.parameters()), None)

@@ -111,12 +111,13 @@ def _local(layer: nn.Module, records: list[tuple[torch.Tensor, ...]]
     """(output, weight gradient) of ``layer`` on its recorded FP32 inputs, with the recorded FP32
     output gradients flowing into it: the layer alone, everything around it exact. (Measured for
     the FP32 layer too, so a weight shared with another module, a tied head, compares like with
-    like.)"""
+    like.) The layer's own ``forward`` runs, not its hooks: the recorded inputs are what reached
+    ``forward``, after any pre-hook, so running a pre-hook again would apply it twice."""
     layer.zero_grad(set_to_none=True)
     outs = []
     with torch.enable_grad():
         for rec in records:
-            y = layer(rec[0])
+            y = layer.forward(rec[0])
             outs.append(y.detach().float().flatten())
             if len(rec) > 2:
                 y.backward(rec[2].to(y.dtype))

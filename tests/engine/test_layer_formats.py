@@ -175,3 +175,45 @@ def test_auto_switching_to_a_true_mode_keeps_the_overrides():
     model, _ = p.setup(model, optimizer)
     assert p.name == "bf16-true" and p.policy.overrides == (("head", "fp32"),)
     assert p.layer_formats["head"] == "fp32"
+
+
+@pytest.mark.parametrize("mode, overrides", [
+    ("fp8-blockwise", ()),                          # convert_to_fp8
+    ("bf16-mixed", (("0", "fp32"),)),               # FormatLinear
+    ("bf16-mixed", (("0", "fp8-tensorwise"),)),     # one FP8 layer in a BF16 run
+])
+def test_hooks_on_a_swapped_linear_keep_running_and_stay_removable(mode, overrides):
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    seen = []
+    pre = model[0].register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    post = model[0].register_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    precision = mp.Precision(mode, overrides=overrides)
+    model, _ = precision.setup(model)
+    assert type(model[0]) is not nn.Linear
+    x = torch.randn(4, 32)
+    with precision.autocast():
+        doubled = model[0](x)
+    assert seen == [type(model[0]).__name__]
+    pre.remove()
+    post.remove()
+    with precision.autocast():
+        plain = model[0](x)
+    assert seen == [type(model[0]).__name__]           # removed through the original handle
+    torch.testing.assert_close(doubled.float() - model[0].bias.float(),
+                               2 * (plain.float() - model[0].bias.float()), rtol=0.15, atol=0.05)
+
+
+def test_hooks_survive_a_layer_switch_while_training():
+    from torch import nn
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    calls = []
+    model[0].register_forward_hook(lambda mod, args, out: calls.append(type(mod).__name__))
+    precision = mp.Precision("bf16-mixed")
+    model, _ = precision.setup(model)
+    for fmt in ("fp8-tensorwise", "fp32", "bf16"):
+        precision.set_layer_format(model, "0", fmt)
+        with precision.autocast():
+            model(torch.randn(2, 32))
+    assert calls == ["Fp8Linear", "FormatLinear", "Linear"]

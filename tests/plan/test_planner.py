@@ -131,3 +131,24 @@ def test_choice_takes_the_more_accurate_of_two_equally_fast_formats():
     choose(plan, ["fp32", "fp8-tensorwise", "fp8-blockwise"])
     assert plan.formats == {"fc": "fp8-blockwise"}
     assert plan.loss_change == 0.0
+
+
+def test_a_hooked_layer_is_measured_on_what_reaches_its_forward():
+    # A pre-hook doubling a Linear's input, with the weight halved, computes exactly what the plain
+    # layer computes (powers of two are exact in every format), so every measurement must match;
+    # measuring on recorded inputs through the hook again would double them a second time.
+    def make(hooked: bool):
+        torch.manual_seed(0)
+        net = _Net(outlier_block=None, n=2)
+        if hooked:
+            with torch.no_grad():
+                net.blocks[1].proj.weight /= 2
+            net.blocks[1].proj.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+        return net
+
+    kw = dict(candidates=("bf16", "fp8-tensorwise"), target="H100", layers=["blocks.1.proj"])
+    plain, hooked = (mp.plan_precision(make(h), _batches(), **kw).layers[0] for h in (False, True))
+    for f in ("bf16", "fp8-tensorwise"):
+        assert hooked.loss_change_est[f] == pytest.approx(plain.loss_change_est[f], rel=1e-4)
+        assert hooked.sqnr_out[f] == pytest.approx(plain.sqnr_out[f], abs=0.01)
+        assert hooked.loss_change[f] == pytest.approx(plain.loss_change[f], rel=1e-3, abs=1e-9)
