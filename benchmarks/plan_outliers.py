@@ -13,13 +13,13 @@ those few channels. This benchmark injects that into one chosen Linear of mixpre
 
 Then per seed, on the same initial weights and data order, it trains with the trainer of
 ``mixprec train`` (built-in corpus, parity.py's settings): ``bf16-mixed``, uniform FP8 recipes,
-and ``plan``: ``mixprec.plan_precision`` run on the initial model (2 calibration batches, default
-candidates and budget unless given), saved as a plan file and trained with ``plan:PATH``. Prints
+and plans (``PLANS``): ``mixprec.plan_precision`` run on the initial model (2 calibration
+batches), saved as a plan file and trained with ``plan:PATH``. Prints
 what the planner chose per seed and one Markdown table of final validation losses against
 ``bf16-mixed``.
 
     python benchmarks/plan_outliers.py --model small --layer blocks.1.mlp.proj --steps 1000 \
-        --seeds 0,1,2 --modes bf16-mixed,fp8-tensorwise,fp8-blockwise,plan
+        --seeds 0,1,2 --modes bf16-mixed,32-true,fp8-tensorwise,fp8-blockwise,plan,plan-tensorwise
 """
 from __future__ import annotations
 
@@ -71,16 +71,35 @@ def _config(args, mode: str, seed: int, run_dir: str):
                        warmup_steps=args.steps // 10, progress=False, seed=seed, run_dir=run_dir)
 
 
-def make_plan(args, seed: int, path: Path):
+PLANS = {
+    # mode: (candidates, budget rule)
+    "plan": (None, "given"),
+    "plan-tensorwise": ("fp32,bf16,fp8-tensorwise", "drop-worst"),
+}
+"""``plan``: the planner as a user runs it (``--candidates``, ``--budget``). ``plan-tensorwise``: FP8
+only as ``fp8-tensorwise``, and the budget set to 99 % of the estimated loss change of putting
+every layer in its fastest format, so the layer with the worst estimated loss per time saved
+stays out of FP8 and everything else goes in: the rule is fixed before any training run."""
+
+
+def make_plan(args, mode: str, seed: int, path: Path):
     """Plan on the seed's initial weights, outliers injected, 2 batches of the training data."""
     from mixprec.plan import plan_precision
+    from mixprec.plan.plan import choose
     from mixprec.train.command import build_run
+    candidates, rule = PLANS[mode]
     cfg = _config(args, "bf16-mixed", seed, str(path.parent / f"unused-{seed}"))
     model, train_loader, _, strategy = build_run(cfg)
     inject_outliers(model, args.layer, gain=args.gain)
     batches = [b for _, b in zip(range(2), train_loader)]
-    plan = plan_precision(model, batches, candidates=args.candidates.split(","),
-                          budget=args.budget / 100, base="bf16-mixed", seed=seed)
+    cands = (candidates or args.candidates).split(",")
+    plan = plan_precision(model, batches, candidates=cands, budget=args.budget / 100,
+                          base="bf16-mixed", seed=seed)
+    if rule == "drop-worst":
+        plan.budget = 1.0 - 1e-9          # everything fits: the change of the fastest plan ...
+        choose(plan, cands)
+        plan.budget = 0.99 * plan.loss_change   # ... less 1 %: the worst move no longer fits
+        choose(plan, cands)
     strategy.teardown()
     plan.write(path)
     return plan
@@ -104,8 +123,8 @@ def train(args, mode: str, seed: int, run_dir: str) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="bf16-mixed,fp8-tensorwise,fp8-blockwise,plan",
-                   help="comma-separated policies, 'plan' (planned on the initial weights), or "
-                        "plan:PATH; bf16-mixed is the reference")
+                   help="comma-separated policies, 'plan' or 'plan-tensorwise' (planned on the "
+                        "initial weights, see PLANS), or plan:PATH; bf16-mixed is the reference")
     p.add_argument("--seeds", default="0")
     p.add_argument("--model", default="small")
     p.add_argument("--layer", default="blocks.1.mlp.proj")
@@ -128,12 +147,13 @@ def main() -> int:
         for seed in seeds:
             for i, mode in enumerate(modes):
                 run_mode = mode
-                if mode == "plan":
-                    plan = make_plan(args, seed, Path(root) / f"plan-{seed}.json")
+                if mode in PLANS:
+                    path = Path(root) / f"{mode}-{seed}.json"
+                    plan = make_plan(args, mode, seed, path)
                     flops = {m.name: m.flops_per_token for m in plan.layers}
-                    print(f"[plan_outliers] seed {seed} plan ({plan.seconds:.0f} s):\n{plan.table()}",
+                    print(f"[plan_outliers] seed {seed} {mode} ({plan.seconds:.0f} s):\n{plan.table()}",
                           file=sys.stderr, flush=True)
-                    run_mode = f"plan:{Path(root) / f'plan-{seed}.json'}"
+                    run_mode = f"plan:{path}"
                 r = train(args, run_mode, seed, str(Path(root) / f"s{seed}-m{i}"))
                 res[mode, seed] = r
                 print(f"[plan_outliers] seed {seed} {mode}: val {r['val']:.4f} "
@@ -167,7 +187,7 @@ def main() -> int:
             fmts = res[mode, s]["formats"]
             print(f"\n{mode} seed {s}: " + ", ".join(f"{n}={f}" for n, f in fmts.items())
                   + (f" (skipped steps: {res[mode, s]['skipped']})" if res[mode, s]["skipped"] else ""), end="")
-            if not mode.startswith("plan"):
+            if mode not in PLANS:
                 break
     print()
     return 0
