@@ -25,7 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise",
                         help="comma-separated formats to choose from (fp32 is always one)")
     parser.add_argument("--budget", type=float, default=0.1,
-                        help="allowed summed loss change, in percent of the loss (default 0.1)")
+                        help="allowed summed loss change of one forward pass with the planned formats, in percent "
+                             "of the loss (default 0.1); not the end-of-training difference, see "
+                             "docs/per-layer.md")
     parser.add_argument("--base", default=None,
                         help="mode outside the planned Linears (default: the precision setting, "
                              "auto = best safe mode here)")

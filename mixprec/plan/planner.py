@@ -239,6 +239,9 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
         say(f"[{i + 1}/{len(measures)}] {m.name}")
     del ref_model, variants, records
 
+    notes.append("the loss change is that of one forward pass with the chosen formats; training "
+                 "adds gradient error every step, so compare the final losses of a short run "
+                 "(`mixprec report RUN_A RUN_B`) before trusting a plan")
     plan = PrecisionPlan(base=base_name, layers=measures, throughput=throughput, target=target,
                          budget=budget, criterion=criterion, loss=ref_loss, notes=notes)
     choose(plan, cands)
