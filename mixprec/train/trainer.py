@@ -511,9 +511,20 @@ def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable
     """Train ``model`` on ``train_loader``; the source article's ``model.fit(loader, epochs=10,
     strategy=strategy, mixed_precision=True)`` (docs/sources.md) lands here. Other keyword
     arguments are :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``,
-    ``clip_grad_norm``, ``run_dir``, ...)."""
+    ``clip_grad_norm``, ``run_dir``, ...).
+
+    A process group that ``fit()`` itself created (``strategy`` given by name, or chosen under
+    ``torchrun``) for data parallelism is destroyed when training ends, after a barrier: nothing
+    else can end it, and a group still alive at interpreter exit can abort or hang the process
+    (:meth:`Strategy.teardown`). A group you created, or one held by a strategy object you pass,
+    is left to you; so is an FSDP group, which your sharded model still needs."""
     if epochs is not None:
         kwargs["epochs"] = epochs
     trainer = Trainer(model, config=config, mixed_precision=mixed_precision, optimizer=optimizer,
                       lr_scheduler=lr_scheduler, loss_fn=loss_fn, strategy=strategy, **kwargs)
-    return trainer.fit(train_loader, val_loader, resume=resume)
+    result = trainer.fit(train_loader, val_loader, resume=resume)
+    made = trainer.strategy
+    if not isinstance(strategy, Strategy) and not made.shards_parameters:
+        del trainer          # it holds the DDP wrapper, which holds the group
+        made.teardown()      # only a group this strategy created; a no-op in one process
+    return result

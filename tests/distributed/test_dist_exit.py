@@ -79,3 +79,31 @@ def test_no_wrapper_holds_the_group_when_it_is_destroyed(tmp_path, corpus, strat
     [r] = _run_all(tmp_path, corpus, strategy, 1)
     assert r["code"] == 0, r["err"]
     assert [rank["wrappers_alive_at_destroy"] for rank in r["ranks"]] == [0, 0]
+
+
+def _fit_script(tmp: Path, corpus: Path, *extra: str) -> tuple[int | None, list[dict], str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MIXPREC_DIST_TIMEOUT": "30"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           str(HERE / "fit_exit_worker.py"), str(tmp), str(corpus), *extra]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=EXIT_BOUND_S * 2)
+        code, err = done.returncode, done.stderr
+    except subprocess.TimeoutExpired as e:
+        code, err = None, str(e.stderr)
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp.glob("rank*.json"))]
+    return code, ranks, err[-1500:]
+
+
+def test_fit_by_name_ends_the_process_group_it_created(tmp_path, corpus):
+    code, ranks, err = _fit_script(tmp_path, corpus, "ddp")
+    assert code == 0, err
+    assert [r["steps"] for r in ranks] == [2, 2]
+    assert not any(r["initialized_after_fit"] for r in ranks)       # before: True, alive at exit
+    assert all(r["wrappers_alive_at_destroy"] == 0 for r in ranks)
+
+
+def test_fit_leaves_a_process_group_the_user_created_alone(tmp_path, corpus):
+    code, ranks, err = _fit_script(tmp_path, corpus, "ddp", "user-group")
+    assert code == 0, err
+    assert all(r["initialized_after_fit"] for r in ranks) and len(ranks) == 2
