@@ -90,8 +90,9 @@ class PrecisionPlan:
     def table(self) -> str:
         """The planner's table: layer, FLOPs share, SQNR (out/grad) and loss change per format, choice."""
         fmts = [f for f in self._formats() if f != "fp32"]
-        head = f"{'layer':<22} {'flops':>6} " + " ".join(f"{_short(f):>29}" for f in fmts) + "  chosen"
-        sub = f"{'':<22} {'share':>6} " + " ".join(f"{'sqnr o/g dB  dloss% meas/est':>29}" for _ in fmts)
+        w = max([22] + [len(m.name) for m in self.layers])     # Hugging Face names run long
+        head = f"{'layer':<{w}} {'flops':>6} " + " ".join(f"{_short(f):>29}" for f in fmts) + "  chosen"
+        sub = f"{'':<{w}} {'share':>6} " + " ".join(f"{'sqnr o/g dB  dloss% meas/est':>29}" for _ in fmts)
         lines = [head, sub]
         for m in self.layers:
             cells = []
@@ -101,7 +102,7 @@ class PrecisionPlan:
                 else:
                     cells.append(f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_grad[f]:>5.1f} "
                                  f"{100 * m.loss_change[f]:>8.2g}/{100 * m.loss_change_est[f]:<8.2g}")
-            lines.append(f"{m.name:<22} {100 * m.flops_share:>5.1f}% " + " ".join(cells) + f"  {m.chosen}")
+            lines.append(f"{m.name:<{w}} {100 * m.flops_share:>5.1f}% " + " ".join(cells) + f"  {m.chosen}")
         counts: dict[str, int] = {}
         for m in self.layers:
             counts[m.chosen] = counts.get(m.chosen, 0) + 1

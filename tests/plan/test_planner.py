@@ -152,3 +152,22 @@ def test_a_hooked_layer_is_measured_on_what_reaches_its_forward():
         assert hooked.loss_change_est[f] == pytest.approx(plain.loss_change_est[f], rel=1e-4)
         assert hooked.sqnr_out[f] == pytest.approx(plain.sqnr_out[f], abs=0.01)
         assert hooked.loss_change[f] == pytest.approx(plain.loss_change[f], rel=1e-3, abs=1e-9)
+
+
+def test_table_columns_stay_aligned_for_long_layer_names():
+    from mixprec.plan.plan import LayerMeasure, PrecisionPlan
+    layers = []
+    for name in ("fc", "model.layers.0.self_attn.q_proj"):          # 31 characters
+        m = LayerMeasure(name, 600, flops_share=0.5)
+        m.sqnr_out = {"fp32": float("inf"), "bf16": 50.0}
+        m.sqnr_grad = dict(m.sqnr_out)
+        m.loss_change = m.loss_change_est = {"fp32": 0.0, "bf16": 1e-6}
+        m.chosen = "bf16"
+        layers.append(m)
+    plan = PrecisionPlan(base="bf16-mixed", layers=layers, target="H100", budget=1e-3,
+                         criterion="fisher", loss=1.0, throughput={"fp32": 1.0, "bf16": 2.0},
+                         step_time=1.0, step_time_fp32=1.0, step_time_fastest=1.0)
+    head, sub, *rows = plan.table().splitlines()[:4]
+    share_end = head.index("flops") + len("flops")
+    assert sub.index("share") + len("share") == share_end
+    assert all(row.index("%") + 1 == share_end for row in rows)
