@@ -13,7 +13,9 @@ probabilities in 8-11 mantissa bits drops the small ones. Two implementations ar
     ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)`` was set. That makes it
     numerically equivalent to an FP32 softmax up to the rounding of its 16-bit inputs and output
     (tests/nn/test_attention.py checks it against an FP32 reference), and it never materialises
-    the ``(T, T)`` score matrix on the fused paths.
+    the ``(T, T)`` score matrix on the fused paths. On a CPU without AMX, for short sequences
+    16-bit ``q, k, v`` are cast to FP32 for the kernel and the output rounded back: faster there,
+    and no less accurate (see ``_sdpa_upcast_dtype``).
 ``impl="math"``
     The explicit reference: FP32 scores from the 16-bit ``q, k``, causal mask, FP32 softmax,
     probabilities rounded once to ``v``'s dtype for ``probs @ v`` (autocast disabled inside). It materialises ``(B, H, T, T)`` and is meant for
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import ConfigError
+from mixprec.precision.hardware import cpu_matrix_flags
 
 __all__ = ["CausalSelfAttention", "ATTENTION_IMPLS", "causal_attention_fp32_softmax"]
 
@@ -50,6 +53,31 @@ def causal_attention_fp32_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         if dropout_p > 0.0 and training:
             probs = F.dropout(probs, p=dropout_p)
         return probs.to(v.dtype) @ v  # (B, H, T, hs), probabilities rounded once for the v matmul
+
+
+_UPCAST_MAX_T_TIMES_D = 8192
+
+
+def _sdpa_upcast_dtype(q: torch.Tensor) -> torch.dtype | None:
+    """FP32 when ``q`` is BF16/FP16 on a CPU without AMX and the sequence is short, else None.
+
+    PyTorch's CPU flash-attention kernel is slower on 16-bit inputs than on FP32 ones for short
+    sequences on such CPUs, and faster for long ones. Measured forward + backward on avx512_bf16
+    without AMX (``benchmarks/attention_dtype.py``, docs/performance.md), FP32 against BF16:
+    2.45x faster at T=128, head size 32, 4.4x at 64x16, 1.64x at 128x64, 1.28x at 256x32; but
+    0.96x at 256x64, 1.03x at 512x32, 0.87x at 512x64 and 0.77x at 1024x32. So 16-bit inputs
+    are cast up when ``T * head_size <= 8192`` (every measured case that gained 1.28x or more,
+    none that lost). The FP32 kernel computes the softmax and both products in FP32 on the same
+    16-bit-rounded inputs, so it is at least as accurate. AMX CPUs were not measured and keep the
+    16-bit kernel.
+    """
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if q.shape[-2] * q.shape[-1] > _UPCAST_MAX_T_TIMES_D:
+        return None
+    if any(flag.startswith("amx") for flag in cpu_matrix_flags()):
+        return None
+    return torch.float32
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,7 +110,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hs)
         p = self.dropout if self.training else 0.0
         if self.impl == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            wide = _sdpa_upcast_dtype(q)
+            if wide is None:
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            else:   # autocast off, or it would cast the inputs back; rounded once at the end
+                with torch.autocast("cpu", enabled=False):
+                    y = F.scaled_dot_product_attention(q.to(wide), k.to(wide), v.to(wide),
+                                                       dropout_p=p, is_causal=True).to(q.dtype)
         else:
             y = causal_attention_fp32_softmax(q, k, v, dropout_p=p, training=self.training)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)

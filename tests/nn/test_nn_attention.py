@@ -98,3 +98,41 @@ def test_bad_shapes_and_impl_are_config_errors():
         CausalSelfAttention(30, 4)
     with pytest.raises(ConfigError, match="impl"):
         CausalSelfAttention(32, 4, impl="flash")
+
+
+def test_cpu_sdpa_runs_16bit_attention_in_fp32_without_amx(monkeypatch):
+    import mixprec.nn.attention as attention
+    monkeypatch.setattr(attention, "cpu_matrix_flags", lambda: ["avx512_bf16"])
+    torch.manual_seed(0)
+    layer = CausalSelfAttention(64, 4)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        q, k, v = layer.qkv(x).split(64, dim=2)
+    q, k, v = (t.view(2, 16, 4, 16).transpose(1, 2) for t in (q, k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer.proj(expected.transpose(1, 2).reshape(2, 16, 64))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)     # the FP32 kernel, rounded once
+    y.float().sum().backward()
+    assert layer.qkv.weight.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_cpu_sdpa_keeps_the_16bit_kernel_on_amx(monkeypatch):
+    import mixprec.nn.attention as attention
+    monkeypatch.setattr(attention, "cpu_matrix_flags", lambda: ["amx_bf16", "avx512_bf16"])
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    assert attention._sdpa_upcast_dtype(q) is None
+    assert attention._sdpa_upcast_dtype(q.float()) is None          # FP32 input: nothing to do
+    monkeypatch.setattr(attention, "cpu_matrix_flags", lambda: [])
+    assert attention._sdpa_upcast_dtype(q) == torch.float32         # AVX2-only: emulated BF16
+
+
+def test_cpu_sdpa_keeps_the_16bit_kernel_for_long_sequences(monkeypatch):
+    import mixprec.nn.attention as attention
+    monkeypatch.setattr(attention, "cpu_matrix_flags", lambda: ["avx512_bf16"])
+    assert attention._sdpa_upcast_dtype(torch.zeros(1, 1, 256, 32, dtype=torch.bfloat16)) == torch.float32
+    assert attention._sdpa_upcast_dtype(torch.zeros(1, 1, 512, 32, dtype=torch.bfloat16)) is None
+    assert attention._sdpa_upcast_dtype(torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)) is None
