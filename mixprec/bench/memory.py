@@ -22,7 +22,9 @@ parts. The rules it encodes:
                                 (B,T,C) copy d, MLP input d, GELU input r*d, GELU output r*d
 
   i.e. ``68d + 4h + 16`` bytes in FP32 and ``38d + 4h + 16`` in BF16 (r = 4): activations shrink
-  by ~44 %, not 50 %, because norms keep FP32. With activation checkpointing a layer keeps only
+  by ~44 %, not 50 %, because norms keep FP32. (On a CPU without AMX, short sequences' attention
+  runs in FP32, see ``mixprec.nn.attention``, and saves ``10d`` bytes more per layer and token;
+  not counted here: the estimate is the 16-bit kernel's, as on GPUs.) With activation checkpointing a layer keeps only
   its input (``d`` in the residual dtype), and one layer's full activations exist during its
   recompute. An MoE MLP keeps ``top_k`` experts' worth of the MLP term per token.
   The head adds the final norm, the logits' log-softmax (FP32, ``4V`` per token) and, while the
