@@ -31,8 +31,17 @@ def _child(rank: int, fn, world_size: int, port: int, out_dir: str, args: tuple)
     torch.set_num_threads(1)
     result = fn(rank, *args)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    del result
+    import gc
+
     import torch.distributed as dist
     if dist.is_initialized():
+        # As Strategy.teardown does: free the DDP/FSDP modules fn left in reference cycles (they
+        # hold the group), meet, then destroy. A group still referenced at interpreter exit is
+        # torn down during finalization, where gloo can abort the process (SIGABRT, seen once in
+        # test_dist_fsdp.py's fixture).
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
