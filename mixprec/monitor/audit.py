@@ -236,10 +236,14 @@ def _check_hardware(precision: Precision, device: torch.device, findings: list[F
     # Advice about a CPU comes from the CPU the audit runs on, never from where the docs were measured.
     cpu_fast = "bf16-mixed" if not on_gpu and cpu_has_native_bf16() else "32-true"
     cpu = "" if on_gpu else f" ({describe_cpu()})"
-    if precision.fp8_recipe and not (on_gpu and cuda_supports_fp8()):
+    # Per-layer FP8 too (a plan or overrides): the formats set up, else the ones asked for.
+    asked = precision.layer_formats.values() or [f for _, f in precision.policy.overrides]
+    fp8_layers = sorted({f for f in asked if f.startswith("fp8-")})
+    if (precision.fp8_recipe or fp8_layers) and not (on_gpu and cuda_supports_fp8()):
+        what = precision.fp8_recipe or ", ".join(fp8_layers)   # a uniform mode, or per-layer FP8
         findings.append(Finding(
             code="fp8-unsupported", severity="warning",
-            message=f"precision {precision} uses FP8 ({precision.fp8_recipe}) but {device} has no FP8 tensor "
+            message=f"precision {precision} uses FP8 ({what}) but {device} has no FP8 tensor "
                     "cores (compute capability 8.9+): FP8 is emulated, correct but slower than bf16",
             fix="use 'bf16-mixed' on this GPU" if on_gpu else f"use '{cpu_fast}' on this CPU{cpu}"))
     if torch.bfloat16 in dts and not bf16_is_fast(device):

@@ -104,7 +104,8 @@ class RunEvents:
             lines += [f"  {row}" for row in precision.describe_layers()]
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
-        self.logger.event({"kind": "start", "step": step, "message": "; ".join(lines)})
+        self.logger.event({"kind": "start", "step": step, "precision": precision.describe(),
+                           "message": "; ".join(lines)})
         self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
                            "message": f"{len(precision.layer_formats)} Linear layers: "
                                       + ", ".join(f"{n}={f}" for n, f in precision.layer_formats.items())})

@@ -127,7 +127,7 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
 
 
 def _start_field(events: list[dict[str, Any]], name: str) -> str | None:
-    """``name: ...`` from the start event's message (``precision: 16-mixed (p=f32,...)``)."""
+    """``name: ...`` from the start event's message (``model: 0.82M parameters; ...``)."""
     for e in events:
         if e.get("kind") == "start":
             for part in str(e.get("message", "")).split("; "):
@@ -137,8 +137,17 @@ def _start_field(events: list[dict[str, Any]], name: str) -> str | None:
 
 
 def _precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str | None:
-    resolved = _start_field(events, "precision")
-    return resolved or config.get("precision")
+    """The resolved precision as the run described it. The description itself contains "; ", so
+    it is its own field of the start event (runs written before that: the message up to the
+    device line)."""
+    for e in events:
+        if e.get("kind") == "start":
+            if e.get("precision"):
+                return str(e["precision"])
+            message = str(e.get("message", ""))
+            if message.startswith("precision: "):
+                return message[len("precision: "):].split("; device: ")[0]
+    return config.get("precision")
 
 
 def _model(config: dict[str, Any], events: list[dict[str, Any]]) -> str | None:

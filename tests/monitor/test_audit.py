@@ -228,3 +228,18 @@ def test_findings_are_sorted_and_formatted(native):
     assert "fix:" in text and text.splitlines()[-1].startswith("audit: 2 errors")
     with pytest.raises(ValueError):
         Finding(code="x", severity="fatal", message="m", fix="f")
+
+
+def test_per_layer_fp8_without_capable_gpu_warns_as_a_uniform_fp8_mode_does(monkeypatch):
+    # A plan file or an override that puts some Linears in FP8 on a bf16-mixed base: emulated all
+    # the same (found by trying `mixprec train --precision plan:plan.json` as a user).
+    import mixprec as mp
+    monkeypatch.setattr(audit_mod, "cuda_supports_fp8", lambda: False)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    precision = mp.Precision("bf16-mixed", overrides={"0": "fp8-tensorwise"})
+    model, _ = precision.setup(model)
+    f = next(f for f in audit(model, precision=precision, device="cpu") if f.code == "fp8-unsupported")
+    assert "fp8-tensorwise" in f.message and "emulated" in f.message
+    plain = mp.Precision("bf16-mixed")
+    assert "fp8-unsupported" not in _codes(audit(plain.setup(nn.Linear(32, 32))[0], precision=plain,
+                                                 device="cpu"))

@@ -33,6 +33,9 @@ def test_report_overlays_runs_with_differences_against_the_first(tmp_path, capsy
     lines = [line for line in out.splitlines() if line.startswith(("fp32 |", "fp8 |"))]
     assert lines[0].split(" | ")[4] == "+0.00"                      # the reference against itself
     assert "1 fp8-tensorwise" in lines[1]                           # fc in FP8, the head not
+    # The whole description, which itself contains "; " (it was cut at the first one).
+    assert "32-true (p=f32,c=f32,o=f32,r=f32; master weights off" in lines[0]
+    assert "loss scaling off)" in lines[0]
     page = (tmp_path / "cmp" / "compare.html").read_text()
     assert "fp8-tensorwise" in page and "val loss vs first (%)" in page
     for name in ("loss", "val_loss", "loss_relative", "skipped", "fp8_share"):
