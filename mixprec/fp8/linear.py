@@ -88,6 +88,16 @@ class _Fp8Gemms:
             hist = torch.zeros(3, self.config.amax_history_len, dtype=torch.float32, device=device)
         self.register_buffer("amax_history", hist, persistent=False)
 
+    def _adopt(self, source: nn.Module, fqn: str):
+        """Take ``source``'s weight and bias Parameters (built on "meta", nothing was allocated),
+        its device for the amax history, its name and its train/eval mode; return self."""
+        self.weight = source.weight
+        self.bias = source.bias
+        self._init_history(source.weight.device)
+        self.fqn = fqn
+        self.train(source.training)
+        return self
+
     # --- path selection ------------------------------------------------------------------------
 
     def _choose_path(self, x: torch.Tensor) -> tuple[str, str]:
@@ -167,12 +177,7 @@ class Fp8Linear(_Fp8Gemms, nn.Linear):
         """An ``Fp8Linear`` sharing ``linear``'s Parameters (no copy, optimizer state stays valid)."""
         new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                   config=config, device="meta")
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new._init_history(linear.weight.device)
-        new.fqn = fqn
-        new.train(linear.training)
-        return new
+        return new._adopt(linear, fqn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._fp8_matmul(x, self.weight)                        # weight: (N, K)
@@ -218,13 +223,7 @@ class Fp8Conv1D(_Fp8Gemms, nn.Module):
         if not is_conv1d(conv):
             raise ConfigError(f"{type(conv).__name__} is not a Hugging Face Conv1D (weight (nx, nf))")
         nx, nf = conv.weight.shape
-        new = cls(nx, nf, config=config, device="meta")
-        new.weight = conv.weight
-        new.bias = conv.bias
-        new._init_history(conv.weight.device)
-        new.fqn = fqn
-        new.train(conv.training)
-        return new
+        return cls(nx, nf, config=config, device="meta")._adopt(conv, fqn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._fp8_matmul(x, self.weight.t())                    # (nx, nf) -> W (N, K)
