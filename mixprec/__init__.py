@@ -3,7 +3,7 @@
 The public API is what this module lists in ``__all__`` plus the sub-packages; names that start
 with ``_`` and modules not re-exported here are internal.
 """
-from mixprec import amp, data, engine, fp8, models, monitor, nn, optim, precision, strategies, train
+from mixprec import amp, data, engine, formats, fp8, models, monitor, nn, optim, precision, strategies, train
 from mixprec.amp import GradScaler
 from mixprec.engine import Precision
 from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
@@ -11,7 +11,7 @@ from mixprec.models import Transformer
 from mixprec.precision import Policy, autocast, cast_module, get_policy
 from mixprec.strategies import FSDPStrategy, MirroredStrategy, SingleDeviceStrategy
 from mixprec.train import FitConfig, Trainer, TrainConfig, fit
-from mixprec.plan import plan_precision
+from mixprec.plan import plan_precision, what_if
 
 __version__ = "0.1.0"
 
@@ -23,7 +23,7 @@ __all__ = [
     # training
     "Trainer", "fit", "FitConfig", "TrainConfig",
     # per-layer precision planning
-    "plan_precision",
+    "plan_precision", "what_if",
     # models
     "Transformer",
     # strategies
@@ -31,5 +31,5 @@ __all__ = [
     # errors
     "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
     # sub-packages
-    "precision", "amp", "optim", "nn", "fp8", "engine", "models", "data", "strategies", "monitor", "train",
+    "precision", "amp", "optim", "nn", "fp8", "formats", "engine", "models", "data", "strategies", "monitor", "train",
 ]

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("mixprec.bench.command", "benchmarks: matmul throughput, training step per precision"),
     "memory": ("mixprec.bench.memory", "estimate memory per precision mode: params, grads, masters, moments, activations"),
     "plan": ("mixprec.plan.command", "choose FP8/BF16/FP32 per Linear layer from measured sensitivity and cost"),
+    "whatif": ("mixprec.plan.whatif_command", "which format (FP8, MXFP8, MXFP4, NVFP4, BF16) can each Linear take: table, CSV, heat-map"),
     "estimate": ("mixprec.bench.estimate", "estimate memory, time, energy and cost of a training run on a cluster"),
 }
 
