@@ -128,6 +128,8 @@ def _to_elements(v: torch.Tensor, elem: ElementFormat, rounding: str,
     """Scaled FP32 values (already clamped to +-max; NaN allowed) -> element storage."""
     if elem.dtype is not None and rounding == "nearest":
         return v.to(elem.dtype)                          # the hardware conversion (RNE)
+    if elem.dtype is None:
+        return _to_e2m1(v, rounding, generator)
     grid = elem.grid(v.device)
     a = torch.nan_to_num(v.abs(), nan=0.0)
     idx = round_to_grid(a, grid, rounding=rounding, generator=generator)
@@ -137,13 +139,37 @@ def _to_elements(v: torch.Tensor, elem: ElementFormat, rounding: str,
     return torch.where(torch.isnan(v), v, out).to(elem.dtype)
 
 
+def _to_e2m1(v: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """E2M1 codes of scaled values in [-6, 6] (NaN -> +0), by arithmetic (the fast path of
+    :func:`round_to_grid` on :data:`E2M1_VALUES`, tested equal to it): within a binade E2M1's
+    values are multiples of ``step`` (0.5 below 2 and in the subnormals, 1 in [2, 4), 2 in [4, 6]),
+    and a multiple's parity is its code's, so ``torch.round`` (half to even) is RNE."""
+    a = torch.nan_to_num(v.abs(), nan=0.0)
+    _, e = torch.frexp(a)                                # a = m * 2**e, m in [0.5, 1)
+    step = torch.ldexp(torch.ones_like(a), (e - 2).clamp_(min=-1))
+    if rounding == "nearest":
+        q = torch.round(a / step) * step
+    elif rounding == "stochastic":
+        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+        q = torch.floor(a / step + u) * step
+    else:
+        raise ConfigError(f"rounding must be 'nearest' or 'stochastic', not '{rounding}'")
+    idx = torch.where(q <= 2, 2 * q, torch.where(q <= 4, q + 2, 7.0))
+    return (idx.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3))
+
+
 def _element_values(codes: torch.Tensor, elem: ElementFormat) -> torch.Tensor:
     """Element storage -> FP32 values (before scaling)."""
     if elem.dtype is not None:
         return codes.float()
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
-                         device=codes.device)
+    table = _E2M1_TABLES.get(codes.device)
+    if table is None:
+        table = _E2M1_TABLES[codes.device] = torch.tensor(
+            E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
     return table[codes.long()]
+
+
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 @dataclass(frozen=True)
@@ -245,10 +271,9 @@ def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, NVFP4_BLOCK)
     amax_b = xb.abs().amax(dim=(1, 3))
     t_amax = xb.abs().amax() if tensor_amax is None else tensor_amax.float().reshape(())
     t_ok = torch.isfinite(t_amax)
-    tensor_scale = torch.where(t_ok, t_amax.clamp_min(EPS) / (_E4M3_MAX * _E2M1_MAX),
-                               torch.full_like(t_amax, float("nan")))
+    tensor_scale = torch.where(t_ok, t_amax.clamp_min(EPS) / (_E4M3_MAX * _E2M1_MAX), float("nan"))
     s = ((amax_b / _E2M1_MAX) / tensor_scale).clamp(_E4M3_TINY, _E4M3_MAX)
-    s = torch.where(torch.isfinite(amax_b), s, torch.full_like(s, float("nan")))
+    s = torch.where(torch.isfinite(amax_b), s, float("nan"))
     s8 = s.to(torch.float8_e4m3fn)
     mult = (1.0 / tensor_scale) / s8.float()
     scaled = (xb * mult[:, None, :, None]).clamp_(-elem.max, elem.max)

@@ -65,7 +65,7 @@ def _rotate(t: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     if pad:
         t = F.pad(t, (0, pad))
     R, M = t.shape
-    return (t.reshape(R, M // n, n) @ h).reshape(R, M)
+    return (t.contiguous().reshape(-1, n) @ h).reshape(R, M)
 
 
 def quantize_operand(t: torch.Tensor, config: MicroConfig, *, grad: bool = False, weight: bool = False,

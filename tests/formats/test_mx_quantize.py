@@ -213,3 +213,19 @@ def test_deliberate_difference_inf_is_poisoned_where_torchao_saturates():
     assert scale_ref.view(torch.uint8).item() != 255            # torchao: a finite scale ...
     assert data_ref.float()[0, 0] == 448                        # ... and the inf saturated
     assert quantize_mx(x, "e4m3").scale_bits.item() == 255      # mixprec: NaN scale
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_e2m1_fast_path_equals_the_grid_rounding(rounding):
+    from mixprec.formats.mx import _to_e2m1
+    v = torch.cat([torch.linspace(-6, 6, 4801), torch.tensor(E2M1_VALUES) / 2 + 0.25])  # grid + ties
+    if rounding == "nearest":
+        codes = _to_e2m1(v, "nearest", None)
+        want = round_to_grid(v.abs(), E2M1)
+        assert torch.equal(codes & 7, want.to(torch.uint8))
+        assert torch.equal((codes >> 3).bool(), torch.signbit(v))
+    else:
+        g = torch.Generator().manual_seed(0)
+        a = torch.full((100_000,), 4.5)
+        vals = E2M1[(_to_e2m1(a, "stochastic", g) & 7).long()]
+        assert set(vals.unique().tolist()) == {4.0, 6.0} and abs(float(vals.mean()) - 4.5) < 0.02
