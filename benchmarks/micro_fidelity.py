@@ -37,11 +37,7 @@ def mode_args(mode: str, num_layers: int) -> list[str]:
     fmt, _, variant = mode.partition("-")
     last = math.ceil(0.16 * num_layers)
     keep = fmt == "nvfp4" and variant not in ("plain", "no-keep")
-    over = (f"blocks.{num_layers - last}*=fp32," if keep and last else "")
-    if keep and last > 1:
-        over = "".join(f"blocks.{i}.*=fp32," for i in range(num_layers - last, num_layers))
-    elif keep:
-        over = f"blocks.{num_layers - 1}.*=fp32,"
+    over = "".join(f"blocks.{i}.*=fp32," for i in range(num_layers - last, num_layers)) if keep else ""
     out = ["--precision", "32-true", f"precision_overrides={over}*={fmt}"]
     opts = list(_OFF.values()) if variant == "plain" else \
         [_OFF[variant.removeprefix("no-")]] if variant.removeprefix("no-") in _OFF else []

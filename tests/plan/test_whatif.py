@@ -145,3 +145,14 @@ def test_cli_writes_table_csv_heatmap_and_plan(tmp_path, capsys):
     assert "choice:" in capsys.readouterr().out
     p = mp.Precision(f"plan:{plan}")
     assert p.policy.overrides and all(f in ("mxfp4", "bf16", "fp32") for _, f in p.policy.overrides)
+
+
+def test_gpu_table_has_blackwell_fp4_peaks_and_hopper_refuses_fp4():
+    from mixprec.bench.gpus import format_peak_kind, get_gpu, peak_kind
+    assert get_gpu("B200").peak_flops("fp4") == 2 * get_gpu("B200").peak_flops("fp8")
+    assert get_gpu("gb200").fp4_tflops == 10000.0 and "GB200" in get_gpu("GB200").source
+    with pytest.raises(ConfigError, match="H100 has no FP4 tensor cores.*B200, GB200"):
+        get_gpu("H100").peak_flops("fp4")
+    assert [format_peak_kind(f) for f in ("nvfp4", "mxfp4", "mxfp8", "fp8-rowwise", "bf16", "fp32")] == \
+        ["fp4", "fp4", "fp8", "fp8", "bf16", "fp32"]
+    assert peak_kind(mp.Precision("nvfp4")) == "fp4" and peak_kind(mp.Precision("mxfp8")) == "fp8"
