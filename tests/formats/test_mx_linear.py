@@ -160,3 +160,19 @@ def test_layers_whose_features_miss_the_mx_block_are_kept_out():
     p.setup(model)
     assert p.layer_formats == {"0": "fp32", "2": "mxfp8"}
     assert "multiples of its 32-element block" in dict(p.micro_report.skipped)["0"]
+
+
+def test_planner_takes_micro_candidates_at_blackwell_rates_and_drops_them_when_measuring_here():
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    batches = [(torch.randn(16, 32), torch.randn(16, 32))]
+    plan = mixprec.plan_precision(model, batches, candidates=("fp32", "bf16", "mxfp8", "nvfp4"),
+                                  target="B200", loss_fn=F.mse_loss, budget=0.5)
+    assert plan.throughput["nvfp4"] == 9000e12 and plan.throughput["mxfp8"] == 4500e12
+    assert {m.chosen for m in plan.layers} <= {"fp32", "bf16", "mxfp8", "nvfp4"}
+    assert "nvfp4" in plan.layers[0].sqnr_out
+    from mixprec.plan import format_throughput
+    thr, notes = format_throughput("measure", ["fp32", "nvfp4"], device=torch.device("cpu"), n=64,
+                                   min_time=0.01)
+    assert "nvfp4" not in thr and any("nvfp4 left out" in n for n in notes)
