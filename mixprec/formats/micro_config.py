@@ -6,8 +6,8 @@ Three named recipes (:meth:`MicroConfig.from_recipe`), one per layer format:
   reduction dimension (OCP MX v1.0; the MXFP8 recipe Blackwell GPUs train in);
 * ``mxfp4``  E2M1 elements, E8M0 scales per 32 (OCP MX v1.0); no further options by default;
 * ``nvfp4``  E2M1 elements, one E4M3 scale per 16 elements and an FP32 scale per tensor, with the
-  options of NVIDIA's NVFP4 pre-training recipe ("Pretraining Large Language Models with NVFP4",
-  2025) all on by default:
+  options of NVIDIA's NVFP4 pre-training recipe ("Pretraining Large Language Models with
+  NVFP4", arXiv:2509.25149, 2025) all on by default:
 
   - ``hadamard_wgrad``: a 16x16 random Hadamard transform (Hadamard matrix times a random sign
     vector, fixed per run) applied to both inputs of the weight-gradient GEMM along its
