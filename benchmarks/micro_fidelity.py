@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from mixprec.models import get_model_config
-from mixprec.train.metrics import read_metrics
+from mixprec.runs.metrics import read_metrics
 
 _OFF = {"rht": "hadamard_wgrad=false", "2d": "weight_2d=false", "sr": "stochastic_grad=false"}
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixprec.errors import ConfigError, closest
-from mixprec.precision.overrides import MICRO_FORMATS
+from mixprec.policy.overrides import MICRO_FORMATS
 
 __all__ = ["MicroConfig", "MICRO_RECIPES", "BF16_SHARE", "parse_micro_options"]
 

@@ -23,7 +23,7 @@ the layer's name; not checkpointed: a resumed run draws a different stream).
 Execution path: always ``emulated`` here: operands are quantized with their real scales
 (:mod:`mixprec.formats.mx`), dequantized and multiplied in FP32, so every quantization error is
 real and only the accumulation order differs from a Blackwell tensor core. ``execution_path`` and
-``execution_reason`` say so, as :class:`mixprec.fp8.Fp8Linear`'s do; the first call logs it.
+``execution_reason`` say so, as :class:`mixprec.formats.Fp8Linear`'s do; the first call logs it.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ the same modules and the same eligibility rules), and with *only* ``L`` in ``f``
 * loss change: the model's forward loss with ``L`` alone in ``f``, ``mean |loss_f - loss| /
   loss`` over the batches (measured, not estimated);
 * projected GEMM speed-up on a GPU: the format's dense datasheet peak over BF16's
-  (:data:`mixprec.bench.gpus.GPUS`; 1.0 where the rules keep the layer out of the format).
+  (:data:`mixprec.estimate.gpus.GPUS`; 1.0 where the rules keep the layer out of the format).
 
 A cell is *safe* when its loss change is at most ``tolerance`` (a fraction of the loss) and its
 results are finite. Each layer's choice is its safe format with the largest projected speed-up
@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.fp8 import sqnr_db
+from mixprec.formats import sqnr_db
 from mixprec.plan.planner import _local, _losses_with, _reference
-from mixprec.precision.overrides import is_micro, parse_format
+from mixprec.policy.overrides import is_micro, parse_format
 
 __all__ = ["what_if", "WhatIfReport", "WhatIfRow", "FormatCell", "WHATIF_FORMATS"]
 
@@ -102,7 +102,7 @@ class WhatIfReport:
 
     @property
     def overrides(self) -> tuple[tuple[str, str], ...]:
-        """The choice as per-layer overrides (a plan: ``mixprec.precision.overrides.write_plan``)."""
+        """The choice as per-layer overrides (a plan: ``mixprec.policy.overrides.write_plan``)."""
         return tuple((r.name, r.choice) for r in self.rows)
 
     def table(self) -> str:
@@ -226,8 +226,8 @@ def _half_step_at_max(element: str) -> float:
 
 
 def _fp8_counts(t: torch.Tensor, fmt: str, role: str) -> tuple[int, int, int]:
-    from mixprec.fp8 import Fp8Config, quantize
-    from mixprec.fp8.linear import _operand_block
+    from mixprec.formats import Fp8Config, quantize
+    from mixprec.formats.fp8_linear import _operand_block
     cfg = Fp8Config.from_recipe(fmt)
     dtype = cfg.grad_dtype if role == "grad" else cfg.forward_dtype
     q = quantize(t, dtype, _operand_block(cfg, "weight" if role == "weight" else "act"),
@@ -277,7 +277,7 @@ def _range_stats(fmt: str, layer: nn.Module, records: list[tuple[torch.Tensor, .
 # --- the what-if run --------------------------------------------------------------------------
 
 def _peak(gpu, fmt: str) -> float | None:
-    from mixprec.bench.gpus import format_peak_kind
+    from mixprec.estimate.gpus import format_peak_kind
     value = getattr(gpu, f"{format_peak_kind(fmt)}_tflops")
     return None if value is None else float(value)
 
@@ -296,8 +296,8 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     the loss, a layer may show alone in a format and be called safe (default 0.5 %).
     ``layers``: restrict to these Linear names.
     """
-    from mixprec.bench.gpus import get_gpu
-    from mixprec.train.objective import make_objective
+    from mixprec.estimate.gpus import get_gpu
+    from mixprec.models.objective import make_objective
     t0 = time.perf_counter()
     if not batches:
         raise ConfigError("what_if needs at least one batch")

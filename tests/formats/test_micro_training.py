@@ -14,7 +14,7 @@ import math
 import pytest
 
 from mixprec.cli import main
-from mixprec.train.metrics import read_events, read_metrics
+from mixprec.runs.metrics import read_events, read_metrics
 
 
 @pytest.mark.slow

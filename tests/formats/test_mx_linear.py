@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from mixprec.errors import ConfigError
 from mixprec.formats import MicroConfig, MicroLinear, hadamard_matrix, quantize_mx, quantize_nvfp4
-from mixprec.fp8 import sqnr_db
+from mixprec.formats import sqnr_db
 from mixprec.models import Transformer, get_model_config
 
 

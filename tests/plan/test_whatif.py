@@ -148,7 +148,7 @@ def test_cli_writes_table_csv_heatmap_and_plan(tmp_path, capsys):
 
 
 def test_gpu_table_has_blackwell_fp4_peaks_and_hopper_refuses_fp4():
-    from mixprec.bench.gpus import format_peak_kind, get_gpu, peak_kind
+    from mixprec.estimate.gpus import format_peak_kind, get_gpu, peak_kind
     assert get_gpu("B200").peak_flops("fp4") == 2 * get_gpu("B200").peak_flops("fp8")
     assert get_gpu("gb200").fp4_tflops == 10000.0 and "GB200" in get_gpu("GB200").source
     with pytest.raises(ConfigError, match="H100 has no FP4 tensor cores.*B200, GB200"):
