@@ -60,7 +60,7 @@ def train(mode: str, seed: int, args: argparse.Namespace, run_dir: str) -> dict:
         return {"mode": mode, "seed": seed, "val": math.nan, "rc": done.returncode}
     rows = read_metrics(run_dir)
     vals = [float(r["val_loss"]) for r in rows if r.get("val_loss") not in (None, "")]
-    skipped = max((int(float(r.get("skipped_steps") or 0)) for r in rows), default=0)
+    skipped = max((int(r.get("skipped_total") or 0) for r in rows), default=0)
     return {"mode": mode, "seed": seed, "val": vals[-1] if vals else math.nan, "rc": 0,
             "skipped": skipped, "wall_s": time.perf_counter() - start, "cmd": " ".join(cmd[1:])}
 
