@@ -6,7 +6,7 @@ from pathlib import Path
 import mixprec
 
 ORDER = ["precision", "amp", "optim", "nn", "fp8", "engine", "models", "data", "strategies",
-         "monitor", "train", "bench", "plan", "cli"]
+         "monitor", "train", "integrations", "bench", "plan", "cli"]
 """Lowest first. ``errors`` may be imported by everyone; ``mixprec/__init__.py`` and
 ``__main__.py`` sit above everything."""
 
