@@ -96,18 +96,20 @@ def _toml(config: dict[str, Any]) -> str:
 class RunRecord:
     """The console lines and (with ``run_dir``) the mixprec run folder of a framework's run:
     ``config.toml``, ``metrics.csv``, ``events.jsonl``, ``tb/``, the files ``mixprec report``
-    reads. ``resume_step``: the step a resumed run continues from (its rows after it are dropped).
+    reads. ``resume_step``: the step a resumed run continues from (its rows after it are dropped);
+    a new run refuses a folder that holds one unless ``overwrite``.
     """
 
     def __init__(self, precision: Precision, host: Host, *, run_dir: str | Path | None,
-                 resume_step: int | None = None, config: dict[str, Any] | None = None) -> None:
+                 resume_step: int | None = None, overwrite: bool = False,
+                 config: dict[str, Any] | None = None) -> None:
         self.precision = precision
         self.host = host
         self.run_dir: Path | None = None
         if run_dir is not None and host.is_main:
             self.run_dir = claim_run_dir(run_dir, precision=precision.name,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
-                                         overwrite=False)
+                                         overwrite=overwrite)
             (self.run_dir / "config.toml").write_text(
                 _toml({"precision": precision.name, **(config or {})}), encoding="utf-8")
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,
