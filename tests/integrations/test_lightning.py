@@ -108,6 +108,28 @@ def test_lightning_trainer_gives_the_hand_loops_weights_bit_for_bit(mode, option
     assert list(plugin.mixprec.layer_formats.values()) == list(ref_precision.layer_formats.values())
 
 
+def test_gradient_accumulation_matches_the_hand_loop_bit_for_bit():
+    # 16-mixed: every micro-batch's loss is scaled; the step unscales once per accumulated step.
+    x, y = make_data()
+    precision = mp.Precision("16-mixed", init_scale=2.0 ** 8, growth_interval=1)
+    ref = make_net()
+    ref, opt = precision.setup(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    batches = list(loader(x, y))
+    for i in range(0, len(batches), 2):
+        for xb, yb in batches[i:i + 2]:
+            with precision.autocast():
+                loss = loss_of(ref, xb, yb) / 2
+            precision.backward(loss)
+        precision.step(opt)
+        opt.zero_grad()
+    plugin = MixprecPrecision("16-mixed", init_scale=2.0 ** 8, growth_interval=1)
+    module = Module(make_net())
+    trainer(plugin, steps=STEPS // 2, accumulate_grad_batches=2).fit(module, loader(x, y))
+    for name, want in ref.state_dict().items():
+        assert torch.equal(module.net.state_dict()[name], want), name
+    assert plugin.mixprec.scale == precision.scale == 2.0 ** 10
+
+
 def test_bf16_true_keeps_norms_fp32_and_steps_fp32_masters():
     x, y = make_data()
     plugin = MixprecPrecision("bf16-true")
