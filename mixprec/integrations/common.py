@@ -16,7 +16,7 @@ from torch import nn
 from mixprec.engine import Precision
 from mixprec.errors import ConfigError
 from mixprec.monitor import NonFiniteEvent, audit, locate_nonfinite
-from mixprec.monitor.trace import RngState
+from mixprec.monitor.trace import RngState, gather_origins
 from mixprec.train.events import RunEvents
 from mixprec.train.metrics import MetricsLogger
 from mixprec.train.run_dir import claim_run_dir
@@ -121,7 +121,7 @@ class RunRecord:
     def start(self, model: nn.Module, *, step: int, total: int, optimizer: Any = None,
               run_audit: bool = True) -> None:
         """The start lines (precision, layer formats, run folder) and the audit's findings."""
-        self.events.start(model=model, step=step, total=total, run_dir=self.run_dir or "(none)",
+        self.events.start(model=model, step=step, total=total, run_dir=self.run_dir or "none (pass run_dir= to write one)",
                           fp8_report=self.precision.fp8_report)
         if run_audit:
             self.events.findings(audit(model, precision=self.precision, optimizer=optimizer,
@@ -130,9 +130,13 @@ class RunRecord:
     def trace_skip(self, model: nn.Module, run_step: Callable[[], torch.Tensor | None], *,
                    step: int, scale_before: float, rng_state: RngState | None) -> NonFiniteEvent | None:
         """Replay a skipped step with hooks (``run_step``: forward and backward of its batches,
-        the loss multiplied by ``scale_before``) and log where its first inf/NaN appeared."""
+        the loss multiplied by ``scale_before``) and log where its first inf/NaN appeared. Under
+        ``torch.distributed`` every rank must call it (the origins are gathered)."""
         event = locate_nonfinite(model, run_step, loss_scale=scale_before, step=step,
                                  rng_state=rng_state)
+        # Every rank skipped (the scaler agrees across ranks); the one whose batch made the
+        # inf/NaN may not be the one that logs. A no-op in one process.
+        event = gather_origins(event)
         self.skip(step, scale_before, event)
         return event
 
