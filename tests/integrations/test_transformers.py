@@ -159,22 +159,20 @@ def test_bf16_training_arguments_are_refused(tmp_path):
                        callbacks=[MixprecCallback("bf16-true")])
 
 
-def test_resume_from_a_trainer_checkpoint_restores_the_scale(tmp_path):
+def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
+    # 16-mixed with a growing scale: 2 steps, a Trainer checkpoint, 2 more == the 4-step hand loop
+    # (which the parity test above shows equal to 4 Trainer steps).
     data = examples()
     kw = dict(init_scale=2.0 ** 8, growth_interval=1)
-    straight = MixprecCallback("16-mixed", run_dir=tmp_path / "a", **kw)
-    m_straight = bert()
-    MixprecTrainer(model=m_straight, args=args(tmp_path / "s"), train_dataset=data,
-                   callbacks=[straight]).train()
+    ref, ref_precision = hand_loop("16-mixed", bert(), data, **kw)
     first = MixprecCallback("16-mixed", run_dir=tmp_path / "b", **kw)
-    MixprecTrainer(model=bert(), args=args(tmp_path / "r", max_steps=STEPS, save_strategy="steps",
-                                          save_steps=2), train_dataset=data,
-                   callbacks=[first]).train()
+    MixprecTrainer(model=bert(), args=args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2),
+                   train_dataset=data, callbacks=[first]).train()
     again = MixprecCallback("16-mixed", run_dir=tmp_path / "c", **kw)
-    m_again = bert(seed=3)
-    ckpt = tmp_path / "r" / "out" / "checkpoint-2"
-    MixprecTrainer(model=m_again, args=args(tmp_path / "r"), train_dataset=data,
+    model = bert(seed=3)                                  # other weights: all come from the checkpoint
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    MixprecTrainer(model=model, args=args(tmp_path), train_dataset=data,
                    callbacks=[again]).train(resume_from_checkpoint=str(ckpt))
-    assert again.mixprec.scale == straight.mixprec.scale == 2.0 ** 12
-    for (name, want), got in zip(m_straight.state_dict().items(), m_again.state_dict().values()):
+    assert again.mixprec.scale == ref_precision.scale == 2.0 ** 12
+    for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got, want), name
