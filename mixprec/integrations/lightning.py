@@ -82,6 +82,9 @@ class MixprecPrecision(TrainerPrecision):
         self._clip: float | None = None
         self.num_steps = 0
         """Optimizer steps finished through this plugin (taken or skipped)."""
+        self.measure_grad_norm = False
+        """Measure the unscaled gradient norm on every step (``Precision.last_grad_norm``); the
+        callback turns it on when it writes a run folder."""
 
     # --- set-up --------------------------------------------------------------------------------
 
@@ -134,7 +137,8 @@ class MixprecPrecision(TrainerPrecision):
             self._clip = None
             return result                                 # training_step returned None: no step
         clip, self._clip = self._clip, None
-        self.mixprec.step(optimizer, clip_grad_norm=clip)  # unscale, check, clip, step or skip
+        self.mixprec.step(optimizer, clip_grad_norm=clip,  # unscale, check, clip, step or skip
+                          measure_grad_norm=self.measure_grad_norm)
         self.num_steps += 1
         return result
 
@@ -265,6 +269,7 @@ class MixprecCallback(pl.Callback):
                               "Trainer(plugins=[MixprecPrecision(mode)], callbacks=[MixprecCallback()])")
         self._plugin = plugin
         self._steps_seen = plugin.num_steps
+        plugin.measure_grad_norm = plugin.measure_grad_norm or self.run_dir is not None
         resume = trainer.global_step if trainer.global_step > 0 else None
         self.record = RunRecord(plugin.mixprec, Host(trainer.strategy.root_device,
                                                      rank=trainer.global_rank,
