@@ -70,7 +70,8 @@ def _decays(model, name):
     return name in names
 
 
-MODES = [("bf16-true", {}), ("fp8-tensorwise", {}), ("16-mixed", {"init_scale": 2.0 ** 8})]
+MODES = [("bf16-true", {}), ("16-mixed", {"init_scale": 2.0 ** 8}),
+         ("fp8-tensorwise", {"overrides": {"*attention*": "bf16"}})]     # FP8 and per-layer formats
 
 
 @pytest.mark.parametrize("mode,options", MODES, ids=[m for m, _ in MODES])
@@ -85,6 +86,9 @@ def test_hf_trainer_gives_the_hand_loops_weights(mode, options, tmp_path):
         assert got.dtype == want.dtype, name
         assert torch.equal(got, want), name
     assert callback.mixprec.scale == ref_precision.scale
+    assert list(callback.mixprec.layer_formats.values()) == list(ref_precision.layer_formats.values())
+    if "overrides" in options:
+        assert {"fp8-tensorwise", "bf16"} <= set(callback.mixprec.layer_formats.values())
 
 
 def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder(tmp_path, capsys):
