@@ -29,8 +29,9 @@ Lightning hook             what runs
 
 :class:`MixprecCallback` adds what a plugin cannot: the audit at the start of ``fit``, a skipped
 step replayed with hooks to name the layer that made the inf/NaN (console, ``callback.nonfinite``,
-and with ``run_dir`` a mixprec run folder), and the loss scale and skip count in Lightning's
-loggers (``mixprec/loss_scale``, ``mixprec/skipped_steps``).
+and with ``run_dir`` a mixprec run folder), the loss scale and skip count in Lightning's
+loggers (``mixprec/loss_scale``, ``mixprec/skipped_steps``) and, with ``monitor_every``, per-layer
+range statistics.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from torch import nn
 from mixprec.engine import Precision
 from mixprec.errors import ConfigError
 from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
-from mixprec.monitor import capture_rng_state
+from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision", "MixprecCallback"]
 
@@ -242,10 +243,17 @@ class MixprecCallback(pl.Callback):
             no optimizer step) with hooks and name the layer that made the inf/NaN.
         run_dir: also write a mixprec run folder there (``mixprec report RUN_DIR`` reads it).
         log_every: rows of ``metrics.csv`` every this many steps (with ``run_dir``).
+        monitor_every: per-layer activation, gradient and update range statistics every this many
+            steps (:class:`mixprec.monitor.NumericsMonitor`; ``numerics.csv`` with ``run_dir``,
+            ``callback.monitor.last_rows``); 0 = off.
     """
 
     def __init__(self, *, audit: bool = True, trace_nonfinite: bool = True,
-                 run_dir: str | Path | None = None, log_every: int = 1) -> None:
+                 run_dir: str | Path | None = None, log_every: int = 1,
+                 monitor_every: int = 0) -> None:
+        self.monitor_every = int(monitor_every)
+        self.monitor: NumericsMonitor | None = None
+        self._sampling: contextlib.ExitStack | None = None
         self.audit = audit
         self.trace_nonfinite = trace_nonfinite
         self.run_dir = run_dir
@@ -279,6 +287,8 @@ class MixprecCallback(pl.Callback):
                                         "model": type(pl_module).__name__})
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else \
             int(trainer.estimated_stepping_batches)
+        self.monitor = (NumericsMonitor(pl_module, every=self.monitor_every,
+                                        compute_dtype=plugin.mixprec) if self.monitor_every else None)
         self.record.start(pl_module, step=trainer.global_step, total=total,
                           optimizer=trainer.optimizers[0] if trainer.optimizers else None,
                           run_audit=self.audit)
@@ -288,6 +298,10 @@ class MixprecCallback(pl.Callback):
         if not self._group:                                # the first micro-batch of a step
             self._scale_before = self._plugin.mixprec.scale
             self._rng = capture_rng_state() if self.trace_nonfinite else None
+            step = trainer.global_step + 1
+            if self.monitor is not None and self._sampling is None and self.monitor.should_sample(step):
+                self._sampling = contextlib.ExitStack()     # hooks only on sampled steps
+                self._sampling.enter_context(self.monitor.sample(step))
         if self.trace_nonfinite:
             self._group.append((batch, batch_idx))
 
@@ -301,6 +315,10 @@ class MixprecCallback(pl.Callback):
         self._steps_seen = plugin.num_steps
         precision = plugin.mixprec
         step = trainer.global_step
+        if self._sampling is not None:                     # the sampled step is over
+            self._sampling.close()
+            self._sampling = None
+            self.record.logger.log_numerics(self.monitor.last_rows)
         if precision.last_step_skipped:
             if self.trace_nonfinite:
                 self.record.trace_skip(pl_module, self._replay(trainer, pl_module), step=step,
@@ -318,6 +336,12 @@ class MixprecCallback(pl.Callback):
                             lr=_first_lr(trainer),
                             grad_norm=(float(precision.last_grad_norm)
                                        if precision.last_grad_norm is not None else None))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: Any) -> None:
+        if self._sampling is not None:                     # update statistics around the step
+            self._sampling.enter_context(
+                self.monitor.track_updates(getattr(optimizer, "_optimizer", optimizer)))
 
     def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Callable[[], Any]:
         precision, group = self._plugin.mixprec, list(self._group)

@@ -191,6 +191,16 @@ def test_a_skipped_step_is_traced_to_its_layer_and_the_scheduler_holds(mode, cap
     assert any(r["kind"] == "skip" and r.get("module") == "net.3" for r in records)
 
 
+def test_the_callback_samples_per_layer_numerics_into_the_run_folder(tmp_path):
+    x, y = make_data()
+    callback = MixprecCallback(run_dir=tmp_path / "run", monitor_every=2, audit=False)
+    trainer(MixprecPrecision("bf16-true"), callbacks=[callback]).fit(Module(make_net()), loader(x, y))
+    rows = mp.train.metrics.read_numerics(tmp_path / "run")
+    assert {r["step"] for r in rows} == {2, 4}
+    assert {r["kind"] for r in rows} == {"act", "grad", "update"}
+    assert {r["module"] for r in rows} >= {"net.0", "net.3", "net.5"}
+
+
 def test_checkpoint_saved_and_resumed_by_lightning_continues_exactly(tmp_path):
     # 16-true: FP16 parameters with FP32 masters and a growing loss scale, all in the checkpoint.
     x, y = make_data(2)            # two steps per epoch; the checkpoint is taken after epoch 1
