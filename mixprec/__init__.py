@@ -3,7 +3,8 @@
 The public API is what this module lists in ``__all__`` plus the sub-packages; names that start
 with ``_`` and modules not re-exported here are internal.
 """
-from mixprec import amp, data, engine, fp8, models, monitor, nn, optim, precision, strategies, train
+from mixprec import (amp, data, engine, fp8, integrations, models, monitor, nn, optim, precision,
+                     strategies, train)
 from mixprec.amp import GradScaler
 from mixprec.engine import Precision
 from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
@@ -32,4 +33,5 @@ __all__ = [
     "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
     # sub-packages
     "precision", "amp", "optim", "nn", "fp8", "engine", "models", "data", "strategies", "monitor", "train",
+    "integrations",   # lightning / transformers: import mixprec.integrations.<name> (needs the framework)
 ]
