@@ -288,10 +288,9 @@ class MixprecTrainerMixin:
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None):
         # Filled by the coming Precision.step with the unscaled norm it measured (before clipping).
         norm = torch.full((), float("nan"))
-        if isinstance(self.optimizer, PrecisionOptimizer):
-            self.optimizer.norm_out = norm
-        else:
-            getattr(self.optimizer, "optimizer", self.optimizer).norm_out = norm
+        for opt in (self.optimizer, getattr(self.optimizer, "optimizer", None)):  # accelerate wraps it
+            if isinstance(opt, PrecisionOptimizer):
+                opt.norm_out = norm
         return norm
 
     def mixprec_replay(self, micro_batches: list[tuple[Any, Any]], scale: float) -> Callable[[], Any]:

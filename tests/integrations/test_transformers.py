@@ -150,6 +150,19 @@ def test_a_skipped_step_is_traced_to_its_layer_in_the_log(mode, tmp_path, capsys
         assert any(f.startswith("fp8-") for f in callback.mixprec.layer_formats.values())
 
 
+def test_an_optimizer_and_scheduler_passed_in_get_masters_and_keep_their_schedule(tmp_path):
+    model = bert()
+    callback = MixprecCallback("bf16-true", run_dir=tmp_path / "run", audit=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)         # built on the FP32 model
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    trainer = MixprecTrainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                             callbacks=[callback], optimizers=(opt, sched))
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer.inner, mp.optim.MasterWeights)
+    assert sched.optimizer is trainer.optimizer.optimizer          # the schedule sets the masters' lr
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 3)
+
+
 def test_plain_trainer_with_the_callback_is_refused(tmp_path):
     trainer = transformers.Trainer(model=bert(), args=args(tmp_path), train_dataset=examples(),
                                    callbacks=[MixprecCallback("bf16-true")])
