@@ -48,7 +48,7 @@ from torch import nn
 from mixprec.engine import Precision
 from mixprec.errors import ConfigError
 from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
-from mixprec.monitor import capture_rng_state
+from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecCallback", "MixprecTrainerMixin", "MixprecTrainer", "PrecisionOptimizer"]
 
@@ -128,18 +128,24 @@ class MixprecCallback(transformers.TrainerCallback):
         audit: run :func:`mixprec.monitor.audit` when training starts.
         trace_nonfinite: replay a skipped step (same batches, same RNG state, no optimizer step)
             with hooks and name the layer that made the inf/NaN.
+        monitor_every: per-layer activation, gradient and update range statistics every this many
+            steps (:class:`mixprec.monitor.NumericsMonitor`, into ``numerics.csv``); 0 = off.
         **scaler_options: :class:`mixprec.amp.GradScaler` options (not with a ready ``Precision``).
     """
 
     def __init__(self, precision: Precision | str | bool = "auto", *, overrides: Any = None,
                  run_dir: str | Path | None = None, overwrite: bool = False, audit: bool = True,
-                 trace_nonfinite: bool = True, **scaler_options: Any) -> None:
+                 trace_nonfinite: bool = True, monitor_every: int = 0,
+                 **scaler_options: Any) -> None:
         self.mixprec = as_precision(precision, owner="MixprecCallback", overrides=overrides,
                                     **scaler_options)
         self.run_dir = run_dir
         self.overwrite = overwrite
         self.audit = audit
         self.trace_nonfinite = trace_nonfinite
+        self.monitor_every = int(monitor_every)
+        self.monitor: NumericsMonitor | None = None
+        self._sampling: contextlib.ExitStack | None = None
         self.record: RunRecord | None = None
         self._trainer: MixprecTrainerMixin | None = None
         self._group: list[tuple[Any, Any]] = []
@@ -179,6 +185,8 @@ class MixprecCallback(transformers.TrainerCallback):
                     "clip_grad_norm": args.max_grad_norm or None,
                     "grad_accum_steps": args.gradient_accumulation_steps})
         inner = getattr(getattr(optimizer, "optimizer", optimizer), "inner", optimizer)
+        self.monitor = (NumericsMonitor(model, every=self.monitor_every, compute_dtype=self.mixprec)
+                        if self.monitor_every else None)
         self.record.start(model, step=state.global_step, total=state.max_steps, optimizer=inner,
                           run_audit=self.audit)
         self._last_log = time.perf_counter()
@@ -187,6 +195,15 @@ class MixprecCallback(transformers.TrainerCallback):
         self._group = []
         self._scale_before = self.mixprec.scale
         self._rng = capture_rng_state() if self.trace_nonfinite else None
+        step = state.global_step + 1
+        if self.monitor is not None and self.monitor.should_sample(step):
+            self._sampling = contextlib.ExitStack()          # hooks only on sampled steps
+            self._sampling.enter_context(self.monitor.sample(step))
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer: Any = None, **kwargs: Any):
+        if self._sampling is not None:                      # update statistics around the step
+            inner = getattr(getattr(optimizer, "optimizer", optimizer), "inner", optimizer)
+            self._sampling.enter_context(self.monitor.track_updates(inner))
 
     def micro_batch(self, inputs: Any, num_items_in_batch: Any) -> None:
         """A micro-batch of the current step (kept for the replay of a skipped step)."""
@@ -194,6 +211,10 @@ class MixprecCallback(transformers.TrainerCallback):
             self._group.append((inputs, num_items_in_batch))
 
     def on_step_end(self, args, state, control, model: nn.Module | None = None, **kwargs: Any):
+        if self._sampling is not None:                      # the sampled step is over
+            self._sampling.close()
+            self._sampling = None
+            self.record.logger.log_numerics(self.monitor.last_rows)
         if not self.mixprec.last_step_skipped:
             self._group = []
             return

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import mixprec as mp  # noqa: E402
 from mixprec.errors import ConfigError  # noqa: E402
 from mixprec.integrations.transformers import MixprecCallback, MixprecTrainer  # noqa: E402
-from mixprec.train.metrics import read_events, read_metrics  # noqa: E402
+from mixprec.train.metrics import read_events, read_metrics, read_numerics  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 4
 
@@ -91,8 +91,8 @@ def test_hf_trainer_gives_the_hand_loops_weights(mode, options, tmp_path):
         assert {"fp8-tensorwise", "bf16"} <= set(callback.mixprec.layer_formats.values())
 
 
-def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder(tmp_path, capsys):
-    callback = MixprecCallback("bf16-true", run_dir=tmp_path / "run")
+def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_with_numerics(tmp_path, capsys):
+    callback = MixprecCallback("bf16-true", run_dir=tmp_path / "run", monitor_every=2)
     model = bert()
     trainer = MixprecTrainer(model=model, args=args(tmp_path), train_dataset=examples(),
                              callbacks=[callback])
@@ -107,6 +107,9 @@ def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder(tm
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 for r in rows)
+    numerics = read_numerics(tmp_path / "run")
+    assert {r["step"] for r in numerics} == {2, 4}
+    assert {r["kind"] for r in numerics} == {"act", "grad", "update"}
     from mixprec.train.report import write_report
     assert write_report(tmp_path / "run").is_file()
 
