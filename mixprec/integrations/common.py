@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.monitor import NonFiniteEvent, audit, locate_nonfinite
 from mixprec.monitor.trace import RngState, gather_origins
-from mixprec.train.events import RunEvents
-from mixprec.train.metrics import MetricsLogger
-from mixprec.train.run_dir import claim_run_dir
+from mixprec.runs.events import RunEvents
+from mixprec.runs.metrics import MetricsLogger
+from mixprec.runs.run_dir import claim_run_dir
 from mixprec.train.step import StepOutput
 
 __all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord"]

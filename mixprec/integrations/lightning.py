@@ -47,7 +47,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
 from mixprec.monitor import NumericsMonitor, capture_rng_state

@@ -45,7 +45,7 @@ import torch
 import transformers
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
 from mixprec.monitor import NumericsMonitor, capture_rng_state

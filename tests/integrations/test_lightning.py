@@ -16,6 +16,7 @@ L = pytest.importorskip("lightning")
 
 import mixprec as mp  # noqa: E402
 from mixprec.errors import ConfigError  # noqa: E402
+from mixprec.runs.metrics import read_events, read_numerics  # noqa: E402
 from mixprec.integrations.lightning import (MixprecCallback, MixprecFabricPrecision,  # noqa: E402
                                             MixprecPrecision)
 
@@ -187,7 +188,7 @@ def test_a_skipped_step_is_traced_to_its_layer_and_the_scheduler_holds(mode, cap
     assert "step 3 skipped: inf first at net.3" in capsys.readouterr().err
     sched = t.lr_scheduler_configs[0].scheduler
     assert sched.last_epoch == STEPS - 1                       # the skipped step did not count
-    records = mp.train.metrics.read_events(tmp_path / "run")
+    records = read_events(tmp_path / "run")
     assert any(r["kind"] == "skip" and r.get("module") == "net.3" for r in records)
 
 
@@ -195,7 +196,7 @@ def test_the_callback_samples_per_layer_numerics_into_the_run_folder(tmp_path):
     x, y = make_data()
     callback = MixprecCallback(run_dir=tmp_path / "run", monitor_every=2, audit=False)
     trainer(MixprecPrecision("bf16-true"), callbacks=[callback]).fit(Module(make_net()), loader(x, y))
-    rows = mp.train.metrics.read_numerics(tmp_path / "run")
+    rows = read_numerics(tmp_path / "run")
     assert {r["step"] for r in rows} == {2, 4}
     assert {r["kind"] for r in rows} == {"act", "grad", "update"}
     assert {r["module"] for r in rows} >= {"net.0", "net.3", "net.5"}

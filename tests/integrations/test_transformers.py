@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import mixprec as mp  # noqa: E402
 from mixprec.errors import ConfigError  # noqa: E402
 from mixprec.integrations.transformers import MixprecCallback, MixprecTrainer  # noqa: E402
-from mixprec.train.metrics import read_events, read_metrics, read_numerics  # noqa: E402
+from mixprec.runs.metrics import read_events, read_metrics, read_numerics  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 4
 
@@ -110,7 +110,7 @@ def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_wi
     numerics = read_numerics(tmp_path / "run")
     assert {r["step"] for r in numerics} == {2, 4}
     assert {r["kind"] for r in numerics} == {"act", "grad", "update"}
-    from mixprec.train.report import write_report
+    from mixprec.report import write_report
     assert write_report(tmp_path / "run").is_file()
 
 
