@@ -95,10 +95,10 @@ def make_plan(args, mode: str, seed: int, path: Path):
     cands = (candidates or args.candidates).split(",")
     plan = plan_precision(model, batches, candidates=cands, budget=args.budget / 100,
                           base="bf16-mixed", seed=seed)
-    if rule == "drop-worst":
+    if rule == "drop-worst":      # re-chosen on the estimate alone (no whole-plan check)
         plan.budget = 1.0 - 1e-9          # everything fits: the change of the fastest plan ...
         choose(plan, cands)
-        plan.budget = 0.99 * plan.loss_change   # ... less 1 %: the worst move no longer fits
+        plan.budget = 0.99 * plan.spent         # ... less 1 %: the worst move no longer fits
         choose(plan, cands)
     strategy.teardown()
     plan.write(path)

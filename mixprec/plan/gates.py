@@ -1,0 +1,84 @@
+"""Which formats a layer must not take, whatever its estimated loss change: the sensitivity gates.
+
+A one-forward loss estimate sees only the forward error's effect on the loss. Training also runs
+on the gradients each layer sends down (input gradient) and steps on (weight gradient), and an
+outlier channel can wipe out the rest of a tensor while its SQNR still looks tolerable. The gates
+read the planner's other measurements (:class:`mixprec.plan.plan.LayerMeasure`) and refuse a
+format for a layer when one of them says it breaks; the estimate then ranks what is left.
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mixprec.plan.plan import LayerMeasure
+
+__all__ = ["gate", "apply_gates", "MIN_SQNR_DB", "MAX_FLUSH", "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
+
+MIN_SQNR_DB = 15.0
+"""A format whose output, input-gradient or weight-gradient SQNR against FP32 is below this is
+refused for the layer (FP8 E4M3 gives about 30 dB on well-scaled tensors, BF16 about 50)."""
+MAX_FLUSH = 0.01
+"""... and so is one that flushes or saturates more than this share of the layer's inputs or
+output gradients (the re-planner's limit, :class:`mixprec.monitor.LayerReplanner`)."""
+MAX_SQNR_DROP_DB = 4.0
+"""... and so is one whose SQNR is this much below the median of the other layers in the same
+format (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``, at most 1.5
+dB for the other layers)."""
+SAFE_SQNR_DB = 40.0
+"""An SQNR above this (noise below 0.01 % of the signal's power, BF16 territory) is never refused
+for being below the other layers'."""
+
+
+def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float = MIN_SQNR_DB,
+         max_flush: float = MAX_FLUSH, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
+         peers: dict[str, float] | None = None) -> str | None:
+    """Why ``fmt`` is too risky for layer ``m`` whatever its estimated loss change, or None: an
+    SQNR (output, input gradient, weight gradient) below ``min_sqnr_db`` or more than
+    ``max_sqnr_drop_db`` below ``peers`` (the median of the other layers in ``fmt``: a layer the
+    format treats worse than the rest, as outliers do), or more than ``max_flush`` of its inputs
+    or output gradients flushed or saturated. These see what a one-forward loss estimate does not:
+    the gradients training runs on, and outliers that wipe out the rest of a tensor."""
+    why = []
+    for label, d in (("output", m.sqnr_out), ("input-gradient", m.sqnr_dgrad), ("weight-gradient", m.sqnr_grad)):
+        v = d.get(fmt)
+        peer = (peers or {}).get(label)
+        if v is None or v != v:                            # not measured (NaN)
+            continue
+        if v < min_sqnr_db:
+            why.append(f"{label} SQNR {v:.1f} dB < {min_sqnr_db:g}")
+        elif peer is not None and v < peer - max_sqnr_drop_db and v < SAFE_SQNR_DB:
+            why.append(f"{label} SQNR {v:.1f} dB, {peer - v:.1f} dB below the other layers' median")
+    for label, d in (("inputs", m.flush_in), ("output gradients", m.flush_grad)):
+        v = d.get(fmt)
+        if v is not None and v > max_flush:
+            why.append(f"{100 * v:.1f}% of its {label} flushed or saturated > {100 * max_flush:g}%")
+    return "; ".join(why) or None
+
+
+def apply_gates(layers: Sequence[LayerMeasure], fmts: Sequence[str], *,
+                min_sqnr_db: float = MIN_SQNR_DB, max_flush: float = MAX_FLUSH,
+                max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> None:
+    """Set every layer's ``risky`` formats (:func:`gate`, peers: the median over the other layers
+    measured in the same format)."""
+    for f in fmts:
+        if f == "fp32":
+            continue
+        measured = [m for m in layers if f in m.sqnr_out]
+        for m in measured:
+            others = [o for o in measured if o is not m]
+            peers = {}
+            for label, attr in (("output", "sqnr_out"), ("input-gradient", "sqnr_dgrad"),
+                                ("weight-gradient", "sqnr_grad")):
+                vals = [getattr(o, attr)[f] for o in others if getattr(o, attr).get(f, float("nan")) ==
+                        getattr(o, attr).get(f, float("nan"))]
+                if len(vals) >= 2:
+                    peers[label] = statistics.median(vals)
+            why = gate(m, f, min_sqnr_db=min_sqnr_db, max_flush=max_flush,
+                       max_sqnr_drop_db=max_sqnr_drop_db, peers=peers)
+            if why:
+                m.risky[f] = why
+            else:
+                m.risky.pop(f, None)
