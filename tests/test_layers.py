@@ -13,6 +13,9 @@ ORDER = ["precision", "amp", "optim", "nn", "fp8", "engine", "models", "data", "
 ALLOWED_UP = {
     # The seed's ``model.fit(...)`` API: the model delegates to the trainer, lazily.
     ("models", "train"),
+    # Guarded training (issue 24): the trainer builds the guard, lazily; in the layout of issue
+    # 23 ``plan`` sits below ``train`` and this entry goes.
+    ("train", "plan"),
 }
 
 ROOT = Path(mixprec.__file__).parent

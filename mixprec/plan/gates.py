@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mixprec.plan.plan import LayerMeasure
 
-__all__ = ["gate", "apply_gates", "MIN_SQNR_DB", "MAX_FLUSH", "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
+__all__ = ["gate", "apply_gates", "stands_out", "MIN_SQNR_DB", "MAX_FLUSH", "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
 
 MIN_SQNR_DB = 15.0
 """A format whose output, input-gradient or weight-gradient SQNR against FP32 is below this is
@@ -47,15 +47,30 @@ def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float = MIN_SQNR_DB,
         peer = (peers or {}).get(label)
         if v is None or v != v:                            # not measured (NaN)
             continue
-        if v < min_sqnr_db:
-            why.append(f"{label} SQNR {v:.1f} dB < {min_sqnr_db:g}")
-        elif peer is not None and v < peer - max_sqnr_drop_db and v < SAFE_SQNR_DB:
-            why.append(f"{label} SQNR {v:.1f} dB, {peer - v:.1f} dB below the other layers' median")
+        bad = stands_out(v, [peer] if peer is not None else [], min_sqnr_db=min_sqnr_db,
+                         max_sqnr_drop_db=max_sqnr_drop_db)
+        if bad:
+            why.append(f"{label} {bad}")
     for label, d in (("inputs", m.flush_in), ("output gradients", m.flush_grad)):
         v = d.get(fmt)
         if v is not None and v > max_flush:
             why.append(f"{100 * v:.1f}% of its {label} flushed or saturated > {100 * max_flush:g}%")
     return "; ".join(why) or None
+
+
+def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float = MIN_SQNR_DB,
+               max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> str | None:
+    """Why an SQNR is too low, or None: below ``min_sqnr_db``, or more than ``max_sqnr_drop_db``
+    below the median of ``peers`` (other layers in the same format) while under
+    :data:`SAFE_SQNR_DB`. The planner's gates and the training guard's spike culprit use it."""
+    if sqnr_db < min_sqnr_db:
+        return f"SQNR {sqnr_db:.1f} dB < {min_sqnr_db:g}"
+    finite = [p for p in peers if p == p]
+    if finite and sqnr_db < SAFE_SQNR_DB:
+        median = statistics.median(finite)
+        if sqnr_db < median - max_sqnr_drop_db:
+            return f"SQNR {sqnr_db:.1f} dB, {median - sqnr_db:.1f} dB below the other layers' median"
+    return None
 
 
 def apply_gates(layers: Sequence[LayerMeasure], fmts: Sequence[str], *,

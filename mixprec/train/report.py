@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         if len(args.run_dir) > 1:
             return _compare(args)
         html_path = write_report(args.run_dir[0], args.out)
+        guard = _guard_summary(read_events(Path(args.run_dir[0])))
+        if guard != "-":
+            print(f"guard: {guard}")
     except OSError as e:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
             raise
@@ -206,7 +209,19 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "peak memory (MB)": max(mem) if mem else None,
         "wall time (s)": math.fsum(times) if times else None,   # time_s is each interval's
         "events": len(events),
+        "guard": _guard_summary(events),
     }
+
+
+def _guard_summary(events: list[dict[str, Any]]) -> str:
+    """What guarded training did (``guard=true``): promotions, restores, a give-up; ``-`` if nothing."""
+    said = []
+    for e in events:
+        if e.get("kind") == "format" and e.get("guard"):
+            said.append(f"step {e.get('step')}: {e.get('module')} {e.get('from')} -> {e.get('to')}")
+        elif e.get("kind") == "guard":
+            said.append(f"step {e.get('step')}: {e.get('action')}")
+    return "; ".join(said) or "-"
 
 
 # ---------------------------------------------------------------------------------------------
