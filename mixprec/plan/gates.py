@@ -24,76 +24,76 @@ MAX_FLUSH = 0.01
 """... and so is one that flushes or saturates more than this share of the layer's inputs or
 output gradients (the re-planner's limit, :class:`mixprec.monitor.LayerReplanner`)."""
 MAX_SQNR_DROP_DB = 4.0
-"""... and so is one whose SQNR is this much below the median of the other layers in the same
-format (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``, at most 1.5
-dB for the other layers)."""
+"""... and so is one whose *output* SQNR is this much below the median of the other layers' in
+the same format (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``, at
+most 1.5 dB for the other layers)."""
 SAFE_SQNR_DB = 40.0
 """An SQNR above this (noise below 0.01 % of the signal's power, BF16 territory) is never refused
 for being below the other layers'."""
 
 
+def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float = MIN_SQNR_DB,
+               max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> tuple[str, float] | None:
+    """(why, severity) when an SQNR is too low, else None: below ``min_sqnr_db``, or more than
+    ``max_sqnr_drop_db`` below the median of ``peers`` (other layers in the same format) while
+    under :data:`SAFE_SQNR_DB`. Severity: the noise power over the limit's (> 1). The planner's
+    gates and the training guard's spike culprit use it."""
+    if sqnr_db < min_sqnr_db:
+        return f"SQNR {sqnr_db:.1f} dB < {min_sqnr_db:g}", 10 ** ((min_sqnr_db - sqnr_db) / 10)
+    finite = [p for p in peers if p == p]
+    if finite and sqnr_db < SAFE_SQNR_DB:
+        limit = statistics.median(finite) - max_sqnr_drop_db
+        if sqnr_db < limit:
+            return (f"SQNR {sqnr_db:.1f} dB, {limit + max_sqnr_drop_db - sqnr_db:.1f} dB below the "
+                    "other layers' median"), 10 ** ((limit - sqnr_db) / 10)
+    return None
+
+
 def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float = MIN_SQNR_DB,
          max_flush: float = MAX_FLUSH, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
-         peers: dict[str, float] | None = None) -> str | None:
-    """Why ``fmt`` is too risky for layer ``m`` whatever its estimated loss change, or None: an
-    SQNR (output, input gradient, weight gradient) below ``min_sqnr_db`` or more than
-    ``max_sqnr_drop_db`` below ``peers`` (the median of the other layers in ``fmt``: a layer the
-    format treats worse than the rest, as outliers do), or more than ``max_flush`` of its inputs
-    or output gradients flushed or saturated. These see what a one-forward loss estimate does not:
-    the gradients training runs on, and outliers that wipe out the rest of a tensor."""
-    why = []
+         peers: Sequence[float] = ()) -> tuple[str, float] | None:
+    """(why, severity) when ``fmt`` is too risky for layer ``m`` whatever its estimated loss
+    change, else None. Refused: an SQNR (output, input gradient, weight gradient) below
+    ``min_sqnr_db``; an *output* SQNR more than ``max_sqnr_drop_db`` below ``peers`` (the other
+    layers' output SQNRs in ``fmt``: a layer the format treats worse than the rest, as outliers
+    do; gradient SQNRs differ between layer kinds too much for that); more than ``max_flush`` of
+    its inputs or output gradients flushed or saturated (outliers dominate a tensor's energy, so
+    its SQNR can stay high while the rest of it is lost). Severity: how far over its worst limit
+    (noise power over the limit's, flushed share over ``max_flush``), for the ranking."""
+    found: list[tuple[str, float]] = []
     for label, d in (("output", m.sqnr_out), ("input-gradient", m.sqnr_dgrad), ("weight-gradient", m.sqnr_grad)):
         v = d.get(fmt)
-        peer = (peers or {}).get(label)
         if v is None or v != v:                            # not measured (NaN)
             continue
-        bad = stands_out(v, [peer] if peer is not None else [], min_sqnr_db=min_sqnr_db,
+        bad = stands_out(v, peers if label == "output" else (), min_sqnr_db=min_sqnr_db,
                          max_sqnr_drop_db=max_sqnr_drop_db)
         if bad:
-            why.append(f"{label} {bad}")
+            found.append((f"{label} {bad[0]}", bad[1]))
     for label, d in (("inputs", m.flush_in), ("output gradients", m.flush_grad)):
         v = d.get(fmt)
         if v is not None and v > max_flush:
-            why.append(f"{100 * v:.1f}% of its {label} flushed or saturated > {100 * max_flush:g}%")
-    return "; ".join(why) or None
-
-
-def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float = MIN_SQNR_DB,
-               max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> str | None:
-    """Why an SQNR is too low, or None: below ``min_sqnr_db``, or more than ``max_sqnr_drop_db``
-    below the median of ``peers`` (other layers in the same format) while under
-    :data:`SAFE_SQNR_DB`. The planner's gates and the training guard's spike culprit use it."""
-    if sqnr_db < min_sqnr_db:
-        return f"SQNR {sqnr_db:.1f} dB < {min_sqnr_db:g}"
-    finite = [p for p in peers if p == p]
-    if finite and sqnr_db < SAFE_SQNR_DB:
-        median = statistics.median(finite)
-        if sqnr_db < median - max_sqnr_drop_db:
-            return f"SQNR {sqnr_db:.1f} dB, {median - sqnr_db:.1f} dB below the other layers' median"
-    return None
+            found.append((f"{100 * v:.1f}% of its {label} flushed or saturated > {100 * max_flush:g}%",
+                          v / max_flush))
+    if not found:
+        return None
+    return "; ".join(w for w, _ in found), max(sev for _, sev in found)
 
 
 def apply_gates(layers: Sequence[LayerMeasure], fmts: Sequence[str], *,
                 min_sqnr_db: float = MIN_SQNR_DB, max_flush: float = MAX_FLUSH,
                 max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> None:
-    """Set every layer's ``risky`` formats (:func:`gate`, peers: the median over the other layers
-    measured in the same format)."""
+    """Set every layer's ``risky`` formats and their ``severity`` (:func:`gate`; peers: the other
+    layers measured in the same format)."""
     for f in fmts:
         if f == "fp32":
             continue
         measured = [m for m in layers if f in m.sqnr_out]
         for m in measured:
-            others = [o for o in measured if o is not m]
-            peers = {}
-            for label, attr in (("output", "sqnr_out"), ("input-gradient", "sqnr_dgrad"),
-                                ("weight-gradient", "sqnr_grad")):
-                vals = [getattr(o, attr)[f] for o in others if getattr(o, attr).get(f, float("nan")) ==
-                        getattr(o, attr).get(f, float("nan"))]
-                if len(vals) >= 2:
-                    peers[label] = statistics.median(vals)
-            why = gate(m, f, min_sqnr_db=min_sqnr_db, max_flush=max_flush,
-                       max_sqnr_drop_db=max_sqnr_drop_db, peers=peers)
-            if why:
-                m.risky[f] = why
+            peers = [o.sqnr_out[f] for o in measured if o is not m]
+            bad = gate(m, f, min_sqnr_db=min_sqnr_db, max_flush=max_flush,
+                       max_sqnr_drop_db=max_sqnr_drop_db, peers=peers if len(peers) >= 2 else ())
+            if bad:
+                m.risky[f], m.severity[f] = bad
             else:
                 m.risky.pop(f, None)
+                m.severity.pop(f, None)

@@ -232,9 +232,9 @@ class TrainingGuard:
             worst = None
             for n, db in sqnr.items():
                 peers = [sqnr[o] for o in by_format[self.precision.layer_formats[n]] if o != n]
-                why = stands_out(db, peers, min_sqnr_db=self.config.min_sqnr_db)
-                if why and (worst is None or db < worst[1]):
-                    worst = (n, db, why)
+                bad = stands_out(db, peers, min_sqnr_db=self.config.min_sqnr_db)
+                if bad and (worst is None or bad[1] > worst[1]):
+                    worst = (n, bad[1], bad[0])
             culprit = worst
         done = [self._restore(step, what)]
         if culprit is not None:

@@ -48,15 +48,14 @@ class LayerMeasure:
     """Formats this layer cannot run in, and why (FP8 rules)."""
     risky: dict[str, str] = field(default_factory=dict)
     """Formats the sensitivity gates refuse for this layer (:func:`mixprec.plan.gates.gate`), and why."""
+    severity: dict[str, float] = field(default_factory=dict)
+    """... and how far over its worst limit each is (> 1)."""
     chosen: str = "fp32"
 
     def sensitivity(self, fmt: str) -> tuple[int, float, float]:
         """The ranking key of ``fmt`` for this layer, larger = more sensitive: refused by a gate
-        first (then the lowest SQNR first), then the estimated loss change."""
-        worst = min(self.sqnr_out.get(fmt, 0.0), self.sqnr_dgrad.get(fmt, 0.0),
-                    self.sqnr_grad.get(fmt, 0.0), key=lambda v: v if v == v else float("inf"))
-        return (int(fmt in self.risky), -worst if fmt in self.risky else 0.0,
-                self.loss_change_est.get(fmt, 0.0))
+        first (the furthest over its limit first), then the estimated loss change."""
+        return (int(fmt in self.risky), self.severity.get(fmt, 0.0), self.loss_change_est.get(fmt, 0.0))
 
 
 def safer_format(m: LayerMeasure, cands: Sequence[str]) -> str | None:
@@ -186,7 +185,7 @@ class PrecisionPlan:
             counts[m.chosen] = counts.get(m.chosen, 0) + 1
         if any(m.risky for m in self.layers):
             lines.append(f"! refused by the sensitivity gates (an SQNR below {self.min_sqnr_db:g} dB or "
-                         f"{self.max_sqnr_drop_db:g} dB below the other layers', or over "
+                         f"an output SQNR {self.max_sqnr_drop_db:g} dB below the other layers', or over "
                          f"{100 * self.max_flush:g}% flushed)")
         lines.append(f"plan: {', '.join(f'{n} {f}' for f, n in counts.items())}; base {self.base}")
         held = (f", measured {100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens"

@@ -71,7 +71,7 @@ from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB, apply_g
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
 from mixprec.precision.overrides import parse_format
 
-__all__ = ["plan_precision", "DEFAULT_CANDIDATES", "split_heldout"]
+__all__ = ["plan_precision", "DEFAULT_CANDIDATES", "split_heldout", "fp32_copy"]
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "fp8-tensorwise", "fp8-blockwise")
 
@@ -157,6 +157,20 @@ def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tenso
         start += g.numel()
         total += 0.5 * n * float((g.square() * err.square()).sum())
     return total / len(records)
+
+
+def fp32_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` that a Precision may set up: ``model`` is a plain FP32 model, or
+    one set up for ``32-true`` without overrides (trained by ``fit()`` in FP32), which leaves its
+    modules as they were; a model set up for another mode is refused."""
+    done = Precision.setup_identity(model)
+    if done is not None and done != Precision("32-true").identity:
+        raise ConfigError(f"the planner measures an FP32 model, and this one was set up for "
+                          f"precision {done}; plan on a fresh model with its weights "
+                          "(model.load_state_dict(...)) or on the model trained in 32-true")
+    trial = copy.deepcopy(model)
+    Precision.forget_setup(trial)
+    return trial
 
 
 def _forward_losses(model: nn.Module, batches: Sequence[Any], objective: Callable, seed: int
@@ -251,7 +265,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     say = progress or (lambda s: None)
 
     from mixprec.train.objective import make_objective
-    ref_model = copy.deepcopy(model)
+    ref_model = fp32_copy(model)
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
@@ -271,7 +285,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     for f in cands:
         if f == "fp32":
             continue
-        trial = copy.deepcopy(model)
+        trial = fp32_copy(model)
         prec = Precision("32-true", device=device, overrides=(("*", f),))
         prec.setup(trial)
         trial.train()

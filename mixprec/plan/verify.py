@@ -20,7 +20,6 @@ model is copied once and layers are swapped in place (:meth:`mixprec.Precision.s
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,10 +43,10 @@ def enforce_budget(plan: PrecisionPlan, model: nn.Module, *, calib: Sequence[Any
                    progress: Callable[[str], None] | None = None) -> None:
     """Measure ``plan`` as a whole and move layers back until it keeps ``plan.budget`` (module
     doc). Sets the plan's measured fields, ``loss_change``, ``demoted`` and its GEMM times."""
-    from mixprec.plan.planner import _forward_losses
+    from mixprec.plan.planner import _forward_losses, fp32_copy
     say = progress or (lambda s: None)
     cands = list(plan.throughput)
-    trial = copy.deepcopy(model)
+    trial = fp32_copy(model)
     precision = Precision("32-true", device=device, overrides=plan.overrides)
     precision.setup(trial)
     trial.train()

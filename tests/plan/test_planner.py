@@ -217,3 +217,16 @@ def test_table_columns_stay_aligned_for_long_layer_names():
     share_end = head.index("flops") + len("flops")
     assert sub.index("share") + len("share") == share_end
     assert all(row.index("%") + 1 == share_end for row in rows)
+
+
+def test_a_model_set_up_in_fp32_can_be_planned_and_one_set_up_otherwise_is_refused():
+    # fit() in 32-true tags the model as set up; the planner's copies must still be set up anew.
+    torch.manual_seed(0)
+    net = _Net(outlier_block=None, n=1)
+    mp.Precision("32-true").setup(net)
+    p = mp.plan_precision(net, _batches(2), candidates=("bf16",), target="H100", layers=["blocks.0.fc"])
+    assert p.formats["blocks.0.fc"] in ("fp32", "bf16")
+    other = _Net(outlier_block=None, n=1)
+    mp.Precision("bf16-true").setup(other)
+    with pytest.raises(ConfigError, match="set up for precision"):
+        mp.plan_precision(other, _batches(2), target="H100")
