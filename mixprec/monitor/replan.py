@@ -70,7 +70,10 @@ def flushed_share(t: torch.Tensor, fmt: str, kind: str = "act") -> torch.Tensor:
         return ((q.data.float() == 0) & (t != 0)).sum() / nonzero
     from mixprec.precision.dtypes import format_info
     from mixprec.precision.overrides import format_dtype
-    info = format_info(format_dtype(fmt))
+    dtype = format_dtype(fmt)
+    if dtype is None:                   # a format this function does not model
+        return torch.zeros((), device=t.device)
+    info = format_info(dtype)
     a = t.abs()
     lost = ((a < info.smallest_subnormal / 2) & (a != 0)) | (a > info.max)
     return lost.sum() / nonzero

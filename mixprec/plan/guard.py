@@ -10,7 +10,9 @@ three signals, each pointing at one Linear layer:
   weight, so the guard promotes the layer and training simply continues.
 * **low sampled SQNR** -- every ``every`` steps the guard replays the step's forward (no backward)
   with a hook on each Linear not in FP32 and measures its output against the same GEMM in FP32 on
-  the same input; a layer below ``min_sqnr_db`` is promoted (the weights are fine: continue).
+  the same input; a layer below ``min_sqnr_db``, or whose format flushes more than ``max_flush``
+  of its inputs (outliers: the SQNR of a tensor they dominate stays high while the rest of it is
+  lost), is promoted (the weights are fine: continue).
 * **loss spike** -- a taken step whose loss exceeds the mean of the last ``window`` taken steps by
   more than ``spike_sigma`` standard deviations. The weights were hurt: the guard restores its
   last good snapshot (weights, optimizer state and LR schedule, taken every ``window`` healthy
@@ -67,15 +69,20 @@ class GuardConfig:
     """Steps between SQNR samples (0: no sampling)."""
     min_sqnr_db: float = 20.0
     """A sampled layer output below this SQNR against FP32 is promoted."""
+    max_flush: float = 0.01
+    """... and so is one whose format flushes more than this share of its sampled inputs
+    (:func:`mixprec.monitor.replan.flushed_share`: outliers keep a tensor's SQNR high while the
+    rest of it is lost)."""
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
     window: int = 50
     """Taken steps in the spike window; also the steps between snapshots."""
 
     def validate(self) -> None:
-        if self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0:
-            raise ConfigError(f"guard settings: patience >= 1, window >= 2, every >= 0 and "
-                              f"spike_sigma >= 0, got {self}")
+        if (self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0
+                or not 0 <= self.max_flush <= 1):
+            raise ConfigError(f"guard settings: patience >= 1, window >= 2, every >= 0, "
+                              f"spike_sigma >= 0 and max_flush in [0, 1], got {self}")
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,7 @@ class TrainingGuard:
         self._healthy = 0
         self._snapshot: dict | None = None
         self.last_sqnr: dict[str, float] = {}
+        self.last_flush: dict[str, float] = {}
         self.actions: list[GuardAction] = []
 
     # ----------------------------------------------------------------- the hook
@@ -159,9 +167,15 @@ class TrainingGuard:
         if cfg.every and probe is not None and step % cfg.every == 0:
             sqnr = self.sample_sqnr(probe)
             for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
+                flushed = self.last_flush.get(name, 0.0)
+                why = []
                 if db < cfg.min_sqnr_db:
-                    done.append(self._promote(step, name, f"sampled output SQNR {db:.1f} dB < "
-                                                          f"{cfg.min_sqnr_db:g} dB"))
+                    why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
+                if flushed > cfg.max_flush:
+                    why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
+                               f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
+                if why:
+                    done.append(self._promote(step, name, "; ".join(why)))
         return self._record(done)
 
     # ----------------------------------------------------------------- signals
@@ -184,7 +198,9 @@ class TrainingGuard:
     @torch.no_grad()
     def sample_sqnr(self, probe: Callable[[], Any]) -> dict[str, float]:
         """Output SQNR (dB) of every Linear not in FP32 against its GEMM in FP32 on the same
-        inputs, over one replay of the forward (one host sync)."""
+        inputs, over one replay of the forward (one host sync); also sets :attr:`last_flush`
+        (the share of each layer's inputs its format flushes)."""
+        from mixprec.monitor.replan import flushed_share
         watched = {n: f for n, f in self.precision.layer_formats.items() if f != "fp32"}
         energy: dict[str, list[torch.Tensor]] = {}
         handles = []
@@ -195,8 +211,10 @@ class TrainingGuard:
                 bias = None if module.bias is None else module.bias.float()
                 ref = torch.nn.functional.linear(x.float(), module.weight.float(), bias)
                 noise = (output.float() - ref).square().sum()
-                sig, err = energy.setdefault(name, [torch.zeros((), device=ref.device)] * 2)
-                energy[name] = [sig + ref.square().sum(), err + noise]
+                zero = torch.zeros((), device=ref.device)
+                sig, err, flush = energy.get(name, [zero, zero, zero])
+                energy[name] = [sig + ref.square().sum(), err + noise,
+                                torch.maximum(flush, flushed_share(x, watched[name], "act"))]
             return fn
 
         for name in watched:
@@ -212,10 +230,11 @@ class TrainingGuard:
         names = list(energy)
         values = torch.stack([torch.stack(energy[n]) for n in names]).double().tolist()
         out = {}
-        for n, (sig, err) in zip(names, values):
+        for n, (sig, err, flush) in zip(names, values):
             out[n] = float("inf") if err == 0 else (
                 10 * math.log10(sig / err) if sig > 0 and math.isfinite(err) else float("-inf"))
         self.last_sqnr = out
+        self.last_flush = {n: v[2] for n, v in zip(names, values)}
         return out
 
     def _spike(self, outcome: StepOutcome, probe: Callable[[], Any] | None) -> list[GuardAction]:

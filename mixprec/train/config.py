@@ -104,6 +104,8 @@ class FitConfig:
     """Steps between the guard's SQNR samples (0: none)."""
     guard_min_sqnr: float = 20.0
     """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer."""
+    guard_max_flush: float = 0.01
+    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes it."""
     guard_spike_sigma: float = 6.0
     """A loss this many standard deviations above the guard's window mean is a spike (0: off)."""
     guard_window: int = 50
@@ -132,6 +134,7 @@ class FitConfig:
         """The :class:`mixprec.plan.guard.GuardConfig` of the ``guard_*`` fields."""
         from mixprec.plan.guard import GuardConfig
         return GuardConfig(every=self.guard_every, min_sqnr_db=self.guard_min_sqnr,
+                           max_flush=self.guard_max_flush,
                            spike_sigma=self.guard_spike_sigma, window=self.guard_window)
 
     def validate(self) -> None:
