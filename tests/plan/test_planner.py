@@ -133,6 +133,7 @@ def test_plan_is_deterministic_and_round_trips_as_a_precision(plan, tmp_path):
     some = ["blocks.1.fc", OUTLIER_LAYER]
     again = mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
                               budget=1e-3, target="H100", seed=0, layers=some)
+    assert again.loss_change <= again.budget
     first = {m.name: m for m in plan.layers}
     for m in again.layers:      # the same measurements, bit for bit
         assert (m.sqnr_out, m.loss_change, m.loss_change_est) == \
@@ -150,6 +151,8 @@ def test_zero_budget_keeps_every_layer_at_its_exact_format():
     p = mp.plan_precision(_Net(outlier_block=None, n=1), _batches()[:1], candidates=("fp8-tensorwise",),
                           budget=0.0, target="H100", layers=["blocks.0.fc"])
     assert p.formats == {"blocks.0.fc": "fp32"}
+    assert p.measured_calibration == 0.0 and p.measured_heldout is None    # one batch: none held out
+    assert any("no held-out batch" in n for n in p.notes)
     with pytest.raises(ConfigError, match="did you mean 'blocks.0.fc'"):
         mp.plan_precision(_Net(n=1), _batches(), layers=["blocks.0.fcc"], target="H100")
 
@@ -225,7 +228,7 @@ def test_a_model_set_up_in_fp32_can_be_planned_and_one_set_up_otherwise_is_refus
     net = _Net(outlier_block=None, n=1)
     mp.Precision("32-true").setup(net)
     p = mp.plan_precision(net, _batches(2), candidates=("bf16",), target="H100", layers=["blocks.0.fc"])
-    assert p.formats["blocks.0.fc"] in ("fp32", "bf16")
+    assert p.formats["blocks.0.fc"] in ("fp32", "bf16") and p.loss_change <= p.budget
     other = _Net(outlier_block=None, n=1)
     mp.Precision("bf16-true").setup(other)
     with pytest.raises(ConfigError, match="set up for precision"):
