@@ -208,7 +208,12 @@ def split_heldout(batches: Sequence[Any], heldout: Sequence[Any] | None) -> tupl
 
 
 def _tokens(batches: Sequence[Any]) -> int:
-    return sum(int(y.numel()) if isinstance(y, torch.Tensor) else 0 for _, y in batches)
+    """Target tokens in ``batches`` (the last tensor of a tuple batch; ``labels`` of a dict)."""
+    total = 0
+    for b in batches:
+        t = b.get("labels") if isinstance(b, dict) else (b[-1] if isinstance(b, (tuple, list)) else b)
+        total += int(t.numel()) if isinstance(t, torch.Tensor) else 0
+    return total
 
 
 def plan_precision(model: nn.Module, batches: Sequence[Any], *,
@@ -335,6 +340,12 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     enforce_budget(plan, model, calib=calib, heldout=held, ref_calib=ref_losses, ref_heldout=ref_held,
                    objective=objective, seed=seed, device=device, progress=say)
     plan.calibration_tokens, plan.heldout_tokens = _tokens(calib), _tokens(held)
+    held_said = (f", {100 * plan.measured_heldout:.3g}% on {len(held)} held-out batches "
+                 f"({plan.heldout_tokens} tokens)" if held else "")
+    plan.notes.insert(0, f"measured: the whole plan changes the loss by "
+                         f"{100 * plan.measured_calibration:.3g}% on {len(calib)} calibration batches "
+                         f"({plan.calibration_tokens} tokens){held_said}, against FP32; the budget "
+                         f"({100 * budget:.3g}%) applies to both")
     if not held:
         plan.notes.append("no held-out batch (one batch given): the measured loss change is that "
                           "of the calibration batch only; give more batches or heldout=")

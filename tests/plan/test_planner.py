@@ -93,6 +93,7 @@ def test_default_plan_keeps_the_outlier_layer_out_of_fp8_and_its_measured_budget
     assert p.heldout_tokens == 256 and p.calibration_tokens == 512       # 1 of 3 batches held out
     assert p.measured_heldout <= budget and p.measured_calibration <= budget
     assert p.loss_change == max(p.measured_heldout, p.measured_calibration)
+    assert p.notes[0].startswith("measured: the whole plan changes the loss by") and "256 tokens" in p.notes[0]
     assert sum(f.startswith("fp8") for f in p.formats.values()) >= 5      # the plan still saves
 
 
