@@ -123,9 +123,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 def uniform_change(model, batches, seed) -> float:
     """Measured relative loss change of every eligible Linear in fp8-tensorwise (as the planner
     measures a whole plan)."""
-    from mixprec.plan.planner import _forward_losses, fp32_copy
-    from mixprec.plan.verify import relative_change
-    from mixprec.train.objective import make_objective
+    from mixprec.plan.verify import forward_losses, fp32_copy, relative_change
+    from mixprec.models.objective import make_objective
     ref = fp32_copy(model)
     mp.Precision("32-true").setup(ref)
     trial = fp32_copy(model)
@@ -133,8 +132,8 @@ def uniform_change(model, batches, seed) -> float:
     ref.train()
     trial.train()
     objective = make_objective(ref, mp.Precision("32-true"), None)
-    return relative_change(_forward_losses(trial, batches, objective, seed),
-                           _forward_losses(ref, batches, objective, seed))
+    return relative_change(forward_losses(trial, batches, objective, seed),
+                           forward_losses(ref, batches, objective, seed))
 
 
 def main() -> int:

@@ -91,7 +91,7 @@ def make_plan(args, mode: str, seed: int, path: Path):
     """Plan on the seed's initial weights, outliers injected, 2 batches of the training data."""
     from mixprec.plan import plan_precision
     from mixprec.plan.plan import choose
-    from mixprec.train.command import build_run
+    from mixprec.cli.train import build_run
     candidates, rule = PLANS[mode]
     cfg = _config(args, "bf16-mixed", seed, str(path.parent / f"unused-{seed}"))
     model, train_loader, _, strategy = build_run(cfg)
@@ -111,10 +111,10 @@ def make_plan(args, mode: str, seed: int, path: Path):
 
 
 def train(args, mode: str, seed: int, run_dir: str) -> dict:
+    from mixprec.cli.train import build_run
     from mixprec.errors import TrainingDiverged
-    from mixprec.train.command import build_run
-    from mixprec.train.metrics import read_events
-    from mixprec.train.report import _guard_summary
+    from mixprec.report.report import guard_summary
+    from mixprec.runs.metrics import read_events
     from mixprec.train.trainer import Trainer
     cfg = _config(args, GUARDED.get(mode, mode), seed, run_dir, guard=mode in GUARDED)
     model, train_loader, val_loader, strategy = build_run(cfg)
@@ -132,7 +132,7 @@ def train(args, mode: str, seed: int, run_dir: str) -> dict:
     formats = next(e["layers"] for e in events if e.get("kind") == "formats")
     return {"val": val, "skipped": skipped, "formats": formats,
             "final_formats": dict(trainer.precision.layer_formats),
-            "guard": _guard_summary(events), "wall_s": time.perf_counter() - start}
+            "guard": guard_summary(events), "wall_s": time.perf_counter() - start}
 
 
 def main() -> int:
@@ -177,7 +177,7 @@ def main() -> int:
                 print(f"[plan_outliers] seed {seed} {mode}: val {r['val']:.4f} "
                       f"({r['skipped']} skipped, {r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     if not flops:
-        from mixprec.train.command import build_run
+        from mixprec.cli.train import build_run
         model, *_ , strategy = build_run(_config(args, "32-true", 0, None))
         flops = {n: 6 * m.in_features * m.out_features for n, m in model.named_modules()
                  if isinstance(m, nn.Linear)}

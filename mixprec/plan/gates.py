@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from mixprec.plan.plan import LayerMeasure
+LayerMeasure = Any
+"""A :class:`mixprec.plan.plan.LayerMeasure` (not imported: ``plan`` imports these limits)."""
 
 __all__ = ["gate", "apply_gates", "stands_out", "MIN_SQNR_DB", "MAX_FLUSH", "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
 
@@ -22,7 +22,7 @@ MIN_SQNR_DB = 15.0
 refused for the layer (FP8 E4M3 gives about 30 dB on well-scaled tensors, BF16 about 50)."""
 MAX_FLUSH = 0.01
 """... and so is one that flushes or saturates more than this share of the layer's inputs or
-output gradients (the re-planner's limit, :class:`mixprec.monitor.LayerReplanner`)."""
+output gradients (the re-planner's limit, :class:`mixprec.plan.replan.LayerReplanner`)."""
 MAX_SQNR_DROP_DB = 4.0
 """... and so is one whose *output* SQNR is this much below the median of the other layers' in
 the same format (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``, at

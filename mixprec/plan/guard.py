@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.monitor.replan import FormatSwitch
+from mixprec.plan.replan import FormatSwitch
 from mixprec.plan.gates import stands_out
 
 __all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
@@ -71,7 +71,7 @@ class GuardConfig:
     """A sampled layer output below this SQNR against FP32 is promoted."""
     max_flush: float = 0.01
     """... and so is one whose format flushes more than this share of its sampled inputs
-    (:func:`mixprec.monitor.replan.flushed_share`: outliers keep a tensor's SQNR high while the
+    (:func:`mixprec.plan.replan.flushed_share`: outliers keep a tensor's SQNR high while the
     rest of it is lost)."""
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
@@ -200,7 +200,7 @@ class TrainingGuard:
         """Output SQNR (dB) of every Linear not in FP32 against its GEMM in FP32 on the same
         inputs, over one replay of the forward (one host sync); also sets :attr:`last_flush`
         (the share of each layer's inputs its format flushes)."""
-        from mixprec.monitor.replan import flushed_share
+        from mixprec.plan.replan import flushed_share
         watched = {n: f for n, f in self.precision.layer_formats.items() if f != "fp32"}
         energy: dict[str, list[torch.Tensor]] = {}
         handles = []

@@ -9,12 +9,12 @@ input, output and output gradient, and its weight gradient. Then for every candi
 so the FP8 rules and modules are the training ones), and, with *only* ``L`` in ``f``:
 
 * output SQNR: ``L_f(x)`` against ``L``'s FP32 output on the recorded inputs
-  (:func:`mixprec.fp8.sqnr_db`),
+  (:func:`mixprec.formats.sqnr_db`),
 * input-gradient and weight-gradient SQNR: ``L_f``'s backward, from the recorded inputs and FP32
   output gradients, against the FP32 layer's (the input gradient is what ``L`` sends to the layers
   below, the weight gradient what its optimizer steps on),
 * flushed share: of ``L``'s inputs and of its output gradients, the non-zero values ``f`` flushes
-  to zero or saturates (:func:`mixprec.monitor.replan.flushed_share`, the re-planner's measure),
+  to zero or saturates (:func:`mixprec.plan.replan.flushed_share`, the re-planner's measure),
 * loss change, measured: the model's forward loss with ``L`` swapped for ``L_f``: ``mean
   |loss_f - loss_fp32| / mean loss_fp32`` over the batches,
 * loss change, estimated: the expected loss *increase* from ``L``'s output error ``e``, to second
@@ -43,7 +43,7 @@ round of moving back.
 
 Step-time model: each layer's GEMM FLOPs per token (``6 * in * out``: forward, input and weight gradient) at
 the throughput of its format: measured on this machine with ``mixprec bench matmul``'s timer
-(``target="measure"``), or the dense datasheet peaks of a GPU from :data:`mixprec.bench.gpus.GPUS`
+(``target="measure"``), or the dense datasheet peaks of a GPU from :data:`mixprec.estimate.gpus.GPUS`
 (``target="H100"``, ...). On a device without FP8 GEMMs FP8 would be emulated, so measured
 targets drop the FP8 candidates (with a note). The estimated step time is the sum of the GEMM
 times; the rest of the step does not depend on the plan and is left out.
@@ -56,7 +56,6 @@ for a seed and a stated throughput table. Then the whole-plan check above.
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,14 +63,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.fp8 import sqnr_db
+from mixprec.formats import sqnr_db
 from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB, apply_gates
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
-from mixprec.precision.overrides import parse_format
+from mixprec.plan.verify import enforce_budget, forward_losses, fp32_copy
+from mixprec.policy.overrides import parse_format
 
-__all__ = ["plan_precision", "DEFAULT_CANDIDATES", "split_heldout", "fp32_copy"]
+__all__ = ["plan_precision", "DEFAULT_CANDIDATES", "split_heldout"]
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "fp8-tensorwise", "fp8-blockwise")
 
@@ -134,8 +134,8 @@ def _local(layer: nn.Module, records: list[tuple[torch.Tensor, ...]]
 def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str, which: int) -> float:
     """Largest share over the batches of the recorded inputs (``which=0``) or output gradients
     (``which=2``) that ``fmt`` flushes to zero or saturates
-    (:func:`mixprec.monitor.replan.flushed_share`, the re-planner's measurement)."""
-    from mixprec.monitor.replan import flushed_share
+    (:func:`mixprec.plan.replan.flushed_share`, the re-planner's measurement)."""
+    from mixprec.plan.replan import flushed_share
     shares = [flushed_share(r[which], fmt, "act" if which == 0 else "grad")
               for r in records if len(r) > which]
     return float(torch.stack(shares).max()) if shares else 0.0
@@ -159,28 +159,6 @@ def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tenso
     return total / len(records)
 
 
-def fp32_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` that a Precision may set up: ``model`` is a plain FP32 model, or
-    one set up for ``32-true`` without overrides (trained by ``fit()`` in FP32), which leaves its
-    modules as they were; a model set up for another mode is refused."""
-    done = Precision.setup_identity(model)
-    if done is not None and done != Precision("32-true").identity:
-        raise ConfigError(f"the planner measures an FP32 model, and this one was set up for "
-                          f"precision {done}; plan on a fresh model with its weights "
-                          "(model.load_state_dict(...)) or on the model trained in 32-true")
-    trial = copy.deepcopy(model)
-    Precision.forget_setup(trial)
-    return trial
-
-
-def _forward_losses(model: nn.Module, batches: Sequence[Any], objective: Callable, seed: int
-                    ) -> list[float]:
-    """The model's forward loss on each batch (the RNG seeded as in :func:`_reference`)."""
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return [float(objective(model, x, y).float()) for x, y in batches]
-
-
 @torch.no_grad()
 def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Sequence[Any],
                  objective: Callable, seed: int) -> list[float]:
@@ -190,7 +168,7 @@ def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Seque
     original = getattr(parent, child)
     setattr(parent, child, variant)
     try:
-        return _forward_losses(model, batches, objective, seed)
+        return forward_losses(model, batches, objective, seed)
     finally:
         setattr(parent, child, original)
 
@@ -257,7 +235,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     if "fp32" not in cands:
         cands.insert(0, "fp32")            # the reference every layer may fall back to
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    from mixprec.precision import hardware
+    from mixprec.policy import hardware
     if target is None:
         target = "measure" if device.type == "cuda" and hardware.cuda_supports_fp8() else "H100"
     throughput, notes = format_throughput(target, cands, device=device)
@@ -269,7 +247,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     base_name = base_precision.name
     say = progress or (lambda s: None)
 
-    from mixprec.train.objective import make_objective
+    from mixprec.models.objective import make_objective
     ref_model = fp32_copy(model)
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
@@ -335,8 +313,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
                          max_flush=max_flush, max_sqnr_drop_db=max_sqnr_drop_db)
     choose(plan, cands)
     # The estimate only ranks: the promise is the whole plan's measured loss change.
-    from mixprec.plan.verify import enforce_budget
-    ref_held = _forward_losses(ref_model, held, objective, seed) if held else []
+    ref_held = forward_losses(ref_model, held, objective, seed) if held else []
     enforce_budget(plan, model, calib=calib, heldout=held, ref_calib=ref_losses, ref_heldout=ref_held,
                    objective=objective, seed=seed, device=device, progress=say)
     plan.calibration_tokens, plan.heldout_tokens = _tokens(calib), _tokens(held)

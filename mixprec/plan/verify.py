@@ -20,16 +20,40 @@ model is copied once and layers are swapped in place (:meth:`mixprec.Precision.s
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.errors import ConfigError
 from mixprec.plan.plan import PrecisionPlan, safer_format, update_times
+from mixprec.precision import Precision
 
-__all__ = ["enforce_budget", "relative_change"]
+__all__ = ["enforce_budget", "relative_change", "forward_losses", "fp32_copy"]
+
+
+def fp32_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` that a Precision may set up: ``model`` is a plain FP32 model, or
+    one set up for ``32-true`` without overrides (trained by ``fit()`` in FP32), which leaves its
+    modules as they were; a model set up for another mode is refused."""
+    done = Precision.setup_identity(model)
+    if done is not None and done != Precision("32-true").identity:
+        raise ConfigError(f"the planner measures an FP32 model, and this one was set up for "
+                          f"precision {done}; plan on a fresh model with its weights "
+                          "(model.load_state_dict(...)) or on the model trained in 32-true")
+    trial = copy.deepcopy(model)
+    Precision.forget_setup(trial)
+    return trial
+
+
+def forward_losses(model: nn.Module, batches: Sequence[Any], objective: Callable, seed: int
+                    ) -> list[float]:
+    """The model's forward loss on each batch (the RNG seeded once, as the planner's FP32 reference pass is)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [float(objective(model, x, y).float()) for x, y in batches]
 
 
 def relative_change(losses: Sequence[float], reference: Sequence[float]) -> float:
@@ -43,7 +67,6 @@ def enforce_budget(plan: PrecisionPlan, model: nn.Module, *, calib: Sequence[Any
                    progress: Callable[[str], None] | None = None) -> None:
     """Measure ``plan`` as a whole and move layers back until it keeps ``plan.budget`` (module
     doc). Sets the plan's measured fields, ``loss_change``, ``demoted`` and its GEMM times."""
-    from mixprec.plan.planner import _forward_losses, fp32_copy
     say = progress or (lambda s: None)
     cands = list(plan.throughput)
     trial = fp32_copy(model)
@@ -53,8 +76,8 @@ def enforce_budget(plan: PrecisionPlan, model: nn.Module, *, calib: Sequence[Any
     by_name = {m.name: m for m in plan.layers}
 
     def measure() -> tuple[float, float | None]:
-        cal = relative_change(_forward_losses(trial, calib, objective, seed), ref_calib)
-        held = (relative_change(_forward_losses(trial, heldout, objective, seed), ref_heldout)
+        cal = relative_change(forward_losses(trial, calib, objective, seed), ref_calib)
+        held = (relative_change(forward_losses(trial, heldout, objective, seed), ref_heldout)
                 if heldout else None)
         return cal, held
 

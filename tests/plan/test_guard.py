@@ -10,7 +10,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.errors import ConfigError, TrainingDiverged
-from mixprec.fp8 import Fp8Linear
+from mixprec.formats import Fp8Linear
 from mixprec.plan.guard import GuardConfig, StepOutcome, TrainingGuard
 
 FAULTY = "blocks.1.fc"
@@ -93,8 +93,8 @@ def test_a_layer_making_nan_in_fp8_is_promoted_and_the_run_finishes(tmp_path):
                        log_interval=1, lr=1e-3)
     again.fit(_loader(), resume=True)
     assert again.precision.layer_formats[FAULTY] == "bf16"
-    from mixprec.train.report import summarize
-    from mixprec.train.metrics import read_events, read_metrics
+    from mixprec.report.report import summarize
+    from mixprec.runs.metrics import read_events, read_metrics
     assert "blocks.1.fc fp8-tensorwise -> bf16" in summarize(read_metrics(run), read_events(run))["guard"]
 
 
