@@ -436,11 +436,15 @@ class Precision:
             return x.to(self.policy.output_dtype)
         return x
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` multiplied by the loss scale when the mode scales (FP16), else ``loss``: for a
+        framework that calls ``backward`` itself (the Lightning plugin)."""
+        with record_function("mixprec.scale_loss"):
+            return self.scaler.scale(loss)
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
-        with record_function("mixprec.scale_loss"):
-            scaled = self.scaler.scale(loss)
-        scaled.backward()
+        self.scale_loss(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
              measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:
