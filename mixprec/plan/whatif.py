@@ -343,13 +343,13 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     mods = dict(ref_model.named_modules())
     rows = [WhatIfRow(n, 6 * mods[n].in_features * mods[n].out_features) for n in names]
     for i, row in enumerate(rows):
-        ref_out, ref_grad = _local(mods[row.name], records[row.name])
+        ref_out, ref_grad, _ = _local(mods[row.name], records[row.name])
         for f in fmts:
             if row.name in refused[f]:
                 row.cells[f] = FormatCell(available=False, reason=refused[f][row.name])
                 continue
             variant = variants[f].get_submodule(row.name)
-            out, grad = _local(variant, records[row.name])
+            out, grad, _ = _local(variant, records[row.name])
             losses = _losses_with(ref_model, row.name, variant, batches, objective, seed)
             change = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
             under, sat = _range_stats(f, variant, records[row.name])
