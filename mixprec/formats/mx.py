@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from mixprec.errors import ConfigError
 
 __all__ = ["ElementFormat", "ELEMENTS", "E2M1_VALUES", "BlockScaledTensor", "quantize_mx",
-           "quantize_nvfp4", "round_to_grid", "MX_BLOCK", "NVFP4_BLOCK", "EPS"]
+           "quantize_nvfp4", "round_to_grid", "lost_share", "SATURATION_LIMIT", "MX_BLOCK", "NVFP4_BLOCK",
+           "EPS"]
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -64,6 +65,10 @@ EPS = 1e-12
 
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """The non-negative E2M1 values in code order (code = index; bit 3 is the sign)."""
+
+SATURATION_LIMIT: dict[str, float] = {"e4m3": 448.0 + 16.0, "e5m2": 57344.0 + 4096.0, "e2m1": 6.0 + 1.0}
+"""Per element format, in element units: its largest value plus half its last step. A scaled value
+beyond it was clamped, not rounded (saturation)."""
 
 _E8M0_BIAS = 127
 _E8M0_NAN = 255
@@ -214,6 +219,11 @@ class BlockScaledTensor:
             out = (v.reshape(Rb, br, Cb, bc) * s[:, None, :, None]) * self.tensor_scale
         return out.reshape(Rb * br, Cb * bc)[:R, :C].to(dtype)
 
+    def saturated(self, source: torch.Tensor) -> torch.Tensor:
+        """Where ``source`` (what was quantized) lay beyond the element format's largest value
+        plus half its last step once scaled: the clamp, not rounding, decided those elements."""
+        return source.float().abs() / self.per_element_scale() > SATURATION_LIMIT[self.element]
+
     def per_element_scale(self) -> torch.Tensor:
         """The FP32 scale of each element, unpadded ``(R, C)`` (for range statistics)."""
         R, C = self.shape
@@ -281,3 +291,11 @@ def quantize_nvfp4(x: torch.Tensor, *, block: tuple[int, int] = (1, NVFP4_BLOCK)
     R, C = x.shape
     return BlockScaledTensor(codes=codes.reshape(xb.shape[0] * block[0], -1), scale_bits=s8,
                              tensor_scale=tensor_scale, element="e2m1", block=block, shape=(R, C))
+
+
+def lost_share(source: torch.Tensor, q: BlockScaledTensor) -> torch.Tensor:
+    """Share of ``source``'s non-zero values that ``q`` flushed to zero or saturated (0-d, no
+    host sync)."""
+    nz = source != 0
+    lost = (nz & (q.dequantize() == 0)) | (nz & q.saturated(source))
+    return lost.sum() / nz.sum().clamp(min=1)

@@ -220,11 +220,6 @@ def _num(v: float) -> str:
 
 # --- range statistics -------------------------------------------------------------------------
 
-def _half_step_at_max(element: str) -> float:
-    """Element units: the largest finite value plus half the step below it."""
-    return {"e4m3": 448.0 + 16.0, "e5m2": 57344.0 + 4096.0, "e2m1": 6.0 + 1.0}[element]
-
-
 def _fp8_counts(t: torch.Tensor, fmt: str, role: str) -> tuple[int, int, int]:
     from mixprec.formats import Fp8Config, quantize
     from mixprec.formats.fp8_linear import _operand_block
@@ -238,15 +233,15 @@ def _fp8_counts(t: torch.Tensor, fmt: str, role: str) -> tuple[int, int, int]:
     else:
         br, bc = q.block
         scale = q.scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: t.shape[0], : t.shape[1]]
+    from mixprec.formats.mx import SATURATION_LIMIT
     element = "e4m3" if dtype == torch.float8_e4m3fn else "e5m2"
-    return _counts(t, dq, t.abs() / scale > _half_step_at_max(element))
+    return _counts(t, dq, t.abs() / scale > SATURATION_LIMIT[element])
 
 
 def _micro_counts(t: torch.Tensor, config, role: str) -> tuple[int, int, int]:
     from mixprec.formats import quantize_operand
     q = quantize_operand(t, config, grad=role == "grad", weight=role == "weight")
-    element = config.grad_element if role == "grad" else config.element
-    return _counts(t, q.dequantize(), t.abs() / q.per_element_scale() > _half_step_at_max(element))
+    return _counts(t, q.dequantize(), q.saturated(t))
 
 
 def _counts(t: torch.Tensor, dq: torch.Tensor, saturated: torch.Tensor) -> tuple[int, int, int]:

@@ -229,3 +229,20 @@ def test_e2m1_fast_path_equals_the_grid_rounding(rounding):
         a = torch.full((100_000,), 4.5)
         vals = E2M1[(_to_e2m1(a, "stochastic", g) & 7).long()]
         assert set(vals.unique().tolist()) == {4.0, 6.0} and abs(float(vals.mean()) - 4.5) < 0.02
+
+
+def test_lost_share_counts_flushed_and_clamped_elements():
+    from mixprec.formats.mx import lost_share
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1], x[0, 2] = 6.0, 0.1, 1.0          # 0.1 flushes to 0 in E2M1 at scale 1
+    assert float(lost_share(x, quantize_mx(x, "e2m1"))) == pytest.approx(1 / 3)
+    y = torch.zeros(1, 32)
+    y[0, 0], y[0, 1] = 1.9, 0.5                         # 1.9 * 2**8 = 486 > 448 + 16: clamped
+    assert float(lost_share(y, quantize_mx(y, "e4m3"))) == 0.5
+
+
+def test_the_replanner_measures_micro_formats_too():
+    from mixprec.plan.replan import flushed_share
+    x = torch.randn(8, 64)
+    x[:, 3] *= 1e4                                      # an outlier channel in the first blocks
+    assert float(flushed_share(x, "nvfp4")) > 0.1 > float(flushed_share(x, "bf16"))
