@@ -27,10 +27,11 @@ from torch import Tensor
 
 from mixprec.errors import ConfigError
 from mixprec.optim.master import MasterWeights
+from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 
 __all__ = ["AdamW"]
 
-_CHUNK_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB per FP32 scratch buffer
+_CHUNK_NUMEL = CHUNK_NUMEL  # 4 Mi elements: 16 MiB per FP32 scratch buffer (the split masters' chunks too)
 _LOW_BITS_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 BF16 mantissa bits
 
 
@@ -43,18 +44,6 @@ def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay
         raise ConfigError(f"eps must be >= 0, got {eps}; the usual choice is 1e-8")
     if not weight_decay >= 0.0:
         raise ConfigError(f"weight_decay must be >= 0, got {weight_decay}; use 0.0 to turn it off")
-
-
-def _chunks(numels: list[int], limit: int) -> Iterable[tuple[int, int]]:
-    """Split indices [0, n) into consecutive ranges whose element counts sum to at most ``limit``."""
-    start, total = 0, 0
-    for i, n in enumerate(numels):
-        if total and total + n > limit:
-            yield start, i
-            start, total = i, 0
-        total += n
-    if start < len(numels):
-        yield start, len(numels)
 
 
 def _round_to_bf16_stochastic_(flat: Tensor, generator: torch.Generator | None) -> None:
@@ -76,6 +65,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
     Private: ``AdamW`` runs it on the FP32 masters. The state layout is torch.optim.AdamW's
     (``step`` as a CPU tensor, ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two.
     """
+
+    mixprec_chunk_exact = True
+    """Stepping chunks cut by ``mixprec.optim.split.chunks`` (its own boundaries) is exact: split
+    masters step it that way."""
 
     mixprec_not_separable_because = ("draws its stochastic-rounding noise per chunk of a whole param "
                                      "group, so a step split by module draws other noise (use "
@@ -205,6 +198,9 @@ class AdamW(MasterWeights):
         foreach, fused: passed to ``torch.optim.AdamW`` when the moments are FP32.
         stochastic_rounding: round BF16 moments stochastically (default) or to nearest.
         seed: seed of the stochastic-rounding generator (``None``: the global torch generator).
+        split_masters: FP32 masters of BF16 params stored as the param plus a 16-bit remainder
+            (``None``: on, the default; ``False``: full FP32 masters). Bit-identical either way;
+            see mixprec.optim.master.
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).
@@ -225,6 +221,7 @@ class AdamW(MasterWeights):
         fused: bool | None = None,
         stochastic_rounding: bool = True,
         seed: int | None = None,
+        split_masters: bool | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         if param_dtype not in (torch.float16, torch.bfloat16):
@@ -236,10 +233,10 @@ class AdamW(MasterWeights):
         common: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         if moments_dtype == torch.float32:
             super().__init__(torch.optim.AdamW, params, param_dtype=param_dtype if fp16_params else None,
-                             foreach=foreach, fused=fused, **common)
+                             split=split_masters, foreach=foreach, fused=fused, **common)
             return
         if fused:
             raise ConfigError("fused=True keeps moments in the param dtype; with moments_dtype=torch.bfloat16 "
                               "leave fused unset (the BF16-moment path always uses foreach ops)")
         super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
-                         moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+                         split=split_masters, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
