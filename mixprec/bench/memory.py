@@ -9,7 +9,10 @@ parts. The rules it encodes:
   and for 16-bit params the FP32 master gradients the optimizer steps on. With FP32 masters and
   FP32 Adam moments that is 16 bytes per parameter in *every* mode (4+4+8 with FP32 params;
   2+2+4+8 with 16-bit params, plus 4 of FP32 master gradients during the step). Mixed precision
-  saves memory only on activations and, optionally, BF16 moments.
+  saves memory only on activations and, optionally, BF16 moments. mixprec's default **split
+  masters** (mixprec/optim/split.py) store the FP32 master of a BF16 parameter as the parameter
+  plus a 16-bit remainder and keep no FP32 master gradients (the step widens one bounded chunk at
+  a time): 2 + 2 + 2 + 8 = 14 bytes per parameter, 10 with BF16 moments (``--full-masters``: 20).
 * **Activations** per layer per token, as saved for backward by mixprec's Transformer (counted
   with ``torch.autograd.graph.saved_tensors_hooks``; ``tests/bench/test_memory.py`` checks the
   formula against that count). With ``d`` the width, ``h`` heads, ``r`` the MLP ratio and ``c``
@@ -294,6 +297,19 @@ class MemoryEstimate:
     loss_buffers: float
     backward_buffers: float
     optimizer_scratch: float
+    num_parameters: float = 0.0
+    """Parameters per device (for :meth:`bytes_per_parameter`)."""
+
+    @property
+    def bytes_per_parameter(self) -> dict[str, float]:
+        """Each state's bytes per parameter (params, grads, masters, master grads at the step,
+        moments), and their sum: what one parameter costs outside the activations."""
+        n = self.num_parameters or 1.0
+        parts = {"params": self.parameters, "grads": self.gradients, "masters": self.master_weights,
+                 "mgrads": self.master_gradients, "moments": self.optimizer_moments}
+        out = {k: v / n for k, v in parts.items()}
+        out["total"] = sum(out.values())
+        return out
 
     @property
     def states(self) -> float:
@@ -312,7 +328,7 @@ class MemoryEstimate:
 
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
-                    pp: int = 1, num_parameters: int | None = None) -> MemoryEstimate:
+                    pp: int = 1, num_parameters: int | None = None, split_masters: bool = True) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -325,6 +341,12 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
 
     ``shape=None`` with ``num_parameters`` estimates the states alone (activations 0): for a model
     known only by its parameter count.
+
+    ``split_masters`` (mixprec's default): the FP32 master of a BF16 parameter is stored as the
+    parameter plus a 16-bit remainder (2 bytes) and the step widens one chunk of at most
+    ``mixprec.optim.split.CHUNK_NUMEL`` elements at a time (FP32 master, FP32 gradient and the
+    optimizer's FP32 temporary: 12 bytes per chunk element) instead of holding FP32 master
+    gradients and a whole-model temporary.
     """
     from mixprec.engine import Precision
     from mixprec.precision.dtypes import parse_dtype
@@ -350,13 +372,18 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     low_p = P - norm_params
     params = low_p * pb + norm_params * 4
     grads = params
-    masters = low_p * 4 if policy.keeps_masters else 0
-    master_grads = masters
+    from mixprec.optim.split import CHUNK_NUMEL, splits
+    split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
+    masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
+    master_grads = 4 * min(low_p, CHUNK_NUMEL) if split else masters
     per_moment = _BYTES[mdt]
     moments = (2 * per_moment * P) if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
-    # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks.
+    # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks. Split masters
+    # step one chunk at a time: its widened FP32 masters and the temporary.
     scratch = 4 * P if optimizer == "adamw" else 0
+    if split:
+        scratch = 4 * min(low_p, CHUNK_NUMEL) + (4 * min(P, CHUNK_NUMEL) if optimizer == "adamw" else 0)
     if shape is None:
         copies = low_p * cb if mixed_copies else 0
         acts = loss_buffers = backward_buffers = 0.0
@@ -391,7 +418,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
                           loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
-                          optimizer_scratch=scratch / s)
+                          optimizer_scratch=scratch / s, num_parameters=P / s)
 
 
 def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str = "GB") -> str:
@@ -410,6 +437,13 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
         vals = (r.parameters, r.gradients, r.master_weights, r.master_gradients, r.optimizer_moments,
                 r.weight_copies, r.activations, r.loss_buffers, r.optimizer_scratch)
         out.append(f"{r.mode:<12} " + " ".join(f"{v / unit:>10.2f}" for v in vals))
+    if all(r.num_parameters for r in rows):
+        out.append("")
+        out.append(f"{'bytes/param':<12} " + " ".join(f"{n:>10}" for n in (
+            "params", "grads", "masters", "mgrads", "moments", "total")) + "   (mgrads: FP32 master "
+            "gradients at the step)")
+        for r in rows:
+            out.append(f"{r.mode:<12} " + " ".join(f"{v:>10.2f}" for v in r.bytes_per_parameter.values()))
     return "\n".join(out)
 
 
@@ -421,6 +455,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated precision modes")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     parser.add_argument("--moments-dtype", default="fp32", help="Adam moments: fp32 or bf16")
+    parser.add_argument("--full-masters", action="store_true",
+                        help="full FP32 masters and master gradients (split_masters=false) instead of "
+                             "mixprec's default split masters (BF16 parameter + 16-bit remainder)")
     parser.add_argument("--batch", type=int, default=16, help="micro-batch per device")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sample (default: model max)")
     parser.add_argument("--checkpointing", action="store_true", help="activation recompute per block")
@@ -466,12 +503,13 @@ def run(args: argparse.Namespace) -> int:
         modes = [Precision(m, overrides=args.overrides) for m in modes]
     rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
-                            shards=args.gpus) for m in modes]
+                            shards=args.gpus, split_masters=not args.full_masters) for m in modes]
     big = rows[0].peak > 1e9
     n = shape.num_parameters()
     print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"
           f"{f', {shape.num_experts} experts top-{shape.top_k}' if shape.num_experts else ''}); "
           f"batch {args.batch} x {seq} per device; {args.gpus} device(s); optimizer {args.optimizer} "
-          f"(moments {args.moments_dtype}); checkpointing {'on' if args.checkpointing else 'off'}")
+          f"(moments {args.moments_dtype}); masters {'full FP32' if args.full_masters else 'split'}; "
+          f"checkpointing {'on' if args.checkpointing else 'off'}")
     print(format_table(rows, unit=GB if big else 2**20, unit_name="GB" if big else "MiB"))
     return 0

@@ -168,7 +168,7 @@ class MasterWeights(torch.optim.Optimizer):
         if p.dtype == self.master_dtype:  # convert the model param in place, keep the exact master
             p.data = p.data.to(self.param_dtype)
             p.grad = None
-        if self.split and p.dtype == torch.bfloat16:
+        if self.split and _split.splits(p.dtype, self.master_dtype):
             master = self._make_split(p, master)
         self._model_params.append(p)
         self._masters.append(master)
@@ -309,7 +309,8 @@ class MasterWeights(torch.optim.Optimizer):
             return
         params = [self._model_of[id(m)] for m in todo]
         factors = self._deferred.factors if self._deferred is not None else []
-        grads = _split.widen([p.grad for p in params], factors)
+        with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
+            grads = _split.widen([p.grad for p in params], factors)
         for p, m, g in zip(params, todo, grads):
             m.data = self._join(p, m)
             m.grad = g
@@ -323,9 +324,9 @@ class MasterWeights(torch.optim.Optimizer):
             if id(m) not in self._wide:
                 continue
             p = self._model_of[id(m)]
+            m.grad = None                  # freed before the split's temporaries are made
             if store:
                 self._ties[id(m)] = _split.split_(m.data, p.data, self._lo[id(m)])
-            m.grad = None
             m.data = torch.empty(0, dtype=m.dtype, device=m.device)
             self._wide.discard(id(m))
 

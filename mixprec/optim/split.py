@@ -35,11 +35,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["join", "split_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks"]
+__all__ = ["splits", "join", "split_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
 _TIE = 1 << 15
 _WRAP = 1 << 16
+
+
+def splits(param_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the master of a ``param_dtype`` parameter can be stored split: BF16 shares FP32's
+    sign and exponent bits, so only BF16 parameters of FP32 masters (FP16's narrower exponent
+    would need more than 16 remainder bits)."""
+    return param_dtype == torch.bfloat16 and master_dtype == torch.float32
 
 
 def chunks(numels: list[int], limit: int = CHUNK_NUMEL) -> Iterator[tuple[int, int]]:

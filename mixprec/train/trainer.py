@@ -146,7 +146,9 @@ class Trainer:
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
-                                                      betas=(cfg.beta1, cfg.beta2))
+                                                      betas=(cfg.beta1, cfg.beta2),
+                                                      split_masters=cfg.split_masters,
+                                                      moments=cfg.moments)
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)

@@ -177,3 +177,33 @@ def test_numerics_monitor_sees_the_updates_of_split_masters():
             opt.step()
     row = next(r for r in s.rows if (r.module, r.kind) == ("blocks.0.mlp.fc", "update"))
     assert row.absmax > 0 and row.underflow_frac < 1.0   # the FP32 update, read after the step
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_trainer_with_split_masters_matches_full_masters(moments):
+    from mixprec.train.config import FitConfig
+    from mixprec.train.trainer import Trainer
+    out = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = mp.models.Transformer.from_preset("tiny", vocab_size=64, max_seq_len=16, d_model=32)
+        cfg = FitConfig(precision="bf16-true", split_masters=split, moments=moments, grad_accum_steps=2,
+                        lr=3e-3, warmup_steps=1, clip_grad_norm=0.5, audit=False, progress=False,
+                        trace_nonfinite=False)
+        trainer = Trainer(model, config=cfg, strategy="single")
+        trainer.prepare(total_steps=3)
+        assert trainer.optimizer.split == split
+        g = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            trainer.train_step([(torch.randint(0, 64, (2, 16), generator=g),
+                                 torch.randint(0, 64, (2, 16), generator=g)) for _ in range(2)])
+            trainer.step += 1
+        out.append([_bits(p) for p in trainer.raw_model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def test_moments_need_mixprecs_adamw():
+    from mixprec.errors import ConfigError
+    with pytest.raises(ConfigError, match="moments=bf16 needs mixprec's AdamW"):
+        mp.Precision("bf16-true").make_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}],
+                                                 sharded=True, moments="bf16")
