@@ -328,7 +328,8 @@ class MemoryEstimate:
 
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
-                    pp: int = 1, num_parameters: int | None = None, split_masters: bool = True) -> MemoryEstimate:
+                    pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
+                    device: str | None = None) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -347,6 +348,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     ``mixprec.optim.split.CHUNK_NUMEL`` elements at a time (FP32 master, FP32 gradient and the
     optimizer's FP32 temporary: 12 bytes per chunk element) instead of holding FP32 master
     gradients and a whole-model temporary.
+
+    ``device="cpu"``: the estimate for this machine's CPU, where short sequences' 16-bit attention
+    runs in FP32 (``mixprec.nn.attention.upcasts_short_attention``) and saves ``10d`` bytes more
+    per layer and token. ``None`` (default): the 16-bit kernel, as on GPUs.
     """
     from mixprec.engine import Precision
     from mixprec.precision.dtypes import parse_dtype
@@ -357,9 +362,12 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError("--batch, --seq and --gpus must be >= 1")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
-    mdt = parse_dtype(moments_dtype)
-    if mdt not in (torch.float32, torch.bfloat16):
-        raise ConfigError(f"--moments-dtype must be fp32 or bf16, got '{moments_dtype}'")
+    from mixprec.optim.moments import MOMENTS, state_bytes
+    if moments_dtype not in MOMENTS:
+        mdt = parse_dtype(moments_dtype)
+        if mdt not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"--moments-dtype must be one of {', '.join(MOMENTS)}, got '{moments_dtype}'")
+        moments_dtype = "fp32" if mdt == torch.float32 else "bf16"
     if shape is None and not num_parameters:
         raise ConfigError("estimate_memory needs a model shape or num_parameters")
     P = num_parameters or shape.num_parameters()
@@ -376,14 +384,21 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
     masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
     master_grads = 4 * min(low_p, CHUNK_NUMEL) if split else masters
-    per_moment = _BYTES[mdt]
-    moments = (2 * per_moment * P) if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
+    moments = state_bytes(moments_dtype) * P if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
     # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks. Split masters
     # step one chunk at a time: its widened FP32 masters and the temporary.
-    scratch = 4 * P if optimizer == "adamw" else 0
+    # mixprec's own FP32-math AdamW (bf16 / 8-bit moments) widens both moments of a chunk and
+    # keeps one temporary (12 bytes per chunk element); 8-bit codes add their packing buffers.
+    c = min(P, CHUNK_NUMEL)
+    if optimizer != "adamw":
+        scratch = 0.0
+    elif moments_dtype == "fp32":
+        scratch = 4 * (c if split else P)
+    else:
+        scratch = (12 + (16 if moments_dtype in ("int8", "fp8") else 0)) * c
     if split:
-        scratch = 4 * min(low_p, CHUNK_NUMEL) + (4 * min(P, CHUNK_NUMEL) if optimizer == "adamw" else 0)
+        scratch += 4 * min(low_p, CHUNK_NUMEL)
     if shape is None:
         copies = low_p * cb if mixed_copies else 0
         acts = loss_buffers = backward_buffers = 0.0
@@ -400,6 +415,13 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         dense_layers = shape.num_layers - shape.moe_layers
         kept = shape.moe_layers * kept_moe + dense_layers * kept_dense
         recompute = max(rec_moe if shape.moe_layers else 0, rec_dense if dense_layers else 0)
+        from mixprec.nn.attention import upcasts_short_attention
+        upcast = 10 * shape.d_model if device is not None and upcasts_short_attention(
+            device, policy.compute_dtype, seq, shape.d_model // shape.num_heads) else 0
+        if checkpointing:
+            recompute += upcast
+        else:
+            kept += upcast * shape.num_layers
         if layers is not None:
             if checkpointing:
                 recompute += layers[2]
@@ -411,7 +433,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
-        backward_buffers = tokens * (recompute or biggest) / tp
+        backward_buffers = tokens * (recompute or biggest + upcast) / tp
     s = float(shards * tp * pp)
     name = policy.name + ("+overrides" if layers is not None else "")
     return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,
@@ -454,7 +476,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="32-true,bf16-mixed,bf16-true",
                         help="comma-separated precision modes")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    parser.add_argument("--moments-dtype", default="fp32", help="Adam moments: fp32 or bf16")
+    parser.add_argument("--moments-dtype", "--moments", default="fp32",
+                        help="Adam moments: fp32, bf16, int8 or fp8 (mixprec.optim.moments)")
+    parser.add_argument("--device", default=None, choices=("cpu",),
+                        help="cpu: the estimate for this CPU (short 16-bit attention runs in FP32 "
+                             "without AMX); default: the 16-bit kernels, as on GPUs")
     parser.add_argument("--full-masters", action="store_true",
                         help="full FP32 masters and master gradients (split_masters=false) instead of "
                              "mixprec's default split masters (BF16 parameter + 16-bit remainder)")
@@ -503,7 +529,8 @@ def run(args: argparse.Namespace) -> int:
         modes = [Precision(m, overrides=args.overrides) for m in modes]
     rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
-                            shards=args.gpus, split_masters=not args.full_masters) for m in modes]
+                            shards=args.gpus, split_masters=not args.full_masters,
+                            device=args.device) for m in modes]
     big = rows[0].peak > 1e9
     n = shape.num_parameters()
     print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"

@@ -37,11 +37,12 @@ __all__ = ["TrainBenchConfig", "Contender", "build_contender", "bench_train", "P
 PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true")
 """Peer loops added by ``--peers``; the last three are skipped when their package is absent."""
 
-VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments")
+VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
-(moments=bf16), or several (``bf16-mixed+overlap+compile``)."""
+(moments=bf16; ``+int8moments``, ``+fp8moments`` likewise), or several
+(``bf16-mixed+overlap+compile``)."""
 
 
 def split_variant(name: str) -> tuple[str, frozenset[str]]:
@@ -146,12 +147,16 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
                     overlap_optimizer="overlap" in variants, compile="compile" in variants,
                     split_masters="fullmasters" not in variants,
-                    moments="bf16" if "bf16moments" in variants else "fp32")
+                    moments=_moments_of(variants))
     trainer = Trainer(model, config=fit, strategy="single")
     trainer.prepare(total_steps=10**6)
     trainer.model.train()
     batch = [(x, y)]
     return Contender(name, trainer.precision.compute_dtype, lambda: trainer.train_step(batch))
+
+
+def _moments_of(variants: frozenset[str]) -> str:
+    return next((m for m in ("bf16", "int8", "fp8") if f"{m}moments" in variants), "fp32")
 
 
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:

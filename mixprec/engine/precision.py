@@ -403,16 +403,16 @@ class Precision:
         into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
         ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
         masters (torch's AdamW, FP32 moments only)."""
-        if moments not in ("fp32", "bf16"):
-            raise ConfigError(f"moments must be fp32 or bf16, got '{moments}'")
+        from mixprec.optim.moments import MOMENTS
+        if moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
         if sharded or self.loses_small_updates:
             if moments != "fp32":
                 why = "FSDP2 steps torch's AdamW on its FP32 shards" if sharded else \
                     f"precision '{self.name}' keeps no masters and uses torch's AdamW"
                 raise ConfigError(f"moments={moments} needs mixprec's AdamW, but {why}; use moments=fp32")
             return torch.optim.AdamW(param_groups, **adamw_options)
-        opt = AdamW(param_groups, split_masters=split_masters,
-                    moments_dtype=torch.bfloat16 if moments == "bf16" else torch.float32, **adamw_options)
+        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, **adamw_options)
         if opt.split:
             self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
                               "remainder, no FP32 master gradients (bit-identical)")
