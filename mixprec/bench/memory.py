@@ -329,7 +329,7 @@ class MemoryEstimate:
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
                     pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
-                    device: str | None = None) -> MemoryEstimate:
+                    device: str | None = None, fp8_activations: bool = False) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -352,6 +352,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     ``device="cpu"``: the estimate for this machine's CPU, where short sequences' 16-bit attention
     runs in FP32 (``mixprec.nn.attention.upcasts_short_attention``) and saves ``10d`` bytes more
     per layer and token. ``None`` (default): the 16-bit kernel, as on GPUs.
+
+    ``fp8_activations`` (``mixprec.nn.fp8_activations``): the inputs Linear layers save (``3d +
+    hidden`` values per dense block and token, ``d`` for the head) take ``1 + 4/128`` bytes each
+    instead of the compute dtype's; blocks under activation checkpointing are unchanged.
     """
     from mixprec.engine import Precision
     from mixprec.precision.dtypes import parse_dtype
@@ -428,7 +432,13 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
             else:
                 kept += layers[1]
         d, V = shape.d_model, shape.vocab_size
-        head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids
+        head_in = cb
+        if fp8_activations:
+            from mixprec.nn.fp8_activations import BYTES_PER_VALUE as fb
+            head_in = fb
+            if not checkpointing:
+                kept -= (cb - fb) * (dense_layers * (3 * d + shape._hidden) + shape.moe_layers * 2 * d)
+        head = 4 * (d + 2) + head_in * d + 4 * V + 8     # final norm, head input, log-softmax, token ids
         acts = tokens * (kept + recompute + head) / tp
         loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
@@ -481,6 +491,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, choices=("cpu",),
                         help="cpu: the estimate for this CPU (short 16-bit attention runs in FP32 "
                              "without AMX); default: the 16-bit kernels, as on GPUs")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="Linear inputs saved for backward in FP8 (mixprec.nn.fp8_activations)")
     parser.add_argument("--full-masters", action="store_true",
                         help="full FP32 masters and master gradients (split_masters=false) instead of "
                              "mixprec's default split masters (BF16 parameter + 16-bit remainder)")
@@ -530,7 +542,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
                             shards=args.gpus, split_masters=not args.full_masters,
-                            device=args.device) for m in modes]
+                            device=args.device, fp8_activations=args.fp8_activations) for m in modes]
     big = rows[0].peak > 1e9
     n = shape.num_parameters()
     print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"

@@ -111,6 +111,10 @@ class FitConfig:
     stochastic rounding), ``int8`` (2.03: block-wise, stochastic rounding) or ``fp8`` (2.06: E4M3
     with per-block range expansion); mixprec/optim/moments.py. Needs mixprec's AdamW (not with
     FSDP2 or a mode without masters)."""
+    fp8_activations: bool = False
+    """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
+    scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is
+    unchanged, weight gradients see E4M3 rounding of the inputs. mixprec/nn/fp8_activations.py."""
     profile: int = 0
     """Profile this many steps (after 2 warm-up steps) with torch.profiler: ``profile.txt`` (top
     operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""

@@ -24,6 +24,7 @@ from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.monitor import LayerReplanner, NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
+from mixprec.nn.fp8_activations import store_activations_in_fp8
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
 from mixprec.strategies import Strategy, get_strategy
@@ -96,6 +97,7 @@ class Trainer:
         self.monitor = None
         self.scale_watch = None
         self.overlap: OverlappedUpdate | None = None
+        self.fp8_store = None
         self.profiler: StepProfiler | None = None
         self.replanner = None
 
@@ -164,7 +166,14 @@ class Trainer:
         self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
                                          per_module=False if cfg.compile else None)
                         if cfg.overlap_optimizer else None)
+        # What Linear layers save for backward, kept in FP8 (opt-in; mixprec/nn/fp8_activations.py).
+        if self.fp8_store is not None:
+            self.fp8_store.remove()
+        self.fp8_store = store_activations_in_fp8(unwrapped) if cfg.fp8_activations else None
         if cfg.replan_every:
+            if cfg.fp8_activations:
+                raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
+                                  "hooks on them; use fp8_activations=false or replan_every=0")
             if sharded:
                 raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
                                   "them: use strategy=ddp or single, or replan_every=0")
