@@ -231,6 +231,19 @@ class MasterWeights(torch.optim.Optimizer):
             return self._join(param, m)
         return m
 
+    def updates(self, param: Tensor) -> bool:
+        """Whether ``param`` is one of the model params this optimizer steps (no copy made)."""
+        return id(param) in self._master_of
+
+    def step_grads(self, param: Tensor) -> list[Tensor]:
+        """The gradient tensors the step reads for ``param``: its master's FP32 ``.grad`` and,
+        for a split master, the model param's own (BF16) grad, which the step widens itself."""
+        m = self._master_of.get(id(param))
+        out = [g for g in (m.grad if m is not None else None,) if g is not None]
+        if m is not None and self._is_split(m) and param.grad is not None:
+            out.append(param.grad)
+        return out
+
     @torch.no_grad()
     def _prepare_grads(self) -> None:
         """Once per step: copy the grads of full (non-split) masters into their FP32 ``.grad`` and
