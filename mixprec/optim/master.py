@@ -324,8 +324,13 @@ class MasterWeights(torch.optim.Optimizer):
         factors = self._deferred.factors if self._deferred is not None else []
         with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
             grads = _split.widen([p.grad for p in params], factors)
-        for p, m, g in zip(params, todo, grads):
-            m.data = self._join(p, m)
+        for dev in {p.device for p in params}:
+            idx = [i for i, p in enumerate(params) if p.device == dev]
+            ws = _split.join_many([params[i].detach() for i in idx], [self._lo[id(todo[i])] for i in idx],
+                                  [self._ties[id(todo[i])] for i in idx])
+            for i, w in zip(idx, ws):
+                todo[i].data = w
+        for m, g in zip(todo, grads):
             m.grad = g
             self._wide.add(id(m))
             self._pending.discard(id(m))
@@ -333,13 +338,17 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def _narrow(self, masters: list[Tensor], *, store: bool) -> None:
         """Split wide masters back into their params (``store``) or just drop the FP32 copies."""
-        for m in masters:
-            if id(m) not in self._wide:
-                continue
-            p = self._model_of[id(m)]
+        wide = [m for m in masters if id(m) in self._wide]
+        for m in wide:
             m.grad = None                  # freed before the split's temporaries are made
-            if store:
-                self._ties[id(m)] = _split.split_(m.data, p.data, self._lo[id(m)])
+        if store and wide:
+            for dev in {m.device for m in wide}:
+                ms = [m for m in wide if m.device == dev]
+                ties = _split.split_many_([m.data for m in ms], [self._model_of[id(m)].data for m in ms],
+                                          [self._lo[id(m)] for m in ms])
+                for m, t in zip(ms, ties):
+                    self._ties[id(m)] = t
+        for m in wide:
             m.data = torch.empty(0, dtype=m.dtype, device=m.device)
             self._wide.discard(id(m))
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["splits", "join", "split_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks"]
+__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
 _TIE = 1 << 15
@@ -85,6 +85,50 @@ def split_(w: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
     ties = (d == _TIE).view(-1).nonzero().squeeze(1)    # the rare exact ties rounded down
     lo.copy_(d)                                         # int32 -> int16 wraps +2**15 to -2**15
     return ties
+
+
+def _flat_views(tensors: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
+    """One flat buffer of ``dtype`` for all ``tensors`` (one device), and its views shaped like them."""
+    numels = [t.numel() for t in tensors]
+    flat = torch.empty(sum(numels), dtype=dtype, device=tensors[0].device)
+    return flat, [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]
+
+
+@torch.no_grad()
+def join_many(his: list[Tensor], los: list[Tensor], ties: list[Tensor]) -> list[Tensor]:
+    """:func:`join` for a chunk (one device): the FP32 masters as views of one flat buffer,
+    built with foreach ops (a handful of launches, whatever the number of tensors)."""
+    flat, ws = _flat_views(his, torch.float32)
+    torch._foreach_copy_(ws, his)                               # exact BF16 -> FP32
+    bits = [w.view(torch.int32) for w in ws]
+    torch._foreach_add_(bits, [lo.to(torch.int32) for lo in los])
+    for b, t in zip(bits, ties):
+        if t.numel():
+            b.view(-1).index_add_(0, t, torch.full_like(t, _WRAP, dtype=torch.int32))
+    return ws
+
+
+@torch.no_grad()
+def split_many_(ws: list[Tensor], his: list[Tensor], los: list[Tensor]) -> list[Tensor]:
+    """:func:`split_` for a chunk (one device): round ``ws`` into ``his``, remainders into
+    ``los``; returns the tie lists (one ``nonzero`` for the whole chunk)."""
+    torch._foreach_copy_(his, ws)                               # round to nearest even
+    flat, back = _flat_views(his, torch.float32)
+    torch._foreach_copy_(back, his)
+    d = [b.view(torch.int32) for b in back]
+    torch._foreach_sub_(d, [w.view(torch.int32) for w in ws])   # hi - w
+    torch._foreach_neg_(d)                                      # w - hi, in [-2**15, 2**15]
+    flat_d = flat.view(torch.int32)
+    tied = (flat_d == _TIE).nonzero().squeeze(1)
+    torch._foreach_copy_(los, d)                                # wraps +2**15 to -2**15
+    empty = empty_ties(flat.device)
+    if not tied.numel():
+        return [empty] * len(ws)
+    numels = torch.tensor([w.numel() for w in ws], device=flat.device)
+    starts = torch.cumsum(numels, 0) - numels
+    owner = torch.bucketize(tied, starts, right=True) - 1
+    counts = torch.bincount(owner, minlength=len(ws)).tolist()
+    return list((tied - starts[owner]).split(counts))
 
 
 @torch.no_grad()

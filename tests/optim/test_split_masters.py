@@ -12,7 +12,7 @@ import torch
 import mixprec as mp
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.optim import AdamW, MasterWeights
-from mixprec.optim.split import join, split_
+from mixprec.optim.split import join, join_many, split_, split_many_
 
 STEPS = 4
 
@@ -80,6 +80,14 @@ def test_split_and_remainder_rebuild_every_fp32_value_including_ties():
     assert torch.equal(p, w.to(torch.bfloat16))               # the param is the usual rounding
     assert ties.numel() >= 250                                # the ties that rounded down
     assert torch.equal(join(p, lo, ties).view(torch.int32), w.view(torch.int32))
+    # The chunked versions (one flat buffer, one nonzero) agree, ties split per tensor.
+    ws = [w[:30_000].clone(), w[30_000:].clone().view(-1, 1)]
+    his = [torch.empty(x.shape, dtype=torch.bfloat16) for x in ws]
+    los = [torch.empty(x.shape, dtype=torch.int16) for x in ws]
+    tie_lists = split_many_(ws, his, los)
+    assert sum(t.numel() for t in tie_lists) == ties.numel() and tie_lists[1].numel() > 0
+    for a, b in zip(ws, join_many(his, los, tie_lists)):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def test_split_masters_are_on_by_default_and_hold_no_fp32_copy():
