@@ -366,7 +366,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
     from mixprec.optim.moments import MOMENTS, state_bytes
     if moments_dtype not in MOMENTS:
-        mdt = parse_dtype(moments_dtype)
+        try:
+            mdt = parse_dtype(moments_dtype)
+        except ConfigError:
+            mdt = None
         if mdt not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"--moments-dtype must be one of {', '.join(MOMENTS)}, got '{moments_dtype}'")
         moments_dtype = "fp32" if mdt == torch.float32 else "bf16"
