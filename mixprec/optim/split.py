@@ -101,7 +101,7 @@ def join_many(his: list[Tensor], los: list[Tensor], ties: list[Tensor]) -> list[
     flat, ws = _flat_views(his, torch.float32)
     torch._foreach_copy_(ws, his)                               # exact BF16 -> FP32
     bits = [w.view(torch.int32) for w in ws]
-    torch._foreach_add_(bits, [lo.to(torch.int32) for lo in los])
+    torch._foreach_add_(bits, los)                             # int16 promotes in place, no int32 copy
     for b, t in zip(bits, ties):
         if t.numel():
             b.view(-1).index_add_(0, t, torch.full_like(t, _WRAP, dtype=torch.int32))
