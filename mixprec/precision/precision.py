@@ -451,12 +451,26 @@ class Precision:
         return MasterWeights(type(optimizer), groups, **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
+                       split_masters: bool = True, moments: str = "fp32",
                        **adamw_options: Any) -> torch.optim.Optimizer:
-        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters) unless
-        FSDP2's FP32 shards are the masters already or the mode asks for no masters."""
+        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
+        into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
+        ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
+        masters (torch's AdamW, FP32 moments only)."""
+        from mixprec.optim.moments import MOMENTS
+        if moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
         if sharded or self.loses_small_updates:
+            if moments != "fp32":
+                why = "FSDP2 steps torch's AdamW on its FP32 shards" if sharded else \
+                    f"precision '{self.name}' keeps no masters and uses torch's AdamW"
+                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but {why}; use moments=fp32")
             return torch.optim.AdamW(param_groups, **adamw_options)
-        return AdamW(param_groups, **adamw_options)
+        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, **adamw_options)
+        if opt.split:
+            self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
+                              "remainder, no FP32 master gradients (bit-identical)")
+        return opt
 
     # ------------------------------------------------------------------ the step
 

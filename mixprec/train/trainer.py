@@ -24,6 +24,7 @@ from mixprec.models.objective import make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
+from mixprec.nn.fp8_activations import store_activations_in_fp8
 from mixprec.optim.overlap import OverlappedUpdate
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.optim.schedule import warmup_cosine_scheduler
@@ -101,6 +102,7 @@ class Trainer:
         self.monitor = None
         self.scale_watch = None
         self.overlap: OverlappedUpdate | None = None
+        self.fp8_store = None
         self.profiler: StepProfiler | None = None
         self.replanner = None
         self.guard = None
@@ -152,7 +154,9 @@ class Trainer:
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
-                                                      betas=(cfg.beta1, cfg.beta2))
+                                                      betas=(cfg.beta1, cfg.beta2),
+                                                      split_masters=cfg.split_masters,
+                                                      moments=cfg.moments)
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
@@ -168,7 +172,14 @@ class Trainer:
         self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
                                          per_module=False if cfg.compile else None)
                         if cfg.overlap_optimizer else None)
+        # What Linear layers save for backward, kept in FP8 (opt-in; mixprec/nn/fp8_activations.py).
+        if self.fp8_store is not None:
+            self.fp8_store.remove()
+        self.fp8_store = store_activations_in_fp8(unwrapped) if cfg.fp8_activations else None
         if cfg.replan_every:
+            if cfg.fp8_activations:
+                raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
+                                  "hooks on them; use fp8_activations=false or replan_every=0")
             if sharded:
                 raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
                                   "them: use strategy=ddp or single, or replan_every=0")
