@@ -280,8 +280,9 @@ def _warn_vectors_in_16_bits(vectors: list[Tensor], params: list[Tensor], dtype:
     name, mode = ("float16", "16-true") if dtype == torch.float16 else ("bfloat16", "bf16-true")
     warnings.warn(
         f"mixprec.optim.AdamW(fp16_params=True) stores all {len(low)} one-dimensional parameters "
-        f"(norm weights, biases) in {name}, norms included: nothing marks which stay FP32 (an "
-        "optimizer sees parameters, not modules, and Hugging Face norms carry no mark); to keep "
-        f"norms FP32 use mixprec.Precision('{mode}').setup(model, optimizer) with its autocast(), "
-        "as fit() does, or mixprec.precision.mark_fp32_params(model) before building the "
-        "optimizer (then run the forward under autocast)", UserWarning, stacklevel=3)
+        f"(biases, norm weights) in {name}: nothing marks which stay FP32 and an optimizer sees "
+        "parameters, not modules, so norm layers mixprec did not build (Hugging Face's "
+        "LlamaRMSNorm, LayerNorm, ...) are in 16 bits too; to keep norms FP32 use "
+        f"mixprec.Precision('{mode}').setup(model, optimizer) with its autocast(), as fit() does, "
+        "or mixprec.precision.mark_fp32_params(model) before building the optimizer (then run the "
+        "forward under autocast)", UserWarning, stacklevel=4)   # AdamW.step <- torch's wrapper <- caller

@@ -4,11 +4,8 @@ recorded as what it resolved to, stray token ids and oversized models are refuse
 OS errors are one line."""
 import errno
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import tomllib
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.train.run_dir import claim_run_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gated import GatedRun  # noqa: E402
 from test_train_cli import TINY, losses, mixprec  # noqa: E402
 
 
@@ -114,54 +112,9 @@ def test_max_skipped_fraction_one_lets_the_run_go_on(tmp_path):
 
 # --- 3. Ctrl-C and SIGTERM ----------------------------------------------------------------------
 
-class Gated:
-    """``signal_worker.py`` running ``mixprec train`` with gates; its output read line by line.
-
-    Every wait is for a line the worker prints (a gate it reached, the announcement of a signal):
-    events, not sleeps. ``EVENT_BOUND_S`` only bounds a wait that would otherwise hang forever."""
-
-    EVENT_BOUND_S = 180
-
-    def __init__(self, run: Path, corpus: Path, gates: str, *extra: str) -> None:
-        env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).parent / "signal_worker.py"), gates, *TINY,
-             f"data={corpus}", "max_steps=100000", "ckpt_interval=0", f"run_dir={run}", *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, text: str) -> None:
-        while True:
-            try:
-                line = self.lines.get(timeout=self.EVENT_BOUND_S)
-            except queue.Empty:
-                raise AssertionError(f"no {text!r} within {self.EVENT_BOUND_S} s:\n" + "".join(self.seen[-30:]))
-            if line is None:
-                raise AssertionError(f"the worker ended before {text!r}:\n" + "".join(self.seen[-30:]))
-            self.seen.append(line)
-            if text in line:
-                return
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def release(self) -> None:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def finish(self) -> tuple[int, str]:
-        code = self.proc.wait(timeout=self.EVENT_BOUND_S)
-        while (line := self.lines.get(timeout=self.EVENT_BOUND_S)) is not None:
-            self.seen.append(line)
-        return code, "".join(self.seen)
+def Gated(run: Path, corpus: Path, gates: str, *extra: str) -> GatedRun:
+    return GatedRun(gates, *TINY, f"data={corpus}", "max_steps=100000", "ckpt_interval=0",
+                    f"run_dir={run}", *extra)
 
 
 ANNOUNCED = "finishing this step and saving a checkpoint"

@@ -1,6 +1,6 @@
 """`mixprec train` with gates, so a test can send signals at chosen points without sleeping.
 
-    python signal_worker.py GATES KEY=VALUE...
+    python gated_worker.py GATES KEY=VALUE...
 
 ``GATES`` is a comma-separated list of ``setup`` (before the run is built), ``step:N`` (before
 step N computes anything), ``save`` (in the middle of writing a checkpoint, after its weights
@@ -10,18 +10,32 @@ signal while the worker waits there (a signal interrupts the wait and its handle
 then releases it (or never does, when the signal should end the run). The gates wrap mixprec's
 functions from the outside; nothing in the library knows about them. The command runs as
 ``python -m mixprec train`` does (``main()`` reads ``sys.argv``: the process's own signal policy).
+
+A gate name ending in ``@R`` (``step:5@1``) stops only rank ``R``. Under torchrun gates stop only
+the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): a restarted worker runs straight through.
+tests/train/gated.py drives it.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 
 def gate(name: str) -> None:
-    print(f"GATE {name}", flush=True)
+    print(f"GATE {name} pid={os.getpid()}", flush=True)
     sys.stdin.readline()
 
 
+def _mine(gates: set[str]) -> set[str]:
+    """The gates for this process: ``name`` or ``name@<RANK>``; none in a restarted attempt."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return set()
+    rank = os.environ.get("RANK", "0")
+    return {g.split("@")[0] for g in gates if "@" not in g or g.split("@")[1] == rank}
+
+
 def main(gates: set[str], settings: list[str]) -> int:
+    gates = _mine(gates)
     from mixprec.train import checkpoint, command
     from mixprec.train.trainer import Trainer
 
