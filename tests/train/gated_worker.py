@@ -36,7 +36,8 @@ def _mine(gates: set[str]) -> set[str]:
 
 def main(gates: set[str], settings: list[str]) -> int:
     gates = _mine(gates)
-    from mixprec.train import checkpoint, command
+    from mixprec.cli import train as command
+    from mixprec.runs import checkpoint
     from mixprec.train.trainer import Trainer
 
     if "setup" in gates:

@@ -16,7 +16,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
-from mixprec.train.run_dir import claim_run_dir
+from mixprec.runs.run_dir import claim_run_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gated import GatedRun  # noqa: E402
@@ -133,7 +133,7 @@ def test_first_signal_saves_a_checkpoint_prints_the_resume_command_and_exits_128
     assert rc == code, out[-2000:]
     assert f"stopped by {signal.Signals(sig).name} at step 6" in out
     assert f"continue with: mixprec train --resume {run}" in out
-    from mixprec.train.checkpoint import list_checkpoints
+    from mixprec.runs.checkpoint import list_checkpoints
     assert [s for s, _ in list_checkpoints(run)] == [6]
     assert "Traceback" not in out
     if sig == signal.SIGTERM:                    # a preempted job continues where it stopped
@@ -169,7 +169,7 @@ def test_a_second_signal_during_the_save_aborts_and_leaves_no_partial_checkpoint
     assert rc == 130, out[-2000:]
     assert "mixprec: interrupted (SIGINT)" in out
     assert list((run / "checkpoints").iterdir()) == []   # the half-written folder was removed
-    from mixprec.train.checkpoint import list_checkpoints
+    from mixprec.runs.checkpoint import list_checkpoints
     assert list_checkpoints(run) == []
 
 
@@ -188,7 +188,7 @@ def test_a_signal_after_the_save_changes_nothing_and_the_run_exits_with_the_firs
     rc, out = worker.finish()
     assert rc == 143, out[-2000:]
     assert "stopped by SIGTERM at step 3; checkpoint saved" in out
-    from mixprec.train.checkpoint import list_checkpoints
+    from mixprec.runs.checkpoint import list_checkpoints
     assert [s for s, _ in list_checkpoints(run)] == [3]
 
 
@@ -270,7 +270,7 @@ def test_one_stray_token_id_is_refused_before_anything_is_built(tmp_path):
 
 
 def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatch):
-    from mixprec.train import command
+    from mixprec.cli import train as command
     monkeypatch.setattr(command, "_available_memory_bytes", lambda: 2**30)
     monkeypatch.setattr(command.torch.cuda, "is_available", lambda: False)
     from mixprec.models import Transformer
@@ -286,7 +286,7 @@ def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatc
 def test_os_errors_opening_the_run_files_are_one_line_with_the_fix(tmp_path, text_corpus, monkeypatch,
                                                                    capsys, code, fix):
     from mixprec.cli import main
-    from mixprec.train import metrics
+    from mixprec.runs import metrics
 
     def fail(self, *a, **k):
         raise OSError(code, os.strerror(code), str(tmp_path / "r" / "metrics.csv"))
@@ -300,7 +300,7 @@ def test_os_errors_opening_the_run_files_are_one_line_with_the_fix(tmp_path, tex
 
 def test_other_os_errors_are_one_line_with_the_fix(monkeypatch, capsys):
     from mixprec.cli import main
-    from mixprec.train import command
+    from mixprec.cli import train as command
 
     def fail(args):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/tokens.bin")
@@ -312,7 +312,7 @@ def test_other_os_errors_are_one_line_with_the_fix(monkeypatch, capsys):
 
 def test_report_on_an_unwritable_run_folder_is_one_line(tmp_path, monkeypatch, capsys):
     from mixprec.cli import main
-    from mixprec.train import report
+    from mixprec.cli import report
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.csv").write_text("step,loss\n1,2.0\n")
