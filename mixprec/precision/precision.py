@@ -364,6 +364,24 @@ class Precision:
         setattr(model, _SETUP_TAG, self._identity())
         return model
 
+    @property
+    def identity(self) -> str:
+        """The mode and overrides a model set up by this object is tagged with."""
+        return self._identity()
+
+    @staticmethod
+    def setup_identity(model: nn.Module) -> str | None:
+        """What ``model`` was set up for (:attr:`identity`), None if it never was."""
+        return getattr(model, _SETUP_TAG, None)
+
+    @staticmethod
+    def forget_setup(model: nn.Module) -> None:
+        """Let another Precision set ``model`` up. Only for a model whose set-up left its modules
+        and dtypes as they were (``32-true`` without overrides), e.g. the planner's copies of a
+        model ``fit()`` trained in FP32."""
+        if hasattr(model, _SETUP_TAG):
+            delattr(model, _SETUP_TAG)
+
     def _identity(self) -> str:
         ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
         return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
@@ -399,12 +417,26 @@ class Precision:
         return MasterWeights(type(optimizer), groups, **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
+                       split_masters: bool = True, moments: str = "fp32",
                        **adamw_options: Any) -> torch.optim.Optimizer:
-        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters) unless
-        FSDP2's FP32 shards are the masters already or the mode asks for no masters."""
+        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
+        into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
+        ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
+        masters (torch's AdamW, FP32 moments only)."""
+        from mixprec.optim.moments import MOMENTS
+        if moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
         if sharded or self.loses_small_updates:
+            if moments != "fp32":
+                why = "FSDP2 steps torch's AdamW on its FP32 shards" if sharded else \
+                    f"precision '{self.name}' keeps no masters and uses torch's AdamW"
+                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but {why}; use moments=fp32")
             return torch.optim.AdamW(param_groups, **adamw_options)
-        return AdamW(param_groups, **adamw_options)
+        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, **adamw_options)
+        if opt.split:
+            self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
+                              "remainder, no FP32 master gradients (bit-identical)")
+        return opt
 
     # ------------------------------------------------------------------ the step
 
@@ -418,11 +450,15 @@ class Precision:
             return x.to(self.policy.output_dtype)
         return x
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` multiplied by the loss scale when the mode scales (FP16), else ``loss``: for a
+        framework that calls ``backward`` itself (the Lightning plugin)."""
+        with record_function("mixprec.scale_loss"):
+            return self.scaler.scale(loss)
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
-        with record_function("mixprec.scale_loss"):
-            scaled = self.scaler.scale(loss)
-        scaled.backward()
+        self.scale_loss(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
              measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:
