@@ -36,6 +36,10 @@ class FitConfig:
     """Per-layer compute formats, first match wins: ``{"head": "bf16", "blocks.0.*": "fp32"}`` in
     Python, an ``[overrides]`` table in TOML, ``precision_overrides=head=bf16,blocks.0.*=fp32`` on
     the command line (see ``mixprec/policy/overrides.py``)."""
+    micro_options: str = ""
+    """Changes to the micro-format recipes (``mxfp8``, ``mxfp4``, ``nvfp4``), e.g.
+    ``micro_options=hadamard_wgrad=false,stochastic_grad=false,bf16_last=0`` (fields of
+    :class:`mixprec.formats.MicroConfig`; see docs/micro-formats.md)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (skipped steps count). None: run ``epochs``."""
     epochs: int = 1

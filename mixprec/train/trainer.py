@@ -82,9 +82,13 @@ class Trainer:
         if isinstance(choice, Precision) and cfg.precision_overrides:
             raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
                               "mixprec.Precision(mode, overrides=...)")
+        if isinstance(choice, Precision) and cfg.micro_options:
+            raise ConfigError("micro_options with a ready Precision: pass them to it, "
+                              "mixprec.Precision(mode, micro_options=...)")
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, overrides=cfg.precision_overrides, init_scale=cfg.init_scale,
+            choice, device=self.device, overrides=cfg.precision_overrides,
+            micro_options=cfg.micro_options or None, init_scale=cfg.init_scale,
             growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis,
             min_scale=cfg.min_scale, on_min_scale=cfg.on_stuck_scale)
         self.loss_fn = loss_fn
