@@ -19,6 +19,7 @@ amount of transient memory.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from mixprec.errors import ConfigError
 from mixprec.optim import moments as _moments
-from mixprec.optim.master import MasterWeights
+from mixprec.optim.master import MasterWeights, _normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 
 __all__ = ["AdamW"]
@@ -247,6 +248,9 @@ class AdamW(MasterWeights):
         moments: str | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
+        params = _normalise_groups(params)
+        given = [p for g in params for p in g["params"]]
+        self._unmarked_vectors = (_unmarked_vectors(given), given) if fp16_params else None
         if moments is not None:
             if moments not in _moments.MOMENTS:
                 raise ConfigError(f"moments must be one of {', '.join(_moments.MOMENTS)}, got '{moments}'")
@@ -276,3 +280,42 @@ class AdamW(MasterWeights):
                               "leave fused unset (the BF16-moment path always uses foreach ops)")
         super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
                          split=split_masters, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self._unmarked_vectors is not None:
+            _warn_vectors_in_16_bits(*self._unmarked_vectors, self.param_dtype)
+            self._unmarked_vectors = None
+        return super().step(closure, **kwargs)
+
+
+def _unmarked_vectors(params: list[Tensor]) -> list[Tensor]:
+    """The 1-D floating parameters (norm weights, biases) ``fp16_params=True`` is about to store in
+    16 bits when *nothing* marks which parameters stay FP32.
+
+    An optimizer sees parameters, not modules: it keeps a parameter FP32 only when it carries
+    ``keep_in_fp32`` (mixprec's own norms and gates do; :func:`mixprec.precision.mark_fp32_params`
+    and ``mixprec.Precision.setup`` mark the rest). A Hugging Face model has no marks, so its
+    ``LlamaRMSNorm``/``LayerNorm`` weights would go to 16 bits with the matrices. They are not
+    kept FP32 here behind the user's back: a 16-bit Linear fed by an FP32 norm fails in a plain
+    forward (``mat1 and mat2 must have the same dtype``) unless an autocast converts the inputs.
+    """
+    if any(getattr(p, "keep_in_fp32", False) for p in params):
+        return []
+    return [p for p in params if p.dim() == 1 and p.dtype == torch.float32]
+
+
+def _warn_vectors_in_16_bits(vectors: list[Tensor], params: list[Tensor], dtype: torch.dtype) -> None:
+    """At the first step, one line if those parameters are still 16-bit and still unmarked
+    (``Precision.setup`` and ``fit()`` restore and mark the norms in between: no warning then)."""
+    low = [p for p in vectors if p.dtype == dtype and not getattr(p, "keep_in_fp32", False)]
+    if not low or any(getattr(p, "keep_in_fp32", False) for p in params):
+        return
+    name, mode = ("float16", "16-true") if dtype == torch.float16 else ("bfloat16", "bf16-true")
+    warnings.warn(
+        f"mixprec.optim.AdamW(fp16_params=True) stores all {len(low)} one-dimensional parameters "
+        f"(biases, norm weights) in {name}: nothing marks which stay FP32 and an optimizer sees "
+        "parameters, not modules, so norm layers mixprec did not build (Hugging Face's "
+        "LlamaRMSNorm, LayerNorm, ...) are in 16 bits too; to keep norms FP32 use "
+        f"mixprec.Precision('{mode}').setup(model, optimizer) with its autocast(), as fit() does, "
+        "or mixprec.precision.mark_fp32_params(model) before building the optimizer (then run the "
+        "forward under autocast)", UserWarning, stacklevel=4)   # AdamW.step <- torch's wrapper <- caller

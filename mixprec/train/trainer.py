@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -441,8 +442,9 @@ class Trainer:
                         self._save(train_loader)
                     events.advance()
                     # One process checks every step; ranks agree at log intervals (no extra sync).
-                    if self._stop_agreed(stop, logged) and self.step < total:
-                        self._stop_now(stop, train_loader, saved)
+                    signum = self._stop_agreed(stop, logged)
+                    if signum and self.step < total:
+                        self._stop_now(stop, signum, train_loader, saved)
             self.settle()
             if self.profiler is not None:
                 self.profiler.finish()                    # a run shorter than warm-up + steps
@@ -454,21 +456,25 @@ class Trainer:
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.name)
 
-    def _stop_agreed(self, stop: StopRequest, logged: bool) -> bool:
+    def _stop_agreed(self, stop: StopRequest, logged: bool) -> int:
+        """The signal that asks every rank to stop (0: none): ranks agree at log intervals, on the
+        largest signal number any of them got (SIGTERM over SIGINT)."""
         if self.strategy.world_size == 1:
-            return stop.requested
-        return logged and self.strategy.reduce_max(float(stop.requested)) > 0
+            return stop.signum or 0
+        return int(self.strategy.reduce_max(float(stop.signum or 0))) if logged else 0
 
-    def _stop_now(self, stop: StopRequest, loader: Any, saved: bool) -> None:
+    def _stop_now(self, stop: StopRequest, signum: int, loader: Any, saved: bool) -> None:
         """Save (unless this step just did), record the stop, and end the run."""
         path = self.checkpointer.run_dir
         if not saved:
             path = self._save(loader) or path
-        why = stop.name or "a stop request on another rank"
+        stop.end()                  # saved: a later signal changes nothing (no abort mid-exit)
+        why = signal.Signals(signum).name if stop.requested else \
+            f"{signal.Signals(signum).name} on another rank"
         message = (f"stopped by {why} at step {self.step}; checkpoint saved in {path}; continue "
                    f"with: mixprec train --resume {self.run_dir}")
         self.events.note(message, self.step, "interrupted", say=False)
-        raise RunInterrupted(message)
+        raise RunInterrupted(message, signum)
 
     def _stop_if_diverged(self, problem: str | None) -> None:
         if problem is None:
