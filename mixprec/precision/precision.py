@@ -487,10 +487,11 @@ class Precision:
             return x.to(self.policy.output_dtype)
         return x
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
+    def backward(self, loss: torch.Tensor, *, scale: float | None = None) -> None:
+        """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16).
+        ``scale``: replay an earlier step at the scale it used (the non-finite trace)."""
         with record_function("mixprec.scale_loss"):
-            scaled = self.scaler.scale(loss)
+            scaled = self.scaler.scale(loss, value=scale)
         scaled.backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
