@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("mixprec.cli.memory", "estimate memory per precision mode: params, grads, masters, moments, activations"),
     "plan": ("mixprec.cli.plan", "choose FP8/BF16/FP32 per Linear layer from measured sensitivity and cost"),
     "estimate": ("mixprec.cli.estimate", "estimate memory, time, energy and cost of a training run on a cluster"),
+    "whatif": ("mixprec.cli.whatif", "which format (FP8, MXFP8, MXFP4, NVFP4, BF16) can each Linear take: table, CSV, heat-map"),
 }
 
 

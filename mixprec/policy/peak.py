@@ -161,4 +161,6 @@ def format_peak_flops(fmt: str, device: torch.device | str | None = None, *,
         if device.type != "cuda":
             return peak_flops(torch.float32, device, refresh=refresh)   # TF32 is a CUDA mode
         return max(time_matmul("tf32", torch.float32, device, 4096, 0.2) for _ in range(3))
+    if fmt not in ("fp32", "bf16", "fp16"):
+        return None       # block-scaled micro formats (mxfp8, mxfp4, nvfp4): no GEMMs measured here
     return peak_flops(parse_dtype(fmt), device, refresh=refresh)

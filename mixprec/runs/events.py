@@ -98,6 +98,8 @@ class RunEvents:
                  f"run folder: {run_dir}"]
         if fp8_report is not None:
             lines.append(f"fp8: {fp8_report}")
+        if precision.micro_report is not None:
+            lines.append(f"micro: {precision.micro_report}")
         if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
             lines.append("layer formats:")
             lines += [f"  {row}" for row in precision.describe_layers()]
@@ -139,6 +141,13 @@ class RunEvents:
         """A layer changed format while training (re-planning): terminal and events.jsonl."""
         self.logger.event(switch.to_dict())
         self._say(switch.message)
+
+    def guard(self, action: Any) -> None:
+        """What the training guard did (a promotion is also a ``format`` record): events.jsonl
+        and the terminal (a give-up is said by the error that ends the run)."""
+        self.logger.event(action.to_dict())
+        if action.kind != "give-up":
+            self._say(action.message)
 
     def note(self, message: str, step: int, kind: str = "note", *, say: bool = True) -> None:
         """An ``events.jsonl`` record, also said on the terminal (rank 0) unless ``say=False``

@@ -36,6 +36,10 @@ class FitConfig:
     """Per-layer compute formats, first match wins: ``{"head": "bf16", "blocks.0.*": "fp32"}`` in
     Python, an ``[overrides]`` table in TOML, ``precision_overrides=head=bf16,blocks.0.*=fp32`` on
     the command line (see ``mixprec/policy/overrides.py``)."""
+    micro_options: str = ""
+    """Changes to the micro-format recipes (``mxfp8``, ``mxfp4``, ``nvfp4``), e.g.
+    ``micro_options=hadamard_wgrad=false,stochastic_grad=false,bf16_last=0`` (fields of
+    :class:`mixprec.formats.MicroConfig`; see docs/micro-formats.md)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (skipped steps count). None: run ``epochs``."""
     epochs: int = 1
@@ -95,6 +99,21 @@ class FitConfig:
     (``mixprec.monitor.LayerReplanner``)."""
     replan_window: int = 3
     """Healthy samples before a promoted layer returns to its planned FP8 format."""
+    guard: bool = False
+    """Guarded training (``mixprec.plan.guard``): a Linear traced as the origin of inf/NaN on
+    consecutive skipped steps, or whose sampled output SQNR falls below ``guard_min_sqnr``, moves
+    one format safer (FP8 -> BF16 -> FP32); a loss spike restores the last good snapshot (and
+    promotes the layer that stands out). The run ends (exit 3) only when no safer format is left."""
+    guard_every: int = 50
+    """Steps between the guard's SQNR samples (0: none)."""
+    guard_min_sqnr: float = 20.0
+    """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer."""
+    guard_max_flush: float = 0.01
+    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes it."""
+    guard_spike_sigma: float = 6.0
+    """A loss this many standard deviations above the guard's window mean is a spike (0: off)."""
+    guard_window: int = 50
+    """Taken steps in the guard's spike window, and between its snapshots."""
     audit: bool = True
     """Run the pre-flight precision audit at the start of training."""
     progress: bool = True
@@ -102,6 +121,19 @@ class FitConfig:
     overlap_optimizer: bool = False
     """Issue each taken optimizer step per module on a side CUDA stream so it overlaps the next
     forward (bit-identical; in order on CPU). See mixprec/optim/overlap.py."""
+    split_masters: bool = True
+    """Store the FP32 master of each BF16 parameter as the parameter plus a 16-bit remainder and
+    keep no FP32 master gradients (bit-identical updates, 2 bytes per parameter instead of 8;
+    mixprec/optim/split.py). false: full FP32 masters. No effect where there are no masters."""
+    moments: str = "fp32"
+    """Storage of Adam's two moments: ``fp32`` (8 bytes per parameter), ``bf16`` (4, FP32 math,
+    stochastic rounding), ``int8`` (2.03: block-wise, stochastic rounding) or ``fp8`` (2.06: E4M3
+    with per-block range expansion); mixprec/optim/moments.py. Needs mixprec's AdamW (not with
+    FSDP2 or a mode without masters)."""
+    fp8_activations: bool = False
+    """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
+    scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is
+    unchanged, weight gradients see E4M3 rounding of the inputs. mixprec/nn/fp8_activations.py."""
     profile: int = 0
     """Profile this many steps (after 2 warm-up steps) with torch.profiler: ``profile.txt`` (top
     operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""
@@ -114,6 +146,13 @@ class FitConfig:
     def __post_init__(self) -> None:
         from mixprec.policy.overrides import normalize_overrides
         object.__setattr__(self, "precision_overrides", normalize_overrides(self.precision_overrides))
+
+    def guard_config(self):
+        """The :class:`mixprec.plan.guard.GuardConfig` of the ``guard_*`` fields."""
+        from mixprec.plan.guard import GuardConfig
+        return GuardConfig(every=self.guard_every, min_sqnr_db=self.guard_min_sqnr,
+                           max_flush=self.guard_max_flush,
+                           spike_sigma=self.guard_spike_sigma, window=self.guard_window)
 
     def validate(self) -> None:
         positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches", "replan_window",
@@ -129,6 +168,9 @@ class FitConfig:
             raise ConfigError(f"max_steps must be > 0, got {self.max_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        from mixprec.optim.moments import MOMENTS
+        if self.moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{self.moments}'")
         if self.on_stuck_scale not in ("warn", "raise"):
             raise ConfigError(f"on_stuck_scale must be 'warn' or 'raise', got '{self.on_stuck_scale}'")
         if not 0 < self.min_scale <= self.init_scale:
@@ -138,6 +180,14 @@ class FitConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.max_skipped_fraction <= 1.0:
             raise ConfigError(f"max_skipped_fraction must be in (0, 1], got {self.max_skipped_fraction}")
+        if self.guard and self.replan_every:
+            raise ConfigError("guard=true and replan_every both move layers between formats; use "
+                              "one of them (the guard keeps a promotion, the re-planner moves back)")
+        if self.guard and not self.trace_nonfinite:
+            raise ConfigError("guard=true finds the layer that made an inf/NaN by tracing the "
+                              "skipped step; set trace_nonfinite=true")
+        if self.guard:
+            self.guard_config().validate()
         if self.clip_grad_norm is not None and self.clip_grad_norm < 0:
             raise ConfigError(f"clip_grad_norm must be >= 0 (0 or none disables), got {self.clip_grad_norm}")
         from mixprec.precision import get_policy

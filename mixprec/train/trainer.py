@@ -24,6 +24,7 @@ from mixprec.models.objective import make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
+from mixprec.nn.fp8_activations import store_activations_in_fp8
 from mixprec.optim.overlap import OverlappedUpdate
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.optim.schedule import warmup_cosine_scheduler
@@ -81,9 +82,13 @@ class Trainer:
         if isinstance(choice, Precision) and cfg.precision_overrides:
             raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
                               "mixprec.Precision(mode, overrides=...)")
+        if isinstance(choice, Precision) and cfg.micro_options:
+            raise ConfigError("micro_options with a ready Precision: pass them to it, "
+                              "mixprec.Precision(mode, micro_options=...)")
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, overrides=cfg.precision_overrides, init_scale=cfg.init_scale,
+            choice, device=self.device, overrides=cfg.precision_overrides,
+            micro_options=cfg.micro_options or None, init_scale=cfg.init_scale,
             growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis,
             min_scale=cfg.min_scale, on_min_scale=cfg.on_stuck_scale)
         self.loss_fn = loss_fn
@@ -105,10 +110,12 @@ class Trainer:
         self.monitor: NumericsMonitor | None = None
         self.scale_watch: ScaleWatch | None = None
         self.overlap: OverlappedUpdate | None = None
+        self.fp8_store = None
         self.profiler: StepProfiler | None = None
         self.replanner: LayerReplanner | None = None
         self.hooks: list[StepHook] = []
         """The optional per-step helpers, in call order (mixprec.train.hooks)."""
+        self.guard = None
 
     @property
     def policy(self) -> Policy:
@@ -161,7 +168,9 @@ class Trainer:
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
-                                                      betas=(cfg.beta1, cfg.beta2))
+                                                      betas=(cfg.beta1, cfg.beta2),
+                                                      split_masters=cfg.split_masters,
+                                                      moments=cfg.moments)
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
@@ -177,7 +186,14 @@ class Trainer:
         self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
                                          per_module=False if cfg.compile else None)
                         if cfg.overlap_optimizer else None)
+        # What Linear layers save for backward, kept in FP8 (opt-in; mixprec/nn/fp8_activations.py).
+        if self.fp8_store is not None:
+            self.fp8_store.remove()
+        self.fp8_store = store_activations_in_fp8(unwrapped) if cfg.fp8_activations else None
         if cfg.replan_every:
+            if cfg.fp8_activations:
+                raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
+                                  "hooks on them; use fp8_activations=false or replan_every=0")
             if sharded:
                 raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
                                   "them: use strategy=ddp or single, or replan_every=0")
@@ -188,6 +204,13 @@ class Trainer:
             self.hooks.append(NumericsHook(self.monitor))
         if self.replanner is not None:
             self.hooks.append(ReplanHook(self.replanner))
+        if cfg.guard:
+            if strategy.world_size > 1:
+                raise ConfigError("guard=true runs in one process for now (every rank would have "
+                                  "to agree on each promotion and restore); use guard=false")
+            from mixprec.plan.guard import TrainingGuard
+            self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
+                                       config=cfg.guard_config())
 
     # ------------------------------------------------------------------ the step
 
@@ -489,7 +512,7 @@ class Trainer:
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any) -> None:
         """After a step: trace a skipped step to its origin, then every step hook."""
-        origin = None
+        origin = event = None
         if out.skipped:
             # Every rank replays its own micro-batches; rank 0 learns which rank made the inf/NaN.
             event = (gather_origins(self.trace_nonfinite(batches, out, rng), self.strategy)
@@ -499,6 +522,28 @@ class Trainer:
                 origin = f"{event.module} (rank {event.rank})" if event.rank is not None else event.module
         for hook in self.hooks:
             hook.after_step(self, self.step, out, origin)
+        if self.guard is not None:
+            self._run_guard(batches, out, event)
+
+    def _run_guard(self, batches: list[Batch], out: StepOutput, event: Any) -> None:
+        """Guarded training (mixprec/plan/guard.py): promote a bad layer, restore on a spike."""
+        from mixprec.plan.guard import StepOutcome
+        outcome = StepOutcome(self.step, float(out.loss), out.skipped,      # host sync: the loss
+                              event.module if event is not None else None)
+        for action in self.guard.after_step(outcome, probe=lambda: self._forward(batches)):
+            self.events.guard(action)
+            if action.kind == "give-up":
+                self._stop_if_diverged(action.message)
+
+    @torch.no_grad()
+    def _forward(self, micro_batches: list[Batch]) -> None:
+        """The forward of a step again, without backward (the guard's hooks measure it)."""
+        self.settle()
+        model = self.strategy.unwrap(self.model)
+        for batch in micro_batches:
+            inputs, targets = self.strategy.to_device(batch)
+            with self.precision.autocast():
+                self.objective(model, inputs, targets)
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,
