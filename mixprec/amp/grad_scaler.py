@@ -222,10 +222,13 @@ class GradScaler:
                                                    device=device)
         return t, self._inv_scale_t[device]
 
-    def scale(self, outputs: _T) -> _T:
-        """Multiply a loss (or a list/tuple/iterable of them) by the current scale."""
+    def scale(self, outputs: _T, *, value: float | None = None) -> _T:
+        """Multiply a loss (or a list/tuple/iterable of them) by the current scale (``value``: by
+        that scale instead, e.g. to replay an earlier step)."""
         if not self._scaling:
             return outputs
+        if value is not None:
+            return _apply_scale(outputs, lambda dev: torch.tensor(float(value), device=dev))
         if self._device is None and isinstance(outputs, Tensor):
             self._device = outputs.device
         return _apply_scale(outputs, lambda dev: self._tensors_for(dev)[0])

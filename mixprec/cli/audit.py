@@ -1,8 +1,9 @@
 """``mixprec audit``: the pre-flight precision audit of a training set-up, without training.
 
 Builds the model, data, optimizer and loss scaler exactly as ``mixprec train`` would for the same
-settings, runs the static checks plus one forward probe, then one real step (without keeping it)
-to find parameters that receive no gradient. Exit status 1 when a finding is an error.
+settings, prints the per-layer table of every precision decision (``Precision.describe(model)``),
+runs the static checks plus one forward probe, then one real step (without keeping it) to find
+parameters that receive no gradient. Exit status 1 when a finding is an error.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     findings += audit_after_first_step(strategy.unwrap(trainer.model))
     if strategy.is_main:
         print(f"precision: {trainer.precision.describe()}")
+        print(trainer.precision.describe(strategy.unwrap(trainer.model)))   # every layer's decisions
         print(format_findings(findings))
     strategy.teardown()
     return 1 if any(f.severity == "error" for f in findings) else 0

@@ -124,7 +124,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                        num_experts=experts, top_k=(cfg.get("num_experts_per_tok") or 2) if experts else 2,
                        shared_experts=shared if experts else 0,
                        dense_layers=(cfg.get("first_k_dense_replace") or 0) if experts else 0,
-                       attention_weights=attn, learned_positions=False,
+                       attention_weights=attn, learned_positions=False, tagged_norms=False,
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), bias=False)
     name = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
     return ModelSpec.from_shape(name, shape, head_dims=(d_qk, d_v), default_seq=4096)
@@ -240,10 +240,11 @@ def estimate(model: str | ModelSpec, *, tokens: float | str, gpu: str = "H800", 
     if gpu.strip().lower() == "cpu":
         spec_gpu, gpu_name = None, "cpu"
         if peak_tflops is None:
-            if kind == "fp8":
-                raise ConfigError("the CPU has no FP8 GEMMs to measure; give --peak-tflops")
-            from mixprec.policy.peak import peak_flops
-            peak = peak_flops(policy.compute_dtype, "cpu")      # measured once, cached on disk
+            from mixprec.policy.peak import format_peak_flops
+            peak = format_peak_flops(policy.peak_format, "cpu")  # as fit()'s MFU; cached on disk
+            if peak is None:
+                raise ConfigError(f"the CPU has no {policy.peak_format.upper()} GEMMs to measure; "
+                                  "give --peak-tflops")
         else:
             peak = peak_tflops * 1e12
     else:

@@ -103,6 +103,9 @@ class ModelShape:
     """Matmul weights of one attention block; 0: ``4 * d_model**2`` (multi-head, q/k/v/o)."""
     learned_positions: bool = True
     """A learned position table of ``max_seq_len`` rows (False: rotary, no parameters)."""
+    tagged_norms: bool = True
+    """The norms declare ``keep_in_fp32`` (mixprec's own do): FP32 under every policy. False
+    (Hugging Face models): FP32 only while the policy keeps norms FP32 (``keep_norms_fp32``)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len", "mlp_ratio"):
@@ -202,7 +205,7 @@ class ModelShape:
         return n - self.moe_layers * (self.num_experts - self.top_k) * self._mlp_params(self._ehidden)
 
     def norm_parameters(self) -> int:
-        """Norm weights (and biases): FP32 in every policy."""
+        """Norm weights (and biases): FP32 unless the policy says ``keep_norms_fp32=False``."""
         per = 2 if self.bias else 1
         return (2 * self.num_layers + 1) * per * self.d_model
 
@@ -213,6 +216,14 @@ MOE_67B = ModelShape(num_layers=30, d_model=4096, num_heads=32, vocab_size=10240
 d=4096 with 16 experts, top-2."""
 
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def norms_stay_fp32(shape: ModelShape, precision) -> bool:
+    """Whether ``shape``'s norm layers keep FP32 parameters under ``precision``: the rule book's
+    answer (:meth:`mixprec.Precision.keep_fp32_reason`) for the kind of norm the model has."""
+    from mixprec.nn import RMSNorm
+    norm = RMSNorm(1) if shape.tagged_norms else torch.nn.LayerNorm(1)
+    return precision.keep_fp32_reason("norm", norm) is not None
 
 
 def dense_linears(shape: ModelShape) -> list[tuple[str, int, int, int]]:
@@ -376,7 +387,9 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     if shape is None and not num_parameters:
         raise ConfigError("estimate_memory needs a model shape or num_parameters")
     P = num_parameters or shape.num_parameters()
-    norm_params = shape.norm_parameters() if shape is not None else 0    # kept FP32 by every policy
+    # Norm weights stay FP32 where the rule book says so (not with keep_norms_fp32=False).
+    norms_fp32 = shape is not None and norms_stay_fp32(shape, policy)
+    norm_params = shape.norm_parameters() if norms_fp32 else 0
     pb, cb = _BYTES[policy.param_dtype], _BYTES[policy.compute_dtype]
     mixed_copies = policy.autocast_copies_weights
     layers = _per_layer(shape, policy, pb=pb, cb=cb, copies_on=mixed_copies)

@@ -19,7 +19,6 @@ presets and per-layer formats are declared with the others in :mod:`mixprec.poli
 :class:`mixprec.Precision` applies them. See docs/micro-formats.md.
 """
 from mixprec.formats.fp8_config import FORMATS, RECIPES, SCALINGS, Fp8Config
-from mixprec.formats.convert import Fp8ConversionReport, convert_to_fp8, prepare_fp8
 from mixprec.formats.emulation import emulated_mm, limited_precision_matmul, round_mantissa
 from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
 from mixprec.formats.fp8_quantize import Fp8Tensor, compute_amax, dequantize, quantize, scale_from_amax, sqnr_db
@@ -46,3 +45,15 @@ __all__ = [
     "block_index",
 ]
 
+
+
+def __getattr__(name: str):
+    # FP8 *conversion* asks the rule book, so it lives with the decider (mixprec.precision);
+    # these names stay importable from here.
+    if name in ("convert_to_fp8", "Fp8ConversionReport"):
+        from mixprec.precision import fp8_convert
+        return getattr(fp8_convert, name)
+    if name == "prepare_fp8":
+        from mixprec.precision.precision import prepare_fp8
+        return prepare_fp8
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Swap a model's ``nn.Linear`` layers for :class:`MicroLinear` (MXFP8, MXFP4, NVFP4), and say
 what was left alone and why.
 
-The FP8 rules decide eligibility (:func:`mixprec.formats.convert.fp8_skip_reason`: the output head,
+The FP8 rules decide eligibility (:func:`mixprec.precision.rules.fp8_skip_reason`: the output head,
 layers tied to an embedding, MoE gates, features not multiples of 16, the policy's FP32
 exemptions); MX formats also need in/out features that are multiples of their 32-element block.
 Under the ``nvfp4`` preset NVIDIA's recipe keeps the first/last blocks in BF16
@@ -70,7 +70,7 @@ def block_index(model: nn.Module) -> tuple[dict[str, int], int]:
 def micro_skip_reason(name: str, module: nn.Linear, parent: nn.Module | None, config: MicroConfig,
                       embedding_weights: set[int]) -> str | None:
     """Why ``module`` cannot run in ``config``'s format (None: it can)."""
-    from mixprec.formats.convert import fp8_skip_reason
+    from mixprec.precision.rules import fp8_skip_reason   # the rule book (listed in tests/test_layers.py)
     why = fp8_skip_reason(name, module, parent, embedding_weights)
     if why is not None:
         return why.replace("FP8 GEMMs", "block-scaled GEMMs")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.policy.policy import mark_fp32_params
+from mixprec.precision.cast import mark_fp32_params
 from torch.utils.checkpoint import checkpoint
 
 from mixprec.errors import ConfigError
@@ -104,7 +104,7 @@ class Transformer(nn.Module):
             self.head.weight = self.wte.weight
         if cfg.fp32_embeddings:
             for m in (self.wte, self.wpe, self.head):
-                m.keep_in_fp32 = True  # read by Policy.keeps_fp32
+                m.keep_in_fp32 = True  # read by the rule book (mixprec.precision.rules)
         self.aux_loss: torch.Tensor | None = None
         self._init_weights()
         mark_fp32_params(self)  # so AdamW(fp16_params=True) leaves norms and the router in FP32

@@ -50,8 +50,9 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.policy.dtypes import dtype_name, format_info
-from mixprec.policy.exempt import TORCH_NORM_TYPES as _NORM_TYPES
-from mixprec.policy.exempt import is_norm as _is_norm
+from mixprec.precision.rules import TORCH_NORM_TYPES as _NORM_TYPES
+from mixprec.precision.rules import is_gate as _is_gate
+from mixprec.precision.rules import is_norm as _is_norm
 from mixprec.policy.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
                                        cuda_supports_fp8, describe_cpu)
 from mixprec.policy.overrides import is_micro
@@ -61,7 +62,6 @@ __all__ = ["Finding", "audit", "audit_after_first_step", "format_findings"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _SEVERITIES = ("error", "warning", "info")
-_GATE_NAMES = {"gate", "router", "gating", "gate_network"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,11 +85,6 @@ class Finding:
 def _names(names: list[str], limit: int = 4) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _is_gate(fqn: str, module: nn.Module) -> bool:
-    cls = type(module).__name__
-    return fqn.rpartition(".")[2].lower() in _GATE_NAMES or cls.endswith(("Gate", "Router"))
 
 
 def _effective_dtype(fqn: str, module: nn.Module, p: torch.Tensor, precision: Precision) -> torch.dtype:
@@ -160,17 +155,27 @@ def _check_params(model: nn.Module, precision: Precision, optimizer, findings: l
 
 
 def _check_scaler(model: nn.Module, precision: Precision, scaler, findings: list[Finding]) -> None:
+    # The mode says whether it needs a scaler (FP16 compute or storage, per-layer FP16 overrides
+    # included); FP16 parameters a user cast by hand need one too.
     fp16_params = any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad)
-    if torch.float16 not in (precision.compute_dtype, precision.param_dtype) and not fp16_params:
+    if not (precision.scales_loss or precision.policy.uses_fp16 or fp16_params):
         return
     if _scaler_enabled(scaler):
         return
     what = "no loss scaler" if scaler is None else f"{type(scaler).__name__} with scaling disabled"
     findings.append(Finding(
         code="fp16-without-loss-scaler", severity="error",
-        message=f"FP16 {'compute' if precision.compute_dtype == torch.float16 else 'parameters'} with {what}: "
+        message=f"FP16 {_fp16_what(precision, fp16_params)} with {what}: "
                 "gradients below 6e-8 flush to zero and small ones lose precision",
         fix="use mixprec.amp.GradScaler.from_policy(policy) (dynamic loss scaling), or train in bf16"))
+
+
+def _fp16_what(precision: Precision, fp16_params: bool) -> str:
+    if precision.compute_dtype == torch.float16:
+        return "compute"
+    if precision.param_dtype == torch.float16 or fp16_params:
+        return "parameters"
+    return "layers (per-layer overrides)"
 
 
 def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from mixprec.policy.dtypes import dtype_name
+from mixprec.policy.dtypes import dtype_name, parse_dtype
 
-__all__ = ["matmul_flops", "time_matmul", "peak_flops", "cache_dir"]
+__all__ = ["matmul_flops", "time_matmul", "peak_flops", "format_peak_flops", "cache_dir"]
 
 
 def cache_dir() -> Path:
@@ -142,3 +142,25 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
         except OSError:
             pass  # a read-only home only costs a re-measurement next time
     return best
+
+
+def format_peak_flops(fmt: str, device: torch.device | str | None = None, *,
+                      refresh: bool = False) -> float | None:
+    """Measured dense peak of ``fmt``'s GEMMs on ``device`` (``fmt``: what
+    :attr:`mixprec.Precision.peak_format` says, ``fp8``, ``tf32``, ``bf16``, ``fp16`` or ``fp32``),
+    or None where the device has no such GEMMs (FP8 without FP8 tensor cores: emulated, so an MFU
+    against it would mean nothing). ``fit()``'s MFU and ``mixprec estimate --gpu cpu`` use this."""
+    from mixprec.policy.hardware import cuda_supports_fp8
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if fmt == "fp8":
+        if device.type != "cuda" or not cuda_supports_fp8():
+            return None
+        return max(time_matmul("fp8", None, device, 4096, 0.2) for _ in range(3))
+    if fmt == "tf32":
+        if device.type != "cuda":
+            return peak_flops(torch.float32, device, refresh=refresh)   # TF32 is a CUDA mode
+        return max(time_matmul("tf32", torch.float32, device, 4096, 0.2) for _ in range(3))
+    if fmt not in ("fp32", "bf16", "fp16"):
+        return None       # block-scaled micro formats (mxfp8, mxfp4, nvfp4): no GEMMs measured here
+    return peak_flops(parse_dtype(fmt), device, refresh=refresh)

@@ -8,9 +8,10 @@ A :class:`Policy` names four dtypes and the modules exempt from them:
 * ``output_dtype``  what the model's outputs are cast to (the loss is always computed in FP32),
 * ``reduce_dtype``  what gradients are reduced in across ranks.
 
-Which modules keep FP32 parameters has one definition, :meth:`Policy.keeps_fp32` (see
-:mod:`mixprec.policy.exempt`): norm layers (torch's and any that look and behave like one),
-modules with a truthy ``keep_in_fp32``, ``keep_fp32_names`` patterns and ``keep_fp32_types``.
+Which modules keep FP32 parameters is a rule of the rule book, :mod:`mixprec.precision.rules`
+(norm layers unless ``keep_norms_fp32=False``, MoE gates/routers, modules with a truthy
+``keep_in_fp32``, ``keep_fp32_names`` patterns and ``keep_fp32_types``); the policy only holds
+the data those rules read.
 
 A policy is data. :class:`mixprec.Precision` (``mixprec/precision/precision.py``) is the one place
 that turns it into decisions: casting, masters, loss scaling, FP8, what strategies need.
@@ -18,8 +19,6 @@ that turns it into decisions: casting, masters, loss scaling, FP8, what strategi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +28,10 @@ from torch import nn
 from mixprec.errors import ConfigError, closest
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import dtype_name, parse_dtype
-from mixprec.policy.exempt import is_norm
 from mixprec.policy.overrides import (MICRO_FORMATS, PLAN_PREFIX, Overrides, load_plan, match_override,
                                       normalize_overrides)
 
-__all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES",
-           "MICRO_FORMATS"]
+__all__ = ["Policy", "get_policy", "PRESETS", "ALIASES", "FP8_RECIPES", "MICRO_FORMATS"]
 
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
 _LOW = (_BF16, _F16)
@@ -74,7 +71,7 @@ class Policy:
     :class:`mixprec.formats.MicroConfig`; :class:`mixprec.Precision` checks them). Also accepts a
     dict."""
     keep_norms_fp32: bool = True
-    """Norm layers (torch's and any that look like one, :func:`mixprec.policy.exempt.is_norm`)
+    """Norm layers (torch's and any that look like one, :func:`mixprec.precision.rules.is_norm`)
     keep FP32 parameters."""
     keep_fp32_types: tuple[type[nn.Module], ...] = ()
     """Further module types whose own parameters stay FP32."""
@@ -131,17 +128,6 @@ class Policy:
     def low_precision_params(self) -> bool:
         return self.param_dtype in _LOW
 
-    def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
-        """Whether ``module``'s own parameters stay in FP32 under this policy (the one definition:
-        see :mod:`mixprec.policy.exempt`)."""
-        if getattr(module, "keep_in_fp32", False):
-            return True
-        if self.keep_norms_fp32 and is_norm(module):
-            return True
-        if self.keep_fp32_types and isinstance(module, self.keep_fp32_types):
-            return True
-        return any(fnmatch.fnmatchcase(qualified_name, pat) for pat in self.keep_fp32_names)
-
     def override_for(self, qualified_name: str) -> str | None:
         """The compute format an override gives this module (first match wins), or None."""
         return match_override(self.overrides, qualified_name)
@@ -156,9 +142,14 @@ class Policy:
             changes["loss_scaling"] = None   # derived, not chosen: derive it again (fp16 overrides)
         return dataclasses.replace(self, **changes)
 
-    def _derived_loss_scaling(self) -> bool:
+    @property
+    def uses_fp16(self) -> bool:
+        """FP16 is used somewhere: as the param or compute dtype, or by a per-layer override."""
         return _F16 in (self.param_dtype, self.compute_dtype) or \
             any(fmt == "fp16" for _, fmt in self.overrides)
+
+    def _derived_loss_scaling(self) -> bool:
+        return self.uses_fp16
 
     def spec(self) -> str:
         """The compact form, e.g. ``p=f32,c=bf16,o=f32,r=f32``."""
@@ -290,53 +281,3 @@ def get_policy(name: str | Policy | bool | None = True, *,
     valid = sorted(set(PRESETS) | set(ALIASES))
     raise ConfigError(f"unknown precision '{name}'{closest(key, valid)}; valid: {', '.join(valid)}, "
                       "or the compact form 'p=f32,c=bf16,o=f32'")
-
-
-def cast_module(module: nn.Module, policy: Policy, *,
-                dtype_for: Callable[[str, nn.Module], torch.dtype] | None = None,
-                master_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> nn.Module:
-    """Store ``module``'s floating parameters in ``policy.param_dtype``, in place.
-
-    Modules the policy keeps in FP32 (see :meth:`Policy.keeps_fp32`) keep FP32 parameters, which
-    are tagged ``keep_in_fp32`` for optimizers (as :func:`mark_fp32_params` does). Buffers follow
-    their module's parameters; buffers of parameter-free modules (rotary frequencies, masks) keep
-    their dtype. ``dtype_for(qname, module)`` replaces the policy's choice per module
-    (``mixprec.Precision`` passes its per-layer decision); ``master_of(param)`` returns an
-    optimizer's FP32 master of a parameter it already stored in 16 bits, so an exempt parameter
-    gets its exact FP32 value back. Returns ``module`` for chaining.
-    """
-    for qname, sub in module.named_modules():
-        own = list(sub.parameters(recurse=False))
-        if not own:
-            continue
-        if dtype_for is not None:
-            target = dtype_for(qname, sub)
-        else:
-            target = _F32 if policy.keeps_fp32(qname, sub) else policy.param_dtype
-        for p in own:
-            if target == _F32:
-                p.keep_in_fp32 = True   # read by MasterWeights: no 16-bit copy, no extra master
-            if p.is_floating_point() and p.dtype != target:
-                master = master_of(p) if master_of is not None else None
-                exact = master is not None and master.dtype == target
-                p.data = master.detach().clone() if exact else p.data.to(target)
-        for bname, b in list(sub.named_buffers(recurse=False)):
-            if b is not None and b.is_floating_point() and b.dtype != target:
-                setattr(sub, bname, b.to(target))
-    return module
-
-
-def mark_fp32_params(module: nn.Module, policy: Policy | None = None) -> nn.Module:
-    """Tag the parameters of modules kept in FP32 with ``param.keep_in_fp32 = True``.
-
-    Optimizers only see parameters, not modules: ``mixprec.optim.AdamW(model.parameters(),
-    fp16_params=True)`` reads this tag to leave norm and gate parameters in FP32 while it stores
-    the rest in 16 bits. ``policy`` defaults to the standard rules (norm types and modules with a
-    truthy ``keep_in_fp32``). Returns ``module``.
-    """
-    policy = policy or PRESETS["32-true"]
-    for qname, sub in module.named_modules():
-        if policy.keeps_fp32(qname, sub):
-            for p in sub.parameters(recurse=False):
-                p.keep_in_fp32 = True
-    return module

@@ -1,28 +1,36 @@
 """The decider: :class:`Precision`, the one object that turns a policy into decisions (storage
-dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what strategies need),
-and ``autocast``.
+dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what strategies need);
+the rule book it asks (:mod:`~mixprec.precision.rules`: what kind of layer a module is); the
+per-layer table it resolves a model into (:meth:`Precision.describe`); and ``autocast``.
 
 The policy data it reads lives in :mod:`mixprec.policy`; its names are re-exported here so the
 import paths users already have (``mixprec.precision.Policy``, ``mixprec.precision.get_policy``,
 ``mixprec.precision.policy``, ``mixprec.precision.dtypes``, ...) keep working.
 """
 from mixprec import _compat
-from mixprec.policy import dtypes, exempt, hardware, overrides, peak, policy
+from mixprec.policy import dtypes, hardware, overrides, peak, policy
 from mixprec.policy import (ALIASES, FP8_E4M3, FP8_E5M2, FP8_RECIPES, PRESETS, FormatInfo, Policy,
-                            bf16_is_fast, cast_module, cpu_has_native_bf16, cuda_supports_fp8,
-                            default_device, dtype_name, format_info, get_policy, is_norm,
-                            mark_fp32_params, parse_dtype)
+                            bf16_is_fast, cpu_has_native_bf16, cuda_supports_fp8, default_device,
+                            dtype_name, format_info, get_policy, parse_dtype)
+from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
-from mixprec.precision.precision import OptimizerSpec, Precision
+from mixprec.precision.cast import cast_module, mark_fp32_params
+from mixprec.precision.fp8_convert import Fp8ConversionReport, convert_to_fp8
+from mixprec.precision.precision import OptimizerSpec, Precision, prepare_fp8
+from mixprec.precision.rules import is_gate, is_norm, keep_fp32_reason
+from mixprec.precision.table import LayerRow, LayerTable
 
-_compat.alias(__name__, dtypes=dtypes, exempt=exempt, hardware=hardware, overrides=overrides,
+_compat.alias(__name__, dtypes=dtypes, exempt=rules, hardware=hardware, overrides=overrides,
               peak=peak, policy=policy)
 
 __all__ = [
     # the decider
-    "Precision", "OptimizerSpec", "autocast",
+    "Precision", "OptimizerSpec", "autocast", "LayerTable", "LayerRow",
+    # the rule book and applying it
+    "rules", "is_norm", "is_gate", "keep_fp32_reason", "cast_module", "mark_fp32_params",
+    "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
     # policy (data, from mixprec.policy)
-    "Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES", "is_norm",
+    "Policy", "get_policy", "PRESETS", "ALIASES", "FP8_RECIPES",
     # dtype facts
     "parse_dtype", "dtype_name", "format_info", "FormatInfo", "FP8_E4M3", "FP8_E5M2",
     # hardware

@@ -21,6 +21,7 @@ from torch import nn
 from mixprec.errors import ConfigError
 from mixprec.nn.swap import replace_module
 from mixprec.policy.overrides import is_micro
+from mixprec.precision.rules import embedding_weights, fp8_skip_reason, is_gemm_layer
 
 __all__ = ["apply_formats", "swap_layer", "is_gemm_layer"]
 
@@ -38,12 +39,9 @@ class Precision(Protocol):
 
     def format_for(self, qualified_name: str, module: nn.Module) -> str: ...
 
+    def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool: ...
 
-def is_gemm_layer(module: nn.Module) -> bool:
-    """A layer that gets a per-layer format: an ``nn.Linear`` or a Hugging Face ``Conv1D`` (GPT-2;
-    FP8 formats only: other formats leave a Conv1D in the surrounding format)."""
-    from mixprec.formats.fp8_linear import Fp8Conv1D, is_conv1d
-    return isinstance(module, (nn.Linear, Fp8Conv1D)) or is_conv1d(module)
+
 
 
 def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
@@ -51,7 +49,8 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
     from mixprec.nn import FormatLinear
     wanted = {n: precision.requested_format(n) for n, m in model.named_modules() if is_gemm_layer(m)}
     if any(f.startswith("fp8-") for f in wanted.values()):
-        from mixprec.formats import Fp8Config, convert_to_fp8
+        from mixprec.formats import Fp8Config
+        from mixprec.precision.fp8_convert import convert_to_fp8
         configs = {f: Fp8Config.from_recipe(f) for f in set(wanted.values()) if f.startswith("fp8-")}
         base = precision.fp8_config or next(iter(configs.values()))
         precision.fp8_report = convert_to_fp8(
@@ -62,7 +61,7 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
         configs = {f: precision.micro_config(f) for f in set(wanted.values()) if is_micro(f)}
         precision.micro_report = convert_to_micro(
             model, config_fn=lambda name: configs.get(wanted.get(name, "")),
-            keeps_fp32=precision.policy.keeps_fp32,
+            keeps_fp32=precision.keeps_fp32,
             explicit={n for n in wanted if precision.policy.override_for(n) is not None})
     modules = dict(model.named_modules())
     for name, module in list(modules.items()):
@@ -84,7 +83,6 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
 def swap_layer(precision: Precision, model: nn.Module, qualified_name: str, fmt: str) -> str:
     """Replace the Linear ``qualified_name`` by the module ``fmt`` needs; return its format."""
     from mixprec.formats import Fp8Config, Fp8Linear
-    from mixprec.formats.convert import fp8_skip_reason
     from mixprec.nn import FormatLinear
     from mixprec.policy.overrides import parse_format
     fmt = parse_format(fmt)
@@ -105,13 +103,12 @@ def swap_layer(precision: Precision, model: nn.Module, qualified_name: str, fmt:
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         config = precision.micro_config(fmt)
         why = micro_skip_reason(qualified_name, plain, parent, config, embeddings)
-        if why is None and not precision.policy.keeps_fp32(qualified_name, plain):
+        if why is None and not precision.keeps_fp32(qualified_name, plain):
             new = MicroLinear.from_linear(plain, config, fqn=qualified_name)
     elif fmt.startswith("fp8-"):
         # The FP8 rules of setup (head, tied weights, gates, shape, policy exemptions).
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        why = fp8_skip_reason(qualified_name, plain, parent, embeddings)
-        if why is None and not precision.policy.keeps_fp32(qualified_name, plain):
+        why = fp8_skip_reason(qualified_name, plain, parent, embedding_weights(model))
+        if why is None and not precision.keeps_fp32(qualified_name, plain):
             new = Fp8Linear.from_linear(plain, Fp8Config.from_recipe(fmt), fqn=qualified_name)
     elif fmt != precision.base_format:
         new = FormatLinear.from_linear(plain, fmt)

@@ -6,8 +6,10 @@ data become decisions, each made here and nowhere else:
 ==========================  =====================================================================
 decision                    made by
 ==========================  =====================================================================
+what each layer is         the rule book, :mod:`mixprec.precision.rules`
+every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model)
 storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
-                            ``keep_fp32_names`` stay FP32: :meth:`Policy.keeps_fp32`)
+                            ``keep_fp32_names`` stay FP32: :meth:`Precision.keep_fp32_reason`)
 FP32 master weights         :attr:`Precision.keeps_masters`; :meth:`setup` wraps or builds the
                             optimizer accordingly
 FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
@@ -50,13 +52,16 @@ from mixprec.optim import AdamW, MasterWeights
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.policy.overrides import check_patterns, normalize_overrides
-from mixprec.policy.policy import Policy, cast_module, get_policy
+from mixprec.policy.policy import Policy, get_policy
+from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
+from mixprec.precision.cast import cast_module
+from mixprec.precision.table import LayerRow, LayerTable
 
 if TYPE_CHECKING:
     from mixprec.optim.overlap import OverlappedUpdate
 
-__all__ = ["Precision", "OptimizerSpec"]
+__all__ = ["Precision", "OptimizerSpec", "prepare_fp8"]
 
 _F32 = torch.float32
 _LOW = (torch.bfloat16, torch.float16)
@@ -106,7 +111,7 @@ class Precision:
         for fmt in self.micro_formats:      # refuse an option that does not fit a recipe, now
             self.micro_config(fmt)
         self._scaler_options = dict(scaler_options)
-        self.scaler = self._make_scaler()
+        self._scaler: GradScaler | None = None   # built on first use: cheap questions need none
         self.notes: list[str] = []
         """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
         self.fp8_report = None
@@ -117,8 +122,12 @@ class Precision:
         self.last_grad_norm: torch.Tensor | None = None
         """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
 
-    def _make_scaler(self) -> GradScaler:
-        return GradScaler(enabled=self.scales_loss, **self._scaler_options)
+    @property
+    def scaler(self) -> GradScaler:
+        """The loss scaler of the step (disabled unless the mode scales), built on first use."""
+        if self._scaler is None:
+            self._scaler = GradScaler(enabled=self.scales_loss, **self._scaler_options)
+        return self._scaler
 
     # ------------------------------------------------------------------ the decisions
 
@@ -217,12 +226,25 @@ class Precision:
         """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
         return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
 
+    @property
+    def peak_format(self) -> str:
+        """The format whose dense matmul peak is the denominator of MFU, in ``fit()``'s metrics and
+        in ``mixprec estimate`` alike: :attr:`matmul_format` (``fp8`` for ``fp8-*`` modes)."""
+        return self.matmul_format
+
+    def keep_fp32_reason(self, qualified_name: str, module: nn.Module) -> str | None:
+        """Why ``module``'s own parameters stay FP32 (the rule book's
+        :func:`~mixprec.precision.rules.keep_fp32_reason`, or a Linear whose per-layer format is
+        ``fp32``), or None."""
+        why = rules.keep_fp32_reason(self.policy, qualified_name, module)
+        if why is None and isinstance(module, nn.Linear):
+            fmt = self.policy.override_for(qualified_name)
+            why = "per-layer format fp32" if fmt == "fp32" else None
+        return why
+
     def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
-        """Whether ``module``'s own parameters stay FP32 (:meth:`Policy.keeps_fp32`, or a Linear
-        whose per-layer format is ``fp32``)."""
-        if self.policy.keeps_fp32(qualified_name, module):
-            return True
-        return isinstance(module, nn.Linear) and self.policy.override_for(qualified_name) == "fp32"
+        """Whether ``module``'s own parameters stay FP32 (:meth:`keep_fp32_reason`)."""
+        return self.keep_fp32_reason(qualified_name, module) is not None
 
     def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype:
         """The dtype ``module``'s own floating parameters are stored in under this mode."""
@@ -317,8 +339,55 @@ class Precision:
             return None
         return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
 
-    def describe(self) -> str:
-        """One line for logs (after :meth:`setup`, with how many Linears run in each format)."""
+    def resolve(self, model: nn.Module) -> LayerTable:
+        """Every decision for ``model``, one row per parameter-owning module (before or after
+        :meth:`setup`; after it, the formats the layers actually run). See :mod:`mixprec.precision.table`."""
+        from mixprec.formats import Fp8Conv1D, Fp8Linear
+        embeddings = rules.embedding_weights(model)
+        modules = dict(model.named_modules())
+        rows = []
+        for name, module in modules.items():
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+            kind = rules.layer_kind(name, module, embeddings)
+            keep = self.keep_fp32_reason(name, module)
+            why = [f"kept FP32: {keep}"] if keep else []
+            storage = _F32 if keep else self.param_dtype
+            if rules.is_gemm_layer(module):
+                compute = self.format_for(name, module)
+                asked = self.requested_format(name)
+                if self.policy.override_for(name):
+                    why.append(f"per-layer format {asked}")
+                if asked.startswith("fp8-") and not isinstance(module, (Fp8Linear, Fp8Conv1D)):
+                    # Not (or not yet) an FP8 layer: would the FP8 rules grant it?
+                    parent = modules.get(name.rpartition(".")[0]) if name else None
+                    shape = None if isinstance(module, nn.Linear) else tuple(module.weight.shape)
+                    refused = keep or rules.fp8_skip_reason(name, module, parent, embeddings, shape)
+                    if refused:
+                        why.append(f"{asked} refused: {refused}")
+                    compute = self.base_format if refused else asked
+            elif kind == "norm" and (keep or self.autocasts):
+                compute = "fp32"            # statistics in FP32 (mixprec's norms; autocast's rule)
+            elif kind == "embedding":
+                compute = "-"               # a lookup, no matmul
+            else:
+                compute = self.base_format
+            master = storage in _LOW and self.keeps_masters
+            if storage in _LOW and not master:
+                why.append("16-bit without FP32 masters (master_weights=False)")
+            rows.append(LayerRow(name=name, type=type(module).__name__, kind=kind,
+                                 params=sum(p.numel() for p in own), storage=storage, compute=compute,
+                                 fp32_island=keep is not None, master=master,
+                                 why="; ".join(why) or "the mode"))
+        return LayerTable(self.name, tuple(rows))
+
+    def describe(self, model: nn.Module | None = None) -> str:
+        """With ``model``: the per-layer table of every decision for it (:meth:`resolve`), to
+        print. Without: one line for logs (after :meth:`setup`, with how many Linears run in
+        each format)."""
+        if model is not None:
+            return str(self.resolve(model))
         text = self.policy.describe()
         if self.layer_formats:
             counts: dict[str, int] = {}
@@ -367,7 +436,7 @@ class Precision:
                 f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
                 f"precision '{wanted}', or build the optimizer without fp16_params")
         self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides)
-        self.scaler = self._make_scaler()
+        self._scaler = None   # the new mode's
         self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
                           f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
 
@@ -394,7 +463,7 @@ class Precision:
             master_of = getattr(optimizer, "master_of", None)
             cast_module(model, self.policy, dtype_for=self.param_dtype_for,
                         master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
-        self._apply_formats(model)
+        self.apply_formats(model)
         setattr(model, _SETUP_TAG, self._identity())
         return model
 
@@ -420,7 +489,7 @@ class Precision:
         ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
         return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
 
-    def _apply_formats(self, model: nn.Module) -> None:
+    def apply_formats(self, model: nn.Module) -> None:
         """Give every Linear its format: FP8 layers become ``Fp8Linear`` (asked per module; the FP8
         rules may keep one out, and the report says why), layers whose format differs from the
         surrounding one become ``FormatLinear``; the rest stay as they are."""
@@ -484,15 +553,17 @@ class Precision:
             return x.to(self.policy.output_dtype)
         return x
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+    def scale_loss(self, loss: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
         """``loss`` multiplied by the loss scale when the mode scales (FP16), else ``loss``: for a
-        framework that calls ``backward`` itself (the Lightning plugin)."""
+        framework that calls ``backward`` itself (the Lightning plugin). ``scale``: an earlier
+        step's scale instead (the non-finite replay)."""
         with record_function("mixprec.scale_loss"):
-            return self.scaler.scale(loss)
+            return self.scaler.scale(loss, value=scale)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
-        self.scale_loss(loss).backward()
+    def backward(self, loss: torch.Tensor, *, scale: float | None = None) -> None:
+        """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16).
+        ``scale``: replay an earlier step at the scale it used (the non-finite trace)."""
+        self.scale_loss(loss, scale=scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
              measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:
@@ -561,3 +632,14 @@ def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,
         return master_of(p)
     except ConfigError:   # not one of the optimizer's parameters
         return None
+
+
+def prepare_fp8(model: nn.Module, policy: Policy | str) -> Any:
+    """Swap ``model``'s Linears to the formats ``mixprec.Precision(policy)`` gives them, without
+    casting parameters or touching an optimizer; the FP8 report, or None when no layer asks for FP8.
+
+    A thin call of the decider (:meth:`mixprec.Precision.apply_formats`); ``fit()`` and
+    ``Precision.setup`` do this themselves, so call it only to study FP8 numerics by hand."""
+    precision = Precision(policy)
+    precision.apply_formats(model)
+    return precision.fp8_report

@@ -94,7 +94,7 @@ class RunEvents:
                  f"device: {self.strategy.device} x {self.strategy.world_size} "
                  f"({type(self.strategy).__name__})",
                  f"model: {params / 1e6:.2f}M parameters; steps: {step} -> {total}; "
-                 f"peak-FLOPs dtype for MFU: {dtype_name(precision.compute_dtype)}",
+                 f"peak-FLOPs format for MFU: {precision.peak_format}",
                  f"run folder: {run_dir}"]
         if fp8_report is not None:
             lines.append(f"fp8: {fp8_report}")

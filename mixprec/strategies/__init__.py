@@ -49,4 +49,8 @@ def get_strategy(name_or_obj=None, **kwargs):
     if name not in classes:
         raise ConfigError(f"unknown strategy {name_or_obj!r}; valid: {', '.join(STRATEGIES)}"
                           + closest(name, STRATEGIES))
-    return classes[name](**kwargs)
+    cls = classes[name]
+    if kwargs.get("grad_compression") not in (None, "none") and not cls.compresses_gradients:
+        raise ConfigError(f"grad_compression={kwargs['grad_compression']} needs strategy=ddp (or auto): "
+                          f"it is a DDP communication hook, and strategy={name} has none")
+    return cls(**kwargs)

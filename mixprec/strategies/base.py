@@ -61,6 +61,8 @@ class Strategy:
     """
 
     name: str = "base"
+    compresses_gradients: bool = False
+    """Takes ``grad_compression=`` (a DDP communication hook): a capability, asked instead of a name."""
 
     def __init__(self, *, device: torch.device, rank: int = 0, local_rank: int = 0,
                  world_size: int = 1) -> None:

@@ -151,11 +151,12 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         islands: set[str] = set()   # parameter names (fully_shard replaces the tensors)
         island = precision.fsdp_island_policy() if precision is not None else None
         if island is not None:
-            for qname, module in model.named_modules():
-                if module is not model and precision.keeps_fp32(qname, module) and \
-                        any(True for _ in module.parameters(recurse=False)):
-                    islands.update(f"{qname}.{n}" for n, _ in module.named_parameters())
-                    fully_shard(module, mp_policy=island, reshard_after_forward=self.reshard_after_forward)
+            for qname in precision.resolve(model).islands:   # the per-layer table's FP32 islands
+                if not qname:
+                    continue                                 # the root is sharded last, below
+                module = model.get_submodule(qname)
+                islands.update(f"{qname}.{n}" for n, _ in module.named_parameters())
+                fully_shard(module, mp_policy=island, reshard_after_forward=self.reshard_after_forward)
         for unit in self.shard_units(model):
             fully_shard(unit, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)

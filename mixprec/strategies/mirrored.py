@@ -44,6 +44,8 @@ class MirroredStrategy(ProcessGroupStrategy, Strategy):
 
     name = "mirrored"
 
+    compresses_gradients = True
+
     def __init__(self, grad_compression: str | None = None, topk_ratio: float = 0.3, *,
                  backend: str | None = None, timeout: float | None = None,
                  device: torch.device | str | None = None, find_unused_parameters: bool = False,

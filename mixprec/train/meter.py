@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mixprec.precision import Precision
-from mixprec.policy.peak import peak_flops
+from mixprec.policy.peak import format_peak_flops
 from mixprec.strategies import Strategy
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.train.step import StepOutput
@@ -29,7 +29,9 @@ class IntervalMeter:
                  logger: MetricsLogger) -> None:
         self.strategy, self.precision, self.logger = strategy, precision, logger
         self.device = strategy.device
-        self.peak = peak_flops(precision.compute_dtype, self.device)
+        # The peak of the format the mode's GEMMs run in (fp8 for fp8-*), as `mixprec estimate`
+        # uses; None where this device has no such GEMMs: MFU is then not measured.
+        self.peak = format_peak_flops(precision.peak_format, self.device)
         self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
                                 else 6 * sum(p.numel() for p in model.parameters()))
         self.refreshed = False
@@ -53,11 +55,11 @@ class IntervalMeter:
         loss = strategy.reduce_mean(sum(losses) / len(losses))
         elapsed = time.perf_counter() - self.t0
         tps = self.tokens * strategy.world_size / elapsed
-        mfu = tps / strategy.world_size * self.flops_per_token / self.peak
-        if mfu > 1.0 and not self.refreshed:
+        mfu = tps / strategy.world_size * self.flops_per_token / self.peak if self.peak else None
+        if mfu is not None and mfu > 1.0 and not self.refreshed:
             # The cached peak was measured on a busy machine: measure it again.
             self.refreshed = True
-            self.peak = peak_flops(precision.compute_dtype, self.device, refresh=True)
+            self.peak = format_peak_flops(precision.peak_format, self.device, refresh=True)
             mfu = tps / strategy.world_size * self.flops_per_token / self.peak
         self.logger.log(step, epoch=epoch, loss=loss, val_loss=val_loss,
                         lr=lr, loss_scale=precision.scale,

@@ -38,6 +38,7 @@ from mixprec.runs.run_dir import claim_run_dir
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import FitConfig, config_to_toml
 from mixprec.train.health import RunHealth, seed_everything
+from mixprec.train.hooks import NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook, StepHook
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput
@@ -100,12 +101,21 @@ class Trainer:
         self.run_dir: Path | None = None
         self._loader_resumed = False
         self._peak_refreshed = False
-        self.monitor = None
-        self.scale_watch = None
+        # Built by prepare() / fit(): every attribute a Trainer has is declared here.
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.objective: Callable | None = None
+        self.checkpointer: Checkpointer | None = None
+        self.events: RunEvents | None = None
+        self.monitor: NumericsMonitor | None = None
+        self.scale_watch: ScaleWatch | None = None
         self.overlap: OverlappedUpdate | None = None
         self.fp8_store = None
         self.profiler: StepProfiler | None = None
-        self.replanner = None
+        self.replanner: LayerReplanner | None = None
+        self.hooks: list[StepHook] = []
+        """The optional per-step helpers, in call order (mixprec.train.hooks)."""
         self.guard = None
 
     @property
@@ -126,13 +136,17 @@ class Trainer:
         """Apply the precision to the model, wrap it, build optimizer and scheduler."""
         cfg, precision, strategy = self.config, self.precision, self.strategy
         model = self.raw_model.to(self.device)
+        found = None
         if self._user_optimizer is None:
             # An optimizer the user built for this model (docs/sources.md: build one, call fit()).
-            self._user_optimizer = find_optimizer_for(model.parameters())
-            if self._user_optimizer is not None and strategy.is_main:
-                print(f"[mixprec] using the {type(self._user_optimizer).__name__} built for this "
-                      "model", file=sys.stderr)
+            found = self._user_optimizer = find_optimizer_for(model.parameters())
+        asked = precision.name
         precision.reconcile_with_optimizer(self._user_optimizer)
+        if found is not None and strategy.is_main:   # one line: what was found, and what it changed
+            change = (f"; it stores parameters in 16 bits, so precision {asked} -> {precision.name}"
+                      if precision.name != asked else "")
+            print(f"[mixprec] using the {type(found).__name__} built for this model (not passed to "
+                  f"fit()){change}", file=sys.stderr)
         sharded = strategy.shards_parameters              # FSDP2: FP32 shards are the masters
         # Storage dtypes, FP32 exemptions (norms, gates), FP8 swap.
         precision.setup_module(model, sharded=sharded, optimizer=self._user_optimizer)
@@ -186,6 +200,11 @@ class Trainer:
                                   "them: use strategy=ddp or single, or replan_every=0")
             self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
                                             window=cfg.replan_window)
+        self.hooks = [ScaleWatchHook(self.scale_watch)] if self.scale_watch is not None else []
+        if self.monitor is not None:
+            self.hooks.append(NumericsHook(self.monitor))
+        if self.replanner is not None:
+            self.hooks.append(ReplanHook(self.replanner))
         if cfg.guard:
             if strategy.world_size > 1:
                 raise ConfigError("guard=true runs in one process for now (every rank would have "
@@ -206,30 +225,35 @@ class Trainer:
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
         if self.overlap is not None:
             self.overlap.begin_step()                     # FSDP2/compiled: wait for the update
-        with self._sample_numerics(), self._sample_formats():   # hooks only on sampled steps
+        step = self.step + 1
+        with self._around("around_forward", step):       # the hooks sample only on their steps
             for i, batch in enumerate(micro_batches):
-                inputs, targets = self.strategy.to_device(batch)
                 # Gradients are all-reduced only in the last micro-batch's backward.
                 sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync(model)
                 with sync:
-                    with precision.autocast(), record_function("mixprec.forward"):
-                        loss = self.objective(model, inputs, targets)  # matmuls in the compute dtype
-                    loss = loss.float() / n               # FP32 loss, averaged over micro-batches
+                    loss, count = self.batch_loss(model, batch, n)   # FP32, averaged over micro-batches
                     with record_function("mixprec.backward"):
                         precision.backward(loss)          # x loss scale (FP16) or x 1 (BF16/FP32)
                 loss_sum += loss.detach()
-                tokens += targets.numel()
+                tokens += count
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
-            with self._track_updates():
+            with self._around("around_update", step):
                 # Unscale once (fused inf/NaN check, agreed across ranks) -> clip the unscaled
                 # gradients -> step the FP32 masters and copy back, or skip -> update the scale.
                 taken = precision.step(opt, clip_grad_norm=self.config.clip_grad_norm,
                                        measure_grad_norm=logged, overlap=self.overlap)
-                if self.monitor is not None and self.monitor.should_sample(self.step + 1):
-                    self.settle()                         # the update statistics read the weights
         if taken:
             self.scheduler.step()  # a skipped step must not advance the LR schedule
         return StepOutput(loss_sum, precision.last_grad_norm, not taken, scale_before, tokens)
+
+    def batch_loss(self, model: nn.Module, batch: Batch, n: int = 1) -> tuple[torch.Tensor, int]:
+        """One batch -> ``(FP32 loss / n, tokens)``: to the device, the objective under the mode's
+        autocast (matmuls in the compute dtype), the loss in FP32. The step, the non-finite
+        replay and evaluation all go through here."""
+        inputs, targets = self.strategy.to_device(batch)
+        with self.precision.autocast(), record_function("mixprec.forward"):
+            loss = self.objective(model, inputs, targets)
+        return loss.float() / n, targets.numel()
 
     def settle(self) -> None:
         """Wait (on the device, not the host) for an overlapped update still in flight; before
@@ -237,20 +261,12 @@ class Trainer:
         if self.overlap is not None:
             self.overlap.wait()
 
-    def _sample_numerics(self) -> contextlib.AbstractContextManager:
-        if self.monitor is None:
-            return contextlib.nullcontext()
-        return self.monitor.sample(self.step + 1)
-
-    def _sample_formats(self) -> contextlib.AbstractContextManager:
-        if self.replanner is None:
-            return contextlib.nullcontext()
-        return self.replanner.sample(self.strategy.unwrap(self.model), self.step + 1)
-
-    def _track_updates(self) -> contextlib.AbstractContextManager:
-        if self.monitor is None:
-            return contextlib.nullcontext()
-        return self.monitor.track_updates(self.optimizer)
+    def _around(self, part: str, step: int) -> contextlib.ExitStack:
+        """Every hook's ``part`` context (``around_step``/``_forward``/``_update``), in list order."""
+        stack = contextlib.ExitStack()
+        for hook in self.hooks:
+            stack.enter_context(getattr(hook, part)(self, step))
+        return stack
 
     def trace_nonfinite(self, micro_batches: list[Batch], out: StepOutput, rng_state: Any):
         """Replay a skipped step's batches with hooks to find the layer that made the inf/NaN.
@@ -266,10 +282,8 @@ class Trainer:
         def run_step() -> torch.Tensor:
             total = None
             for batch in micro_batches:
-                inputs, targets = self.strategy.to_device(batch)
-                with self.precision.autocast():
-                    loss = self.objective(model, inputs, targets).float() / n
-                (loss * out.scale_before).backward()
+                loss, _ = self.batch_loss(model, batch, n)
+                self.precision.backward(loss, scale=out.scale_before)   # the skipped step's scale
                 total = loss.detach() if total is None else total + loss.detach()
             return total
 
@@ -290,9 +304,7 @@ class Trainer:
             for i, batch in enumerate(val_loader):
                 if max_batches is not None and i >= max_batches:
                     break
-                inputs, targets = self.strategy.to_device(batch)
-                with self.precision.autocast():
-                    total += self.objective(self.model, inputs, targets).float()
+                total += self.batch_loss(self.model, batch)[0]
                 count += 1
         self.model.train()
         if count == 0:
@@ -405,6 +417,8 @@ class Trainer:
         compiling = cfg.compile                    # the first step of this process compiles
         self.profiler = (StepProfiler(cfg.profile, self.run_dir, device=self.device, write=main)
                          if cfg.profile else None)
+        if self.profiler is not None:
+            self.hooks.insert(0, ProfilerHook(self.profiler))
         events.open_progress(total, self.step)
         try:
             # A lost peer ends the job with one line, not a hang; Ctrl-C/SIGTERM saves, then stops.
@@ -412,17 +426,16 @@ class Trainer:
                 while self.step < total:
                     batches = next(groups)
                     rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skip
-                    with self.profiler.step() if self.profiler else contextlib.nullcontext():
+                    with self._around("around_step", self.step + 1):
                         out = last_out = (self._first_compiled_step(batches) if compiling
                                           else self.train_step(batches))
                     compiling = False
                     self.step += 1
-                    self._note_profile()
                     if first_step and cfg.audit:
                         self.settle()
                         events.findings(audit_after_first_step(unwrapped), self.step)
                         first_step = False
-                    self._watch(batches, out, rng, logger)
+                    self._watch(batches, out, rng)
                     health.add(self.step, out.skipped)
                     do_eval = val_loader is not None and (
                         (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
@@ -446,8 +459,8 @@ class Trainer:
                     if signum and self.step < total:
                         self._stop_now(stop, signum, train_loader, saved)
             self.settle()
-            if self.profiler is not None:
-                self.profiler.finish()                    # a run shorter than warm-up + steps
+            for hook in self.hooks:
+                hook.close()                              # the profiler: a run shorter than its steps
             self.checkpointer.export_final(self.model)    # a Hugging Face model: RUN_DIR/hf
         finally:
             events.close()
@@ -503,16 +516,8 @@ class Trainer:
                              self.step, kind="compile")
             return self.train_step(batches)
 
-    def _note_profile(self) -> None:
-        if self.profiler is not None and self.profiler.files:
-            self.events.note(f"profile of {self.profiler.summary.steps} steps: "
-                             f"{self.profiler.files[0]}, {self.profiler.files[1]}", self.step,
-                             kind="profile")
-            self.profiler.files = []
-
-    def _watch(self, batches: list[Batch], out: StepOutput, rng: Any, logger: MetricsLogger) -> None:
-        """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics,
-        let the guard repair a layer."""
+    def _watch(self, batches: list[Batch], out: StepOutput, rng: Any) -> None:
+        """After a step: trace a skipped step to its origin, then every step hook."""
         origin = event = None
         if out.skipped:
             # Every rank replays its own micro-batches; rank 0 learns which rank made the inf/NaN.
@@ -521,16 +526,8 @@ class Trainer:
             self.events.skip(self.step, out, event)
             if event is not None:
                 origin = f"{event.module} (rank {event.rank})" if event.rank is not None else event.module
-        if self.scale_watch is not None:
-            warning = self.scale_watch.observe(self.step, self.precision.scale, out.skipped, origin)
-            if warning:
-                self.events.note(warning, self.step, "stuck-scale")
-        if self.monitor is not None and self.monitor.should_sample(self.step):
-            logger.log_numerics(self.monitor.last_rows)
-        if self.replanner is not None:
-            # Layers whose inputs stopped fitting FP8 move up, healthy ones move back.
-            for switch in self.replanner.decide(self.strategy.unwrap(self.model), self.step):
-                self.events.format_switch(switch)
+        for hook in self.hooks:
+            hook.after_step(self, self.step, out, origin)
         if self.guard is not None:
             self._run_guard(batches, out, event)
 

@@ -1,10 +1,10 @@
 """Swap a model's ``nn.Linear`` layers for :class:`Fp8Linear` (and Hugging Face ``Conv1D`` layers,
 GPT-2's transposed-weight Linears, for :class:`Fp8Conv1D`), and say what was left alone and why.
 
-What stays in high precision by default follows DeepSeek-V3's recipe: embeddings, the output head
-(a Linear tied to an embedding, or named ``lm_head``/``head``/``output``), MoE gates/routers (a
-module or parent with ``keep_in_fp32``, or named ``gate``/``router``), norms, and Linears whose
-in/out features are not multiples of 16 (FP8 GEMM kernels need that, and tiny layers gain nothing).
+What stays in high precision is the rule book's answer (:mod:`mixprec.precision.rules`,
+DeepSeek-V3's recipe): embeddings, norms, the output head, MoE gates/routers, modules kept FP32,
+and Linears whose in/out features are not multiples of 16. :class:`mixprec.Precision` calls
+:func:`convert_to_fp8` when it sets a model up; calling it directly swaps layers without casting.
 """
 from __future__ import annotations
 
@@ -19,15 +19,12 @@ from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, is_conv1d
 from mixprec.nn.swap import replace_module
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import dtype_name
-from mixprec.policy.exempt import is_norm
 from mixprec.policy.policy import Policy
+from mixprec.precision.rules import (GATE_NAMES, HEAD_NAMES, embedding_weights, fp8_skip_reason,
+                                     is_norm, keep_fp32_reason)
 
-__all__ = ["convert_to_fp8", "prepare_fp8", "fp8_skip_reason", "Fp8ConversionReport", "HEAD_NAMES",
+__all__ = ["convert_to_fp8", "fp8_skip_reason", "Fp8ConversionReport", "HEAD_NAMES",
            "GATE_NAMES"]
-
-HEAD_NAMES: frozenset[str] = frozenset({"lm_head", "head", "output"})
-GATE_NAMES: frozenset[str] = frozenset({"gate", "router"})
-
 
 @dataclass
 class Fp8ConversionReport:
@@ -62,30 +59,6 @@ class Fp8ConversionReport:
         return "\n".join(lines)
 
 
-def _tied_to_embedding(linear: nn.Linear, embedding_weights: set[int]) -> bool:
-    return id(linear.weight) in embedding_weights
-
-
-def fp8_skip_reason(name: str, module: nn.Module, parent: nn.Module | None,
-                    embedding_weights: set[int], shape: tuple[int, int] | None = None) -> str | None:
-    """Why the default rules keep a Linear (or Conv1D) of GEMM shape ``(in, out)`` out of FP8
-    (None: eligible). ``shape`` defaults to a Linear's ``(in_features, out_features)``."""
-    if shape is None:
-        shape = (module.in_features, module.out_features)
-    last = name.rsplit(".", 1)[-1]
-    if _tied_to_embedding(module, embedding_weights):
-        return "output head tied to an embedding"
-    if last in HEAD_NAMES:
-        return f"output head (named '{last}')"
-    if getattr(module, "keep_in_fp32", False) or getattr(parent, "keep_in_fp32", False):
-        return "kept in FP32 (keep_in_fp32, e.g. an MoE gate)"
-    if last in GATE_NAMES:
-        return f"MoE gate/router (named '{last}')"
-    if shape[0] % 16 or shape[1] % 16:
-        return (f"shape {shape[0]}->{shape[1]}: FP8 GEMMs need features that are multiples of 16")
-    return None
-
-
 def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
                    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
                    policy: Policy | None = None,
@@ -110,7 +83,7 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
     report = Fp8ConversionReport(config=config)
     if policy is not None:
         report.high_precision = f"high precision ({dtype_name(policy.compute_dtype)} compute)"
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embeddings = embedding_weights(model)
     modules = dict(model.named_modules())
     for name, module in list(modules.items()):
         if not name:
@@ -131,9 +104,9 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
             shape, swap = tuple(module.weight.shape), Fp8Conv1D.from_conv1d
         else:
             continue
-        reason = fp8_skip_reason(name, module, parent, embedding_weights, shape)
-        if reason is None and policy is not None and policy.keeps_fp32(name, module):
-            reason = "kept in FP32 by the precision policy"
+        reason = fp8_skip_reason(name, module, parent, embeddings, shape)
+        if reason is None and policy is not None and keep_fp32_reason(policy, name, module):
+            reason = f"kept in FP32 by the precision policy ({keep_fp32_reason(policy, name, module)})"
         if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
             reason = "excluded by module_filter_fn"
         layer_config = config
@@ -155,11 +128,3 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
     else:
         report.expected_path = "cuda-scaled-mm"
     return report
-
-
-def prepare_fp8(model: nn.Module, policy: Policy) -> Fp8ConversionReport | None:
-    """What the trainer calls: convert ``model`` per ``policy.fp8_recipe``; None when the policy
-    has no FP8 recipe."""
-    if not policy.fp8_recipe:
-        return None
-    return convert_to_fp8(model, config=Fp8Config.from_recipe(policy.fp8_recipe), policy=policy)

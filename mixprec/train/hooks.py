@@ -1,0 +1,112 @@
+"""Step hooks: the optional per-step helpers of the loop, behind one interface.
+
+A :class:`StepHook` may wrap parts of a training step and act after it; every method defaults to
+doing nothing. The trainer keeps them in one list, ``Trainer.hooks``, built by ``prepare()`` and
+``fit()`` from the configuration (numerics monitor, re-planner, stuck-scale watch, profiler), and
+calls them in list order; ``step`` is always the number of the step being taken (1-based)::
+
+    with hook.around_step(trainer, step):          # the whole step (the profiler)
+        with hook.around_forward(trainer, step):   # every micro-batch's forward and backward
+            ...
+        with hook.around_update(trainer, step):    # precision.step: unscale, check, clip, step
+            ...
+    hook.after_step(trainer, step, out, origin)    # out: StepOutput; origin: the traced inf/NaN
+    hook.close()                                   # the run ended
+
+The overlapped optimizer update is not a hook: it is part of the step itself (an argument of
+``precision.step``).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook"]
+
+
+class StepHook:
+    """One optional per-step helper (see the module docstring)."""
+
+    def around_step(self, trainer: Any, step: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def around_forward(self, trainer: Any, step: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def around_update(self, trainer: Any, step: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def after_step(self, trainer: Any, step: int, out: Any, origin: str | None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class NumericsHook(StepHook):
+    """Per-layer range statistics on sampled steps (:class:`mixprec.monitor.NumericsMonitor`)."""
+
+    def __init__(self, monitor: Any) -> None:
+        self.monitor = monitor
+
+    def around_forward(self, trainer, step):
+        return self.monitor.sample(step)
+
+    @contextlib.contextmanager
+    def around_update(self, trainer, step) -> Iterator[None]:
+        with self.monitor.track_updates(trainer.optimizer):
+            yield
+            if self.monitor.should_sample(step):
+                trainer.settle()                  # the update statistics read the weights
+
+    def after_step(self, trainer, step, out, origin):
+        if self.monitor.should_sample(step):
+            trainer.events.logger.log_numerics(self.monitor.last_rows)
+
+
+class ReplanHook(StepHook):
+    """Re-planning per-layer formats while training (:class:`mixprec.plan.LayerReplanner`)."""
+
+    def __init__(self, replanner: Any) -> None:
+        self.replanner = replanner
+
+    def around_forward(self, trainer, step):
+        return self.replanner.sample(trainer.strategy.unwrap(trainer.model), step)
+
+    def after_step(self, trainer, step, out, origin):
+        # Layers whose inputs stopped fitting FP8 move up, healthy ones move back.
+        for switch in self.replanner.decide(trainer.strategy.unwrap(trainer.model), step):
+            trainer.events.format_switch(switch)
+
+
+class ScaleWatchHook(StepHook):
+    """A loss scale stuck at its floor (:class:`mixprec.monitor.ScaleWatch`)."""
+
+    def __init__(self, watch: Any) -> None:
+        self.watch = watch
+
+    def after_step(self, trainer, step, out, origin):
+        warning = self.watch.observe(step, trainer.precision.scale, out.skipped, origin)
+        if warning:
+            trainer.events.note(warning, step, "stuck-scale")
+
+
+class ProfilerHook(StepHook):
+    """``profile=STEPS``: a torch profile of a few steps (:class:`mixprec.monitor.profile.StepProfiler`)."""
+
+    def __init__(self, profiler: Any) -> None:
+        self.profiler = profiler
+
+    def around_step(self, trainer, step):
+        return self.profiler.step()
+
+    def after_step(self, trainer, step, out, origin):
+        if self.profiler.files:
+            trainer.events.note(f"profile of {self.profiler.summary.steps} steps: "
+                                f"{self.profiler.files[0]}, {self.profiler.files[1]}", step,
+                                kind="profile")
+            self.profiler.files = []
+
+    def close(self) -> None:
+        self.profiler.finish()                    # a run shorter than warm-up + steps
