@@ -79,8 +79,8 @@ def _reference(model: nn.Module, batches: Sequence[Any], objective: Callable, na
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for inputs, targets in batches:
-                loss = objective(model, inputs, targets).float()
+            for batch in batches:
+                loss = objective(model, batch).float()
                 (loss / len(batches)).backward()
                 losses.append(float(loss.detach()))
     finally:
@@ -101,7 +101,7 @@ def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Seque
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return [float(objective(model, x, y).float()) for x, y in batches]
+            return [float(objective(model, batch).float()) for batch in batches]
     finally:
         setattr(parent, child, original)
 
@@ -154,8 +154,9 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     """Measure each Linear's sensitivity to each candidate format and choose a plan (module doc).
 
     ``model``: an FP32 model (left untouched: the planner works on copies). ``batches``: a few
-    calibration batches ``(inputs, targets)``; the loss comes from the model as in ``fit()``
-    (``loss_fn(outputs, targets)`` if given). ``budget``: the summed loss change allowed, as a
+    calibration batches of any shape ``fit()`` takes (``(inputs, targets)``, a dict with
+    ``labels``, ...), on the model's device; the loss is ``fit()``'s, from the same
+    :class:`~mixprec.models.objective.Objective` (``loss_fn(outputs, targets)`` if given). ``budget``: the summed loss change allowed, as a
     fraction of the loss. ``base``: the mode outside the planned Linears (``auto`` resolves to the
     best safe mode here). ``target``: ``"measure"`` (this machine) or a GPU name from the
     ``mixprec estimate`` table; default: measure on a CUDA GPU with FP8, else ``H100`` (stated in
@@ -185,7 +186,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     base_name = base_precision.name
     say = progress or (lambda s: None)
 
-    from mixprec.train.objective import make_objective
+    from mixprec.models.objective import make_objective
     ref_model = copy.deepcopy(model)
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()

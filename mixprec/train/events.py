@@ -63,7 +63,7 @@ class RunEvents:
             self._bar.update(1)
 
     def interval(self, step: int, total: int, *, loss: float, val_loss: float | None, lr: float,
-                 tokens_per_s: float) -> None:
+                 tokens_per_s: float | None) -> None:
         """One log interval: the bar's numbers, or one plain line."""
         scale = self.precision.scale
         if self._bar is not None:
@@ -73,7 +73,9 @@ class RunEvents:
         parts = [f"step {step}/{total}", f"loss {loss:.4f}"]
         if val_loss is not None:
             parts.append(f"val {val_loss:.4f}")
-        parts += [f"lr {lr:.3g}", f"{tokens_per_s:,.0f} tok/s"]
+        parts.append(f"lr {lr:.3g}")
+        if tokens_per_s is not None:             # None: the batches hold no token ids (images)
+            parts.append(f"{tokens_per_s:,.0f} tok/s")
         if self.precision.scales_loss:
             parts.append(f"scale {scale:g}")
         if self.precision.num_skipped_steps:

@@ -32,7 +32,7 @@ from mixprec.train.events import RunEvents
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.metrics import MetricsLogger
-from mixprec.train.objective import make_objective
+from mixprec.models.objective import add_tokens, make_objective
 from mixprec.train.resume import Checkpointer
 from mixprec.train.run_dir import claim_run_dir
 from mixprec.train.signals import StopRequest
@@ -177,23 +177,23 @@ class Trainer:
         n = len(micro_batches)
         scale_before = precision.scale
         loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
+        tokens: torch.Tensor | int | None = 0
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
         if self.overlap is not None:
             self.overlap.begin_step()                     # FSDP2/compiled: wait for the update
         with self._sample_numerics(), self._sample_formats():   # hooks only on sampled steps
             for i, batch in enumerate(micro_batches):
-                inputs, targets = self.strategy.to_device(batch)
+                batch = self.strategy.to_device(batch)
                 # Gradients are all-reduced only in the last micro-batch's backward.
                 sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync(model)
                 with sync:
                     with precision.autocast(), record_function("mixprec.forward"):
-                        loss = self.objective(model, inputs, targets)  # matmuls in the compute dtype
+                        loss = self.objective(model, batch)  # matmuls in the compute dtype
                     loss = loss.float() / n               # FP32 loss, averaged over micro-batches
                     with record_function("mixprec.backward"):
                         precision.backward(loss)          # x loss scale (FP16) or x 1 (BF16/FP32)
                 loss_sum += loss.detach()
-                tokens += targets.numel()
+                tokens = add_tokens(tokens, self.objective.tokens(batch))  # non-padding
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
             with self._track_updates():
                 # Unscale once (fused inf/NaN check, agreed across ranks) -> clip the unscaled
@@ -241,9 +241,9 @@ class Trainer:
         def run_step() -> torch.Tensor:
             total = None
             for batch in micro_batches:
-                inputs, targets = self.strategy.to_device(batch)
+                batch = self.strategy.to_device(batch)
                 with self.precision.autocast():
-                    loss = self.objective(model, inputs, targets).float() / n
+                    loss = self.objective(model, batch).float() / n
                 (loss * out.scale_before).backward()
                 total = loss.detach() if total is None else total + loss.detach()
             return total
@@ -265,9 +265,9 @@ class Trainer:
             for i, batch in enumerate(val_loader):
                 if max_batches is not None and i >= max_batches:
                     break
-                inputs, targets = self.strategy.to_device(batch)
+                batch = self.strategy.to_device(batch)
                 with self.precision.autocast():
-                    total += self.objective(self.model, inputs, targets).float()
+                    total += self.objective(self.model, batch).float()
                 count += 1
         self.model.train()
         if count == 0:
