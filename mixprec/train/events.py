@@ -149,6 +149,13 @@ class RunEvents:
         if say:
             self._say(message)
 
+    def data_position(self, message: str | None, step: int) -> None:
+        """The training data's position cannot be restored: said on the terminal and recorded
+        (``{"kind": "data", "exact": false}``) so a resumed run's data order is not a surprise."""
+        if message is not None:
+            self.logger.event({"kind": "data", "step": step, "exact": False, "message": message})
+            self._say(message)
+
     def findings(self, findings: list, step: int) -> None:
         if not findings or not self.strategy.is_main:
             return

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from mixprec.data.position import resumable
 from mixprec.engine import OverlappedUpdate, Precision
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.monitor import LayerReplanner, NumericsMonitor, ScaleWatch, audit, audit_after_first_step
@@ -339,6 +340,8 @@ class Trainer:
         """Train for ``max_steps`` (or ``epochs``); ``resume``: True (the run folder's newest
         checkpoint), or a run folder / checkpoint folder to continue from."""
         cfg = self.config
+        # A loader without its own position gets one (DataLoader, list), or fit() says it cannot.
+        train_loader = resumable(train_loader, seed=cfg.seed)
         total = self._total_steps(train_loader)
         seed_everything(cfg.seed)                  # dropout, data order of plain loaders
         self.prepare(total)
@@ -367,6 +370,8 @@ class Trainer:
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
                      fp8_report=self.fp8_report)
+        if hasattr(train_loader, "notice"):
+            events.data_position(train_loader.notice(resumed_at=self.step if resume else None), self.step)
         meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger)
         health = RunHealth(cfg, start_step=self.step)
         last_val = None
