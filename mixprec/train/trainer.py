@@ -28,7 +28,8 @@ from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
 from mixprec.strategies import Strategy, get_strategy
-from mixprec.train.config import FitConfig, config_to_toml
+from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
+                                   refuse_changes_to_ready_precision)
 from mixprec.train.events import RunEvents
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.meter import IntervalMeter
@@ -77,14 +78,15 @@ class Trainer:
         self.device = self.strategy.device
         cfg = self.config
         choice = mixed_precision if mixed_precision is not None else cfg.precision
-        if isinstance(choice, Precision) and cfg.precision_overrides:
-            raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
-                              "mixprec.Precision(mode, overrides=...)")
+        given = given_settings(config, overrides)
+        if isinstance(choice, Precision):           # a ready Precision keeps its own settings
+            refuse_changes_to_ready_precision(choice, cfg, given)
+        elif mixed_precision is not None and "precision" in given and mixed_precision != cfg.precision:
+            raise ConfigError(f"mixed_precision={mixed_precision!r} and precision={cfg.precision!r} "
+                              "disagree; pass one of them")
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, overrides=cfg.precision_overrides, init_scale=cfg.init_scale,
-            growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis,
-            min_scale=cfg.min_scale, on_min_scale=cfg.on_stuck_scale)
+            choice, device=self.device, overrides=cfg.precision_overrides, **cfg.scaler_options())
         self.loss_fn = loss_fn
         self.raw_model = model
         self._user_optimizer = optimizer
@@ -155,7 +157,8 @@ class Trainer:
         unwrapped = strategy.unwrap(self.model)
         self.monitor = (NumericsMonitor(unwrapped, every=cfg.monitor_every, compute_dtype=precision)
                         if cfg.monitor_every else None)
-        self.scale_watch = (ScaleWatch(cfg.min_scale, on_stuck=cfg.on_stuck_scale)
+        floor = precision.scaler.config        # the Precision's own floor (fit()'s, or a ready one's)
+        self.scale_watch = (ScaleWatch(floor.min_scale, on_stuck=floor.on_min_scale)
                             if precision.scales_loss else None)
         # The update of a taken step issued per module, overlapping the next forward (CUDA).
         if self.overlap is not None:
@@ -509,7 +512,8 @@ class Trainer:
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,
         epochs: int | None = None, strategy: Strategy | str | None = None,
-        mixed_precision: str | Policy | Precision | bool = True, optimizer: torch.optim.Optimizer | None = None,
+        mixed_precision: str | Policy | Precision | bool | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None, loss_fn: Callable | None = None,
         resume: str | Path | bool | None = None, config: FitConfig | None = None,
         **kwargs: Any) -> FitResult:
@@ -517,6 +521,12 @@ def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable
     strategy=strategy, mixed_precision=True)`` (docs/sources.md) lands here. Other keyword
     arguments are :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``,
     ``clip_grad_norm``, ``run_dir``, ...).
+
+    ``mixed_precision`` (or the ``precision`` field; default ``auto``, the best safe mode) is a
+    mode name, a ``Policy``, or a ready :class:`~mixprec.Precision`, which keeps its own settings:
+    ``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_stuck_scale``,
+    ``precision`` and ``precision_overrides`` that would change them are refused in one line
+    (pass them to the ``Precision``).
 
     A process group that ``fit()`` itself created (``strategy`` given by name, or chosen under
     ``torchrun``) for data parallelism is destroyed when training ends, after a barrier: nothing
