@@ -75,7 +75,8 @@ def describe_batch(batch: Any) -> str:
     if isinstance(batch, (tuple, list)):
         parts = ", ".join(_shape(x) for x in batch[:3]) + (", ..." if len(batch) > 3 else "")
         return f"a {type(batch).__name__} of {len(batch)} ({parts})"
-    return "a " + _shape(batch)
+    shape = _shape(batch)
+    return ("an " if shape[0] in "aeiou" else "a ") + shape
 
 
 def _is_pair(batch: Any) -> bool:

@@ -124,7 +124,7 @@ def test_an_object_with_to_is_moved_by_its_own_to_and_passed_whole(tmp_path):
 
 
 @pytest.mark.parametrize("batch, said", [
-    (torch.randint(0, 9, (4, 16)), "a int64 tensor of shape (4, 16)"),
+    (torch.randint(0, 9, (4, 16)), "an int64 tensor of shape (4, 16)"),
     ((torch.zeros(4, 8), torch.zeros(4), torch.zeros(4)), "a tuple of 3"),
     ([{"x": torch.zeros(8)}] * 4, "a list of 4 (dict with keys ['x']"),
     ("text", "a str"),
