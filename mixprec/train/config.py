@@ -384,6 +384,14 @@ def refuse_changes_to_ready_precision(precision: Any, cfg: FitConfig, given: set
                               f"mixprec.Precision({mode!r}, {option}={value!r})")
 
 
+def refuse_two_modes(mixed_precision: Any, precision: str, device: Any) -> None:
+    """``fit(mixed_precision=A, precision=B)``: fine when A and B name the same mode."""
+    from mixprec.precision import get_policy
+    if get_policy(mixed_precision, device=device).spec() != get_policy(precision, device=device).spec():
+        raise ConfigError(f"mixed_precision={mixed_precision!r} and precision={precision!r} "
+                          "disagree; pass one of them")
+
+
 def config_to_toml(config: FitConfig) -> str:
     """The resolved config as TOML (None values are written as comments)."""
     lines = []

@@ -29,7 +29,7 @@ from mixprec.optim.registry import find_optimizer_for
 from mixprec.precision import Policy
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
-                                   refuse_changes_to_ready_precision)
+                                   refuse_changes_to_ready_precision, refuse_two_modes)
 from mixprec.train.events import RunEvents
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.meter import IntervalMeter
@@ -81,9 +81,8 @@ class Trainer:
         given = given_settings(config, overrides)
         if isinstance(choice, Precision):           # a ready Precision keeps its own settings
             refuse_changes_to_ready_precision(choice, cfg, given)
-        elif mixed_precision is not None and "precision" in given and mixed_precision != cfg.precision:
-            raise ConfigError(f"mixed_precision={mixed_precision!r} and precision={cfg.precision!r} "
-                              "disagree; pass one of them")
+        elif mixed_precision is not None and "precision" in given:
+            refuse_two_modes(mixed_precision, cfg.precision, self.device)
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
             choice, device=self.device, overrides=cfg.precision_overrides, **cfg.scaler_options())

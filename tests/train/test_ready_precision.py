@@ -80,6 +80,7 @@ def test_the_precision_field_takes_effect_and_disagreeing_modes_are_refused(tmp_
     assert _fit(tmp_path, precision="16-mixed").policy == "16-mixed"
     with pytest.raises(ConfigError, match="mixed_precision='bf16-mixed' and precision='16-mixed' disagree"):
         _fit(tmp_path, mixed_precision="bf16-mixed", precision="16-mixed", overwrite=True)
+    assert _fit(tmp_path, mixed_precision=True, precision="auto", overwrite=True).steps == 2
 
 
 def test_fit_built_precision_applies_the_scaler_settings(tmp_path):
