@@ -237,91 +237,85 @@ class Objective:
                           f"{instead}{self._fix(batch)}")
 
     def _decide(self, model: nn.Module, batch: Any) -> None:
-        loss_fn, convert, extra = self.loss_fn, self.precision.convert_output, self._cache_off
         if isinstance(batch, Mapping):
-            if loss_fn is not None:
-                if "labels" not in batch:
-                    raise ConfigError(f"loss_fn(outputs, targets) needs targets, but the dict batch "
-                                      f"(keys {sorted(map(str, batch))}) has no 'labels'; add them "
-                                      "to the batch, or yield (inputs, targets)")
-                def loss(m, b):
-                    rest = {**extra, **{k: v for k, v in b.items() if k != "labels"}}
-                    return loss_fn(convert(m(**rest)), b["labels"])
-                self.describe = "loss_fn(model(**batch without 'labels'), batch['labels'])"
-            else:
-                if self._kind is not None and "labels" not in batch:
-                    raise ConfigError(
-                        f"{self.model_name} got a dict batch with keys {sorted(map(str, batch))} "
-                        "and no 'labels', so it computes no loss; add 'labels' to each batch (e.g. "
-                        "a transformers DataCollator does), or pass loss_fn=... to fit()")
-                def loss(m, b):
-                    return extract_loss(m(**extra, **b))
-                self.describe = "model(**batch).loss"
+            loss, self.describe = self._dict_objective(batch)
         elif _is_pair(batch):
-            inputs, targets = batch
-            if loss_fn is not None:
-                if isinstance(inputs, Mapping):
-                    def loss(m, b):
-                        return loss_fn(convert(m(**extra, **b[0])), b[1])
-                    self.describe = "loss_fn(model(**inputs), targets)"
-                else:
-                    def loss(m, b):
-                        return loss_fn(convert(m(b[0])), b[1])
-                    self.describe = "loss_fn(model(inputs), targets)"
-            elif isinstance(inputs, Mapping):
-                if not _takes(model, "labels"):
-                    self._refuse(batch, f"its forward takes no labels, so (inputs_dict, labels) "
-                                        "gives it no loss")
-                def loss(m, b):
-                    return extract_loss(m(**extra, **b[0], labels=b[1]))
-                self.describe = "model(**inputs, labels=targets).loss"
-            elif not isinstance(inputs, torch.Tensor):
-                self._refuse(batch, "inputs must be a tensor or a dict of tensors")
-            elif self._causal:
-                if inputs.is_floating_point():
-                    self._refuse(batch, "a causal language model takes integer token ids")
-                def loss(m, b):
-                    out = m(input_ids=b[0], **extra)
-                    logits = out.logits if hasattr(out, "logits") else out["logits"]   # (B, T, V)
-                    # FP32 loss from the (maybe 16-bit) logits; targets are already the next tokens.
-                    return F.cross_entropy(logits.float().flatten(0, 1), b[1].flatten())
-                self.describe = "next-token cross-entropy of model(input_ids=inputs).logits (FP32)"
-            elif self._kind is not None:
-                if not inputs.is_floating_point():
-                    self._refuse(batch, f"it is {self._kind}, and integer (inputs, targets) pairs "
-                                        "are next-token windows it cannot learn from",
-                                 "yield dicts {'input_ids', 'attention_mask', 'labels'} (it "
-                                 "computes its own loss from labels), or ")
-                def loss(m, b):
-                    return extract_loss(m(b[0], labels=b[1]))
-                self.describe = "model(inputs, labels=targets).loss"
-            else:
-                try:
-                    inspect.signature(model.forward).bind(object(), object())
-                except TypeError:
-                    params = ", ".join(_forward_params(model))
-                    self._refuse(batch, f"its forward({params}) takes no targets, so it cannot "
-                                        "return a loss")
-                except ValueError:  # no signature (a C extension): trust the call
-                    pass
-                def loss(m, b):
-                    return extract_loss(m(b[0], b[1]))
-                self.describe = "model(inputs, targets) returning its own loss"
+            loss, self.describe = self._pair_objective(model, batch)
         elif _has_to(batch):
-            if loss_fn is not None:
-                def loss(m, b):
-                    return loss_fn(convert(m(b)), b)
-                self.describe = "loss_fn(model(batch), batch)"
-            else:
-                def loss(m, b):
-                    return extract_loss(m(b))
-                self.describe = "model(batch) returning its own loss"
+            loss, self.describe = self._object_objective()
         else:
             raise ConfigError(f"fit() cannot train on {describe_batch(batch)}; yield {_SHAPES} "
                               "from the data loader (a DataLoader collates (x, y) samples into "
                               "[inputs, targets])")
         self._loss = loss
         self._first, self._first_text = _signature(batch), describe_batch(batch)
+
+    def _dict_objective(self, batch: Mapping) -> tuple[Callable, str]:
+        loss_fn, convert, extra = self.loss_fn, self.precision.convert_output, self._cache_off
+        keys = sorted(map(str, batch))
+        if loss_fn is not None:
+            if "labels" not in batch:
+                raise ConfigError(f"loss_fn(outputs, targets) needs targets, but the dict batch "
+                                  f"(keys {keys}) has no 'labels'; add them to the batch, or "
+                                  "yield (inputs, targets)")
+
+            def with_loss_fn(m, b):
+                inputs = {**extra, **{k: v for k, v in b.items() if k != "labels"}}
+                return loss_fn(convert(m(**inputs)), b["labels"])
+            return with_loss_fn, "loss_fn(model(**batch without 'labels'), batch['labels'])"
+        if self._kind is not None and "labels" not in batch:
+            raise ConfigError(f"{self.model_name} got a dict batch with keys {keys} and no "
+                              "'labels', so it computes no loss; add 'labels' to each batch (as "
+                              "a transformers DataCollator does), or pass loss_fn=... to fit()")
+        return (lambda m, b: extract_loss(m(**{**extra, **b}))), "model(**batch).loss"
+
+    def _pair_objective(self, model: nn.Module, batch: Any) -> tuple[Callable, str]:
+        loss_fn, convert, extra = self.loss_fn, self.precision.convert_output, self._cache_off
+        inputs = batch[0]
+        if loss_fn is not None:
+            if isinstance(inputs, Mapping):
+                return ((lambda m, b: loss_fn(convert(m(**{**extra, **b[0]})), b[1])),
+                        "loss_fn(model(**inputs), targets)")
+            return (lambda m, b: loss_fn(convert(m(b[0])), b[1])), "loss_fn(model(inputs), targets)"
+        if isinstance(inputs, Mapping):
+            if not _takes(model, "labels"):
+                self._refuse(batch, "its forward takes no labels, so (inputs_dict, labels) gives "
+                                    "it no loss")
+            return ((lambda m, b: extract_loss(m(**{**extra, **b[0]}, labels=b[1]))),
+                    "model(**inputs, labels=targets).loss")
+        if not isinstance(inputs, torch.Tensor):
+            self._refuse(batch, "inputs must be a tensor or a dict of tensors")
+        if self._causal:
+            if inputs.is_floating_point():
+                self._refuse(batch, "a causal language model takes integer token ids")
+
+            def next_token(m, b):
+                out = m(input_ids=b[0], **extra)
+                logits = out.logits if hasattr(out, "logits") else out["logits"]   # (B, T, V)
+                # FP32 loss from the (maybe 16-bit) logits; targets are already the next tokens.
+                return F.cross_entropy(logits.float().flatten(0, 1), b[1].flatten())
+            return next_token, "next-token cross-entropy of model(input_ids=inputs).logits (FP32)"
+        if self._kind is not None:                 # a Hugging Face model that is no causal LM
+            if not inputs.is_floating_point():
+                self._refuse(batch, f"it is {self._kind}, and integer (inputs, targets) pairs are "
+                                    "next-token windows it cannot learn from",
+                             "yield dicts {'input_ids', 'attention_mask', 'labels'} (it computes "
+                             "its own loss from labels), or ")
+            return (lambda m, b: extract_loss(m(b[0], labels=b[1]))), "model(inputs, labels=targets).loss"
+        try:
+            inspect.signature(model.forward).bind(object(), object())
+        except TypeError:
+            params = ", ".join(_forward_params(model))
+            self._refuse(batch, f"its forward({params}) takes no targets, so it cannot return a loss")
+        except ValueError:  # no signature (a C extension): trust the call
+            pass
+        return (lambda m, b: extract_loss(m(b[0], b[1]))), "model(inputs, targets) returning its own loss"
+
+    def _object_objective(self) -> tuple[Callable, str]:
+        loss_fn, convert = self.loss_fn, self.precision.convert_output
+        if loss_fn is not None:
+            return (lambda m, b: loss_fn(convert(m(b)), b)), "loss_fn(model(batch), batch)"
+        return (lambda m, b: extract_loss(m(b))), "model(batch) returning its own loss"
 
 
 def add_tokens(total: torch.Tensor | int | None, more: torch.Tensor | int | None
