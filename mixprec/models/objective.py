@@ -23,15 +23,16 @@ causal LM (Hugging Face style)         cross-entropy of ``out.logits`` against t
                                        passed as ``labels``, which the model would shift again)
 ``(inputs, targets)``, other models    ``model(inputs, targets)`` returning its own loss (a scalar,
                                        ``(logits, loss)``, ``{"loss": ...}`` or ``.loss``:
-                                       mixprec's ``Transformer``); a Hugging Face model with
-                                       floating inputs (images, audio): ``model(inputs,
-                                       labels=targets).loss``
+                                       mixprec's ``Transformer``); a Hugging Face model:
+                                       ``model(inputs, labels=targets).loss`` (images and
+                                       labels, token ids and class labels)
 an object with ``.to()``               ``model(batch)`` returning its own loss
 =====================================  ===========================================================
 
-Integer ``(inputs, targets)`` pairs for a Hugging Face model that is *not* a causal LM (BERT, T5)
-are refused without ``loss_fn``: they are what mixprec's token loaders yield (next-token windows),
-and handing them to an encoder as ``labels`` would train it to read the answer.
+Token ids with targets of the same shape, for a Hugging Face model that is *not* a causal LM
+(BERT, T5), are refused without ``loss_fn``: they are what mixprec's token loaders yield
+(next-token windows), and handing them to an encoder as ``labels`` would train it to read the
+answer.
 
 **Tokens.** :meth:`Objective.tokens` counts the real tokens of a batch for tokens/s and MFU: the
 ``attention_mask``'s ones when there is a mask (padding is not work), else every input id; a
@@ -296,9 +297,11 @@ class Objective:
                 return F.cross_entropy(logits.float().flatten(0, 1), b[1].flatten())
             return next_token, "next-token cross-entropy of model(input_ids=inputs).logits (FP32)"
         if self._kind is not None:                 # a Hugging Face model that is no causal LM
-            if not inputs.is_floating_point():
-                self._refuse(batch, f"it is {self._kind}, and integer (inputs, targets) pairs are "
-                                    "next-token windows it cannot learn from",
+            targets = batch[1]
+            if not inputs.is_floating_point() and getattr(targets, "shape", None) == inputs.shape:
+                self._refuse(batch, f"it is {self._kind}, and token ids with targets of the same "
+                                    "shape are next-token windows (what mixprec's token loaders "
+                                    "yield), which as labels it would learn to copy",
                              "yield dicts {'input_ids', 'attention_mask', 'labels'} (it computes "
                              "its own loss from labels), or ")
             return (lambda m, b: extract_loss(m(b[0], labels=b[1]))), "model(inputs, labels=targets).loss"

@@ -116,6 +116,20 @@ def test_inputs_dict_and_labels_pairs_with_a_loss_fn_for_a_classifier(tmp_path):
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
 
 
+def test_token_ids_and_class_labels_pairs_train_a_classifier_with_its_own_loss(tmp_path):
+    model = bert("cls")
+    reference = copy.deepcopy(model)
+    batch = next(iter(DataLoader(PaddedText("cls"), batch_size=4)))
+    pair = (batch["input_ids"], batch["labels"])          # (B, T) ids, (B,) classes
+    trainer = _trainer(model, tmp_path)
+    trainer.prepare(1)
+    out = trainer.train_step([pair])
+    with torch.no_grad():
+        expected = reference(pair[0], labels=pair[1]).loss
+    assert trainer.objective.describe == "model(inputs, labels=targets).loss"
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
+
+
 def test_a_dict_batch_without_labels_for_a_hf_model_is_one_line_naming_labels(tmp_path):
     data = [{k: v for k, v in b.items() if k != "labels"} for b in DataLoader(PaddedText("cls"), batch_size=4)]
     with pytest.raises(mp.errors.ConfigError) as e:
