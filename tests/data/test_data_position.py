@@ -45,7 +45,6 @@ LOADERS = {
     "shuffle-workers": lambda ds: DataLoader(ds, batch_size=4, shuffle=True, num_workers=2),
     "sampler": lambda ds: DataLoader(ds, batch_size=4, sampler=RandomSampler(
         ds, generator=torch.Generator().manual_seed(7))),
-    "sequential": lambda ds: DataLoader(ds, batch_size=4),
     "list": lambda ds: list(DataLoader(ds, batch_size=4)),
 }
 
