@@ -22,6 +22,7 @@ from torch.autograd.profiler import record_function
 from mixprec.data.position import resumable
 from mixprec.engine import OverlappedUpdate, Precision
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
+from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import LayerReplanner, NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
@@ -34,7 +35,6 @@ from mixprec.train.events import RunEvents
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.metrics import MetricsLogger
-from mixprec.models.objective import add_tokens, make_objective
 from mixprec.train.resume import Checkpointer
 from mixprec.train.run_dir import claim_run_dir
 from mixprec.train.signals import StopRequest
