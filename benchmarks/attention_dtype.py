@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mixprec.precision.hardware import cpu_matrix_flags
+from mixprec.policy.hardware import cpu_matrix_flags
 
 
 def bf16(q, k, v):

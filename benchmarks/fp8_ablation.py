@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 import torch
 
 from mixprec.data import TokenDataset, builtin_corpus
-from mixprec.fp8 import Fp8Config, convert_to_fp8
+from mixprec.formats import Fp8Config, convert_to_fp8
 from mixprec.models import Transformer
 from mixprec.precision import autocast, get_policy
 

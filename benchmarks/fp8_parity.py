@@ -18,9 +18,9 @@ import time
 
 import torch
 
-import mixprec.fp8  # noqa: F401  (registers the fp8-* policies)
+import mixprec.formats  # noqa: F401  (registers the fp8-* policies)
 from mixprec.data import TokenDataset, builtin_corpus
-from mixprec.fp8 import prepare_fp8
+from mixprec.formats import prepare_fp8
 from mixprec.precision import autocast, get_policy
 
 try:

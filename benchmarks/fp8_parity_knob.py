@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import parity  # noqa: E402
 
-from mixprec.fp8 import config as fp8config  # noqa: E402
+from mixprec.formats import fp8_config as fp8config  # noqa: E402
 
 KNOBS = {"none": {}, "fp32-wgrad": {"high_precision_wgrad": True}, "e5m2-grads": {"format": "hybrid"},
          "pow2-scales": {"power_of_two_scales": True},

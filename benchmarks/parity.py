@@ -18,9 +18,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from mixprec.train.command import build_run
+from mixprec.cli.train import build_run
 from mixprec.train.config import TrainConfig
-from mixprec.train.metrics import read_metrics
+from mixprec.runs.metrics import read_metrics
 from mixprec.train.trainer import Trainer
 
 

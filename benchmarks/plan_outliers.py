@@ -86,7 +86,7 @@ def make_plan(args, mode: str, seed: int, path: Path):
     """Plan on the seed's initial weights, outliers injected, 2 batches of the training data."""
     from mixprec.plan import plan_precision
     from mixprec.plan.plan import choose
-    from mixprec.train.command import build_run
+    from mixprec.cli.train import build_run
     candidates, rule = PLANS[mode]
     cfg = _config(args, "bf16-mixed", seed, str(path.parent / f"unused-{seed}"))
     model, train_loader, _, strategy = build_run(cfg)
@@ -106,8 +106,8 @@ def make_plan(args, mode: str, seed: int, path: Path):
 
 
 def train(args, mode: str, seed: int, run_dir: str) -> dict:
-    from mixprec.train.command import build_run
-    from mixprec.train.metrics import read_events
+    from mixprec.cli.train import build_run
+    from mixprec.runs.metrics import read_events
     from mixprec.train.trainer import Trainer
     cfg = _config(args, mode, seed, run_dir)
     model, train_loader, val_loader, strategy = build_run(cfg)
@@ -159,7 +159,7 @@ def main() -> int:
                 print(f"[plan_outliers] seed {seed} {mode}: val {r['val']:.4f} "
                       f"({r['skipped']} skipped, {r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     if not flops:
-        from mixprec.train.command import build_run
+        from mixprec.cli.train import build_run
         model, *_ , strategy = build_run(_config(args, "32-true", 0, None))
         flops = {n: 6 * m.in_features * m.out_features for n, m in model.named_modules()
                  if isinstance(m, nn.Linear)}

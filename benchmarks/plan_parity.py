@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.train.metrics import read_events, read_metrics
+from mixprec.runs.metrics import read_events, read_metrics
 
 
 def settings(args: argparse.Namespace, seed: int, run_dir: str) -> list[str]:
@@ -39,7 +39,7 @@ def settings(args: argparse.Namespace, seed: int, run_dir: str) -> list[str]:
 
 def linear_flops(args: argparse.Namespace) -> tuple[dict[str, int], int]:
     """Training GEMM FLOPs per token of every Linear of the model, and of the whole model."""
-    from mixprec.train.command import build_run
+    from mixprec.cli.train import build_run
     from mixprec.train.config import TrainConfig
     cfg = TrainConfig(model=args.model, precision="32-true", seq_len=args.seq, batch_size=args.batch,
                       progress=False, run_dir=None)

@@ -3,9 +3,10 @@
 The public API is what this module lists in ``__all__`` plus the sub-packages; names that start
 with ``_`` and modules not re-exported here are internal.
 """
-from mixprec import amp, data, engine, fp8, models, monitor, nn, optim, precision, strategies, train
+from mixprec import (amp, bench, data, engine, estimate, formats, fp8, integrations, models, monitor, nn, optim,
+                     plan, policy, precision, report, runs, strategies, train)
 from mixprec.amp import GradScaler
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
 from mixprec.models import Transformer
 from mixprec.precision import Policy, autocast, cast_module, get_policy
@@ -31,5 +32,8 @@ __all__ = [
     # errors
     "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
     # sub-packages
-    "precision", "amp", "optim", "nn", "fp8", "engine", "models", "data", "strategies", "monitor", "train",
+    "policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies", "monitor",
+    "plan", "runs", "train", "integrations", "report", "estimate", "bench",
+    # old paths, kept as re-export shims
+    "fp8", "engine",
 ]

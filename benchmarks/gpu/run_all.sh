@@ -16,7 +16,7 @@ timeout 300 "$PY" -m mixprec bench train --model gpt-ref --modes 32-true,tf32,bf
     --peers --batch 32 --seq 256 --repeats 5 --steps 5 --warmup 3 --device cuda --out "$OUT/train" \
     > "$OUT/train.txt" 2>&1 || echo "train: rc=$?" >> "$OUT/train.txt"
 # 3) The estimator at the same shape, to compare with the measured peaks in train/bench_train.csv.
-timeout 60 "$PY" -c "import argparse, sys; from mixprec.bench import memory as m; p = argparse.ArgumentParser(); \
+timeout 60 "$PY" -c "import argparse, sys; from mixprec.cli import memory as m; p = argparse.ArgumentParser(); \
 m.configure(p); sys.exit(m.run(p.parse_args(['--model', 'gpt-ref', '--batch', '32', '--seq', '256', \
 '--precision', '32-true,tf32,bf16-mixed,16-mixed,bf16-true'])))" > "$OUT/memory.txt" 2>&1 || true
 echo "done: $(date)" >> "$OUT/env.txt"

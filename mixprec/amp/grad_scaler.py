@@ -62,7 +62,7 @@ from torch import Tensor
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
 from mixprec.amp.unscale import check_and_unscale, optimizer_grads
 from mixprec.errors import CheckpointError, ConfigError
-from mixprec.precision.policy import Policy, get_policy
+from mixprec.policy.policy import Policy, get_policy
 
 __all__ = ["GradScaler"]
 
@@ -288,7 +288,7 @@ class GradScaler:
     def decide(self, optimizer: torch.optim.Optimizer) -> bool:
         """What :meth:`step` does, except calling ``optimizer.step()``: unscale (if not done yet),
         read the agreed non-finite flag (the one host sync), count a skip; True when the caller
-        must now step the optimizer itself (e.g. in parts, mixprec.engine.overlap). Always True
+        must now step the optimizer itself (e.g. in parts, mixprec.optim.overlap). Always True
         when the scaler is inactive (scaling and the check both off)."""
         if not self._active:
             return True

@@ -7,54 +7,19 @@ duration, and FLOPs = 2*n^3 per n x n product.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import statistics
 from collections.abc import Callable
 
 import torch
 
-from mixprec.precision.dtypes import dtype_name, parse_dtype
-from mixprec.precision.hardware import cuda_supports_fp8
-from mixprec.precision.peak import matmul_flops
+from mixprec.policy.dtypes import dtype_name, parse_dtype
+from mixprec.policy.hardware import cuda_supports_fp8
+from mixprec.policy.peak import time_matmul
 
-__all__ = ["bench_matmul", "configure", "run"]
-
-
-def _fp8_flops(n: int, device: torch.device, min_time: float) -> float:
-    """Real FP8 GEMM via ``torch._scaled_mm`` (tensorwise scales), CUDA with FP8 tensor cores."""
-    import time
-    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
-    one = torch.ones((), device=device)
-    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-    for _ in range(3):
-        mm()
-    torch.cuda.synchronize(device)
-    reps, start = 0, time.perf_counter()
-    while True:
-        mm()
-        reps += 1
-        torch.cuda.synchronize(device)
-        if time.perf_counter() - start >= min_time and reps >= 3:
-            break
-    return 2.0 * n**3 * reps / (time.perf_counter() - start)
+__all__ = ["bench_matmul"]
 
 
 _PROBE_N = 128
-
-
-def _time_matmul(label: str, dt: torch.dtype | None, dev: torch.device, n: int,
-                 min_time: float) -> float:
-    """FLOP/s of one ``n x n`` product in ``label``'s dtype (the real measurement)."""
-    if label == "fp8":
-        return _fp8_flops(n, dev, min_time)
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = label == "tf32"
-    try:
-        return matmul_flops(dt, dev, n=n, min_time=min_time)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def estimate_seconds(probe_flops: float, n: int, *, repeats: int, min_time: float) -> float:
@@ -66,7 +31,7 @@ def estimate_seconds(probe_flops: float, n: int, *, repeats: int, min_time: floa
 
 def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = None,
                  repeats: int = 3, min_time: float = 0.2, max_seconds: float | None = 60.0,
-                 timer: Callable[[str, torch.dtype | None, torch.device, int, float], float] = _time_matmul,
+                 timer: Callable[[str, torch.dtype | None, torch.device, int, float], float] = time_matmul,
                  on_size: Callable[[int, list[dict], list[str]], None] | None = None) -> list[dict]:
     """Rows of {dtype, n, gflops_median, gflops_min, gflops_max, speedup_vs_fp32}.
 
@@ -123,44 +88,3 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
         if on_size is not None:
             on_size(n, rows, notes)
     return all_rows
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtypes", default="fp32,tf32,bf16,fp16,fp8",
-                        help="comma-separated: fp32, tf32 (CUDA), bf16, fp16, fp8 (CUDA FP8 GPUs)")
-    parser.add_argument("--sizes", default=None, help="comma-separated n for n x n GEMMs "
-                        "(default: 512,1024,2048 on CPU; 4096,8192 on CUDA)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--max-seconds", type=float, default=60.0,
-                        help="skip a (dtype, size) whose time, estimated from a 128x128 probe, "
-                             "exceeds this (emulated dtypes on a CPU); 0: no cap")
-
-
-def run(args: argparse.Namespace) -> int:
-    from mixprec.errors import ConfigError
-    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    try:
-        sizes = [int(s) for s in (args.sizes or ("4096,8192" if cuda else "512,1024,2048")).split(",")]
-    except ValueError:
-        raise ConfigError(f"--sizes must be comma-separated integers, got '{args.sizes}'") from None
-    if args.repeats < 1 or any(n < 16 for n in sizes):
-        raise ConfigError("--repeats must be >= 1 and every size >= 16")
-    if args.max_seconds < 0:
-        raise ConfigError("--max-seconds must be >= 0 (0: no cap)")
-    unit, div = ("TFLOPS", 1e3) if cuda else ("GFLOPS", 1.0)
-    print(f"{'dtype':>6} {'n':>6} {unit + ' median':>14} {'min-max':>17} {'vs fp32':>8}", flush=True)
-
-    def show(n: int, rows: list[dict], notes: list[str]) -> None:
-        for r in sorted(rows, key=lambda r: r["dtype"]):
-            sp = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
-            print(f"{r['dtype']:>6} {r['n']:>6} {r['gflops_median'] / div:>14.2f} "
-                  f"{r['gflops_min'] / div:>8.2f}-{r['gflops_max'] / div:<8.2f} {sp:>8}")
-        for note in notes:
-            print(f"  note: {note}")
-        sys.stdout.flush()   # each size as it finishes, also when piped to a file
-
-    bench_matmul(args.dtypes.split(","), sizes, device=args.device, repeats=args.repeats,
-                 min_time=args.min_time, max_seconds=args.max_seconds or None, on_size=show)
-    return 0

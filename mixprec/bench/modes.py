@@ -14,7 +14,6 @@ the peak RSS over the RSS of the freshly imported process, on CUDA ``max_memory_
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -32,7 +31,7 @@ import torch
 from mixprec.errors import ConfigError
 
 __all__ = ["TrainBenchConfig", "Contender", "build_contender", "bench_train", "PEERS",
-           "configure", "run"]
+           "bench_device", "format_table", "write_csv", "write_png", "profile_contender"]
 
 PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true")
 """Peer loops added by ``--peers``; the last three are skipped when their package is absent."""
@@ -112,7 +111,7 @@ class Contender:
     """All warm-up steps and their time: ``compile_s`` is this minus as many median steps."""
 
 
-def _device(cfg: TrainBenchConfig) -> torch.device:
+def bench_device(cfg: TrainBenchConfig) -> torch.device:
     return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
@@ -197,7 +196,7 @@ def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender |
 
 def build_contender(name: str, cfg: TrainBenchConfig) -> Contender | None:
     """The contender ``name`` (a precision mode or a peer) ready to step; None if not installed."""
-    device = _device(cfg)
+    device = bench_device(cfg)
     return _peer(name, cfg, device) if name in PEERS else _mixprec(name, cfg, device)
 
 
@@ -285,7 +284,7 @@ def _memory_probe(spec_json: str) -> None:
     kw = spec["cfg"]
     kw["modes"] = tuple(kw["modes"])
     cfg = TrainBenchConfig(**kw)
-    device = _device(cfg)
+    device = bench_device(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     import mixprec.train.trainer  # noqa: F401  (imports belong to the baseline)
@@ -315,9 +314,9 @@ def _memory_probe(spec_json: str) -> None:
 def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
                 log: Callable[[str], None] = lambda s: None) -> list[dict]:
     """Rows of {mode, step_s_median, step_s_min, step_s_max, tokens_per_s, mfu, peak_mem_mb, ...}."""
-    from mixprec.precision.dtypes import dtype_name
-    from mixprec.precision.peak import peak_flops
-    device = _device(cfg)
+    from mixprec.policy.dtypes import dtype_name
+    from mixprec.policy.peak import peak_flops
+    device = bench_device(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     contenders, skipped = [], []
@@ -443,59 +442,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small", help="model preset: tiny, small, gpt-ref")
-    parser.add_argument("--modes", default="32-true,bf16-mixed,bf16-true",
-                        help="comma-separated precision modes (and peer names)")
-    parser.add_argument("--peers", action="store_true",
-                        help=f"add the peer loops: {', '.join(PEERS)} (missing packages are skipped)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per repeat")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--clip", type=float, default=None, help="gradient clipping in mixprec modes")
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory processes")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads (default: torch's); 1 is steadier on a shared machine")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--overlap", action="store_true",
-                        help="add MODE+overlap (overlap_optimizer=true) after each mode")
-    parser.add_argument("--compile", action="store_true",
-                        help="add MODE+compile (torch.compile of the model) after each mode; the "
-                             "table reports the compile time")
-    parser.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="STEPS",
-                        help="profile STEPS steps (default 3) of the first mode after timing: "
-                             "profile.txt (top operators by category) and trace.json in --out")
-    parser.add_argument("--out", default="bench-train", help="folder for bench_train.csv and .png")
-
-
-def run(args: argparse.Namespace) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for flag in ("overlap", "compile"):
-        if getattr(args, flag, False):
-            modes = [v for m in modes for v in ((m, f"{m}+{flag}") if m not in PEERS else (m,))]
-    if args.peers:
-        modes += [p for p in PEERS if p not in modes]
-    cfg = TrainBenchConfig(model=args.model, modes=tuple(modes), batch=args.batch, seq=args.seq,
-                           repeats=args.repeats, steps=args.steps, warmup=args.warmup, clip=args.clip,
-                           device=args.device, threads=args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = bench_train(cfg, memory=not args.no_memory, log=lambda s: print(f"[bench] {s}", file=sys.stderr))
-    print(format_table(rows))
-    write_csv(rows, out / "bench_train.csv")
-    write_png(rows, out / "bench_train.png",
-              f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {_device(cfg).type}, {cfg.repeats} repeats")
-    print(f"wrote {out / 'bench_train.csv'} and {out / 'bench_train.png'}")
-    if args.profile:
-        summary = profile_contender(cfg.modes[0], cfg, steps=args.profile, out_dir=out)
-        print(f"\nprofile of {cfg.modes[0]} ({cfg.model}, batch {cfg.batch} x {cfg.seq}):")
-        print(summary.table())
-        print(f"wrote {out / 'profile.txt'} and {out / 'trace.json'}")
-    return 0
-
-
 def profile_contender(name: str, cfg: TrainBenchConfig, *, steps: int = 3, out_dir: Path,
                       warmup: int | None = None):
     """``torch.profiler`` over ``steps`` steps of ``name`` after ``warmup`` (default
@@ -506,7 +452,7 @@ def profile_contender(name: str, cfg: TrainBenchConfig, *, steps: int = 3, out_d
     c = build_contender(name, cfg)
     if c is None:
         raise ConfigError(f"cannot profile {name}: its package is not installed")
-    device = _device(cfg)
+    device = bench_device(cfg)
     prof = StepProfiler(steps, out_dir, device=device, warmup=max(cfg.warmup, 2) if warmup is None else warmup)
     while not prof.done:
         with prof.step():

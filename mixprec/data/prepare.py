@@ -16,7 +16,6 @@ ever read, and an output path that is one of the inputs is refused.
 """
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from mixprec.data.token_dataset import TEXT_SUFFIXES
 from mixprec.data.token_file import TokenFileWriter
 from mixprec.errors import ConfigError, DataError
 
-__all__ = ["PrepareResult", "prepare_files", "configure", "run"]
+__all__ = ["PrepareResult", "prepare_files"]
 
 _CHUNK_BYTES = 16 * 2**20    # bytes read at a time for byte-level tokenization
 _TEXT_PIECE = 1 * 2**20      # characters per piece handed to a HF tokenizer (split at a newline)
@@ -131,24 +130,3 @@ def prepare_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
                 bar.update(path.stat().st_size)
     return PrepareResult(path=writer.path, num_files=len(files), num_tokens=writer.num_tokens, vocab_size=vocab,
                          tokenizer=str(tokenizer) if tokenizer is not None else "bytes")
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``mixprec prepare``."""
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="text files or folders of text files")
-    parser.add_argument("-o", "--output", required=True, help="token file to write (e.g. data/train.tokens)")
-    parser.add_argument("--tokenizer", default=None, metavar="JSON",
-                        help="a local Hugging Face tokenizer.json (needs `pip install tokenizers`); "
-                             "default: byte-level tokens, vocabulary 256")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="vocabulary size to record (default: the tokenizer's, or 256 for bytes)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``mixprec prepare``; prints one summary line."""
-    result = prepare_files(args.inputs, args.output, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                           progress=not args.quiet)
-    print(f"wrote {result.path}: {result.num_tokens:,} tokens from {result.num_files} file(s), "
-          f"vocab_size {result.vocab_size} ({result.tokenizer})")
-    return 0

@@ -1,7 +1,11 @@
-"""The precision engine: :class:`Precision`, the one object that turns a policy into decisions
-(storage dtypes, FP32 exemptions, FP8 swap, master weights, loss scaling, what strategies need),
-and :class:`OverlappedUpdate`, which issues a taken step per module so it overlaps the next forward."""
-from mixprec.engine.overlap import OverlappedUpdate
-from mixprec.engine.precision import OptimizerSpec, Precision
+"""Old import path (a shim): the decider moved to :mod:`mixprec.precision`, the overlapped update
+to :mod:`mixprec.optim.overlap` (docs/ARCHITECTURE.md)."""
+from mixprec import _compat
+from mixprec.optim import overlap
+from mixprec.optim.overlap import OverlappedUpdate
+from mixprec.precision import layer_formats, precision
+from mixprec.precision.precision import OptimizerSpec, Precision
+
+_compat.alias(__name__, precision=precision, layer_formats=layer_formats, overlap=overlap)
 
 __all__ = ["Precision", "OptimizerSpec", "OverlappedUpdate"]

@@ -1,29 +1,9 @@
-"""FP8 training: E4M3/E5M2 Linear (and Hugging Face Conv1D) layers with tensorwise, delayed, rowwise and DeepSeek-V3
-blockwise scaling; real FP8 GEMMs through ``torch._scaled_mm`` on GPUs with FP8 tensor cores,
-faithful emulation elsewhere.
+"""Old import path (a shim): FP8 lives in :mod:`mixprec.formats` (docs/ARCHITECTURE.md).
+``mixprec.fp8.X`` and ``mixprec.fp8.<module>`` keep working."""
+from mixprec import _compat
+from mixprec.formats import *  # noqa: F403 - the shim re-exports the public names
+from mixprec.formats import __all__  # noqa: F401
+from mixprec.formats import convert, emulation, fp8_config, fp8_linear, fp8_quantize
 
-The ``fp8-*`` precision policies are declared with the other presets in
-:mod:`mixprec.precision.policy`; :class:`mixprec.Precision` applies them. Their non-FP8 compute dtype is
-BF16 (attention, norms' surroundings, the head: what DeepSeek-V3 runs outside its FP8 GEMMs) with
-FP32 parameters (master weights) and FP32 gradient reduction. The FP8 GEMMs themselves do not use
-the compute dtype: emulation runs them in FP32 after FP8 rounding. On CPUs without BF16
-instructions (see ``mixprec.precision.hardware.cpu_has_native_bf16``) BF16 compute is itself
-emulated and slow: FP8 emulation on a CPU is for studying numerics, not for speed.
-"""
-from mixprec.fp8.config import FORMATS, RECIPES, SCALINGS, Fp8Config
-from mixprec.fp8.convert import Fp8ConversionReport, convert_to_fp8, prepare_fp8
-from mixprec.fp8.emulation import emulated_mm, limited_precision_matmul, round_mantissa
-from mixprec.fp8.linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
-from mixprec.fp8.quantize import Fp8Tensor, compute_amax, dequantize, quantize, scale_from_amax, sqnr_db
-
-__all__ = [
-    # configuration
-    "Fp8Config", "RECIPES", "SCALINGS", "FORMATS",
-    # modules and conversion
-    "Fp8Linear", "Fp8Conv1D", "is_conv1d", "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
-    # quantization
-    "Fp8Tensor", "quantize", "dequantize", "compute_amax", "scale_from_amax", "sqnr_db",
-    # GEMMs and emulation
-    "fp8_gemm", "emulated_mm", "limited_precision_matmul", "round_mantissa",
-]
-
+_compat.alias(__name__, config=fp8_config, convert=convert, emulation=emulation, linear=fp8_linear,
+              quantize=fp8_quantize)

@@ -9,7 +9,7 @@ import torch
 from mixprec.errors import ConfigError, closest
 from mixprec.nn.attention import ATTENTION_IMPLS
 from mixprec.nn.norms import NORM_LAYERS
-from mixprec.precision.dtypes import parse_dtype
+from mixprec.policy.dtypes import parse_dtype
 
 __all__ = ["TransformerConfig", "MODEL_PRESETS", "get_model_config"]
 

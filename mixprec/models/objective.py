@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 
 __all__ = ["Objective", "make_objective", "extract_loss", "is_causal_lm", "describe_batch",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.precision.policy import mark_fp32_params
+from mixprec.policy.policy import mark_fp32_params
 from torch.utils.checkpoint import checkpoint
 
 from mixprec.errors import ConfigError
@@ -226,6 +226,10 @@ class Transformer(nn.Module):
     # --- training -----------------------------------------------------------------------------
 
     def fit(self, train_loader, **kwargs):
-        """Train with :func:`mixprec.train.fit` (see there for the options)."""
-        from mixprec.train import fit
-        return fit(self, train_loader, **kwargs)
+        """Train with :func:`mixprec.fit` (see there for the options).
+
+        The seed's ``model.fit(...)`` API. The model room sits below the training loop, so this
+        goes through the public top-level ``mixprec.fit`` (the package above every room), not
+        through an import of ``mixprec.train``."""
+        import mixprec
+        return mixprec.fit(self, train_loader, **kwargs)

@@ -2,7 +2,6 @@
 a pre-flight precision audit and a stuck-loss-scale watch."""
 from mixprec.monitor.audit import Finding, audit, audit_after_first_step, format_findings
 from mixprec.monitor.stats import NUMERICS_COLUMNS, NumericsMonitor, NumericsRow, Sample, range_counts, ulp
-from mixprec.monitor.replan import FormatSwitch, LayerReplanner
 from mixprec.monitor.stuck import ScaleWatch, StuckScaleWarning
 from mixprec.monitor.trace import (NonFiniteEvent, RngState, capture_rng_state, locate_nonfinite,
                                    replay_rng_state)
@@ -14,8 +13,14 @@ __all__ = [
     "NumericsMonitor", "NumericsRow", "Sample", "NUMERICS_COLUMNS", "range_counts", "ulp",
     # pre-flight audit
     "audit", "audit_after_first_step", "Finding", "format_findings",
-    # re-planning per-layer formats while training
-    "LayerReplanner", "FormatSwitch",
     # stuck loss scale
     "ScaleWatch", "StuckScaleWarning",
 ]
+
+
+def __getattr__(name: str):
+    # ``mixprec.monitor.LayerReplanner``: an old import path; re-planning lives in mixprec.plan.
+    if name in ("LayerReplanner", "FormatSwitch"):
+        from mixprec.plan import replan
+        return getattr(replan, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

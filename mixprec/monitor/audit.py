@@ -47,14 +47,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.precision.dtypes import dtype_name, format_info
-from mixprec.precision.exempt import TORCH_NORM_TYPES as _NORM_TYPES
-from mixprec.precision.exempt import is_norm as _is_norm
-from mixprec.precision.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
+from mixprec.policy.dtypes import dtype_name, format_info
+from mixprec.policy.exempt import TORCH_NORM_TYPES as _NORM_TYPES
+from mixprec.policy.exempt import is_norm as _is_norm
+from mixprec.policy.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
                                        cuda_supports_fp8, describe_cpu)
-from mixprec.precision.policy import Policy
+from mixprec.policy.policy import Policy
 
 __all__ = ["Finding", "audit", "audit_after_first_step", "format_findings"]
 

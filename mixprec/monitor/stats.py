@@ -41,9 +41,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from mixprec.errors import ConfigError
-from mixprec.engine import Precision
-from mixprec.precision.dtypes import dtype_name, format_info, parse_dtype
-from mixprec.precision.policy import Policy
+from mixprec.precision import Precision
+from mixprec.policy.dtypes import dtype_name, format_info, parse_dtype
+from mixprec.policy.policy import Policy
 
 __all__ = ["NumericsRow", "NUMERICS_COLUMNS", "NumericsMonitor", "Sample", "range_counts", "ulp",
            "update_counts"]

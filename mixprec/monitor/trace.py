@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mixprec.precision.dtypes import dtype_name
+from mixprec.policy.dtypes import dtype_name
 
 __all__ = ["NonFiniteEvent", "RngState", "capture_rng_state", "replay_rng_state", "locate_nonfinite",
            "gather_origins"]

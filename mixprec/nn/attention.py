@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import ConfigError
-from mixprec.precision.hardware import cpu_matrix_flags
+from mixprec.policy.hardware import cpu_matrix_flags
 
 __all__ = ["CausalSelfAttention", "ATTENTION_IMPLS", "causal_attention_fp32_softmax"]
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import ConfigError
-from mixprec.precision.dtypes import format_info
+from mixprec.policy.dtypes import format_info
 
 __all__ = ["clamp_activations", "ClampHandle", "DEFAULT_CLAMP_BOUND"]
 

@@ -1,7 +1,7 @@
 """``FormatLinear``: an ``nn.Linear`` whose GEMM runs in a format of its own (per-layer precision).
 
 :class:`mixprec.Precision` swaps a Linear for one of these when a per-module override gives it a
-compute format other than the one around it (``mixprec/precision/overrides.py``):
+compute format other than the one around it (``mixprec/policy/overrides.py``):
 
 * ``fp32``: autocast is switched off for the layer and the input (and 16-bit weights) are upcast,
   so the GEMM and its backward run in FP32 whatever the surrounding mode does,
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import ConfigError
-from mixprec.precision.overrides import format_dtype
+from mixprec.policy.overrides import format_dtype
 
 __all__ = ["FormatLinear"]
 

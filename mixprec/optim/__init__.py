@@ -1,4 +1,5 @@
-"""Optimizers that keep FP32 master weights of low-precision model parameters.
+"""Optimizer-side mechanics: FP32 master weights of low-precision parameters, AdamW with low-bit
+moments, the overlapped per-module update and the learning-rate schedule.
 
 ``MasterWeights`` wraps any ``torch.optim`` optimizer; ``AdamW`` adds ``fp16_params=True`` (convert
 an FP32 model in place and keep masters) and BF16 moments. Both expose ``master_grads()``, the grad
@@ -6,8 +7,12 @@ protocol ``mixprec.amp.GradScaler`` uses to unscale into the FP32 master grads (
 """
 from mixprec.optim.adamw import AdamW
 from mixprec.optim.master import MasterWeights
+from mixprec.optim.overlap import OverlappedUpdate
+from mixprec.optim.schedule import WarmupCosine, warmup_cosine_scheduler
 
 __all__ = [
     "AdamW",
     "MasterWeights",
+    "OverlappedUpdate",
+    "WarmupCosine", "warmup_cosine_scheduler",
 ]

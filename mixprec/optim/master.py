@@ -223,7 +223,7 @@ class MasterWeights(torch.optim.Optimizer):
 
         ``parts``: disjoint lists of *model* params; the step is then issued part by part (the
         inner optimizer over only that part's masters, then that part's copy-back), each inside
-        ``around(i)`` (mixprec.engine.overlap puts part ``i`` on a side CUDA stream there). The
+        ``around(i)`` (mixprec.optim.overlap puts part ``i`` on a side CUDA stream there). The
         state is the inner optimizer's own, shared, never copied; for an elementwise optimizer
         (mixprec.optim.parts.check_separable) the result is bit-identical to one whole step.
         Params in no part are not stepped.

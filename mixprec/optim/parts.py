@@ -1,6 +1,6 @@
 """One optimizer step issued in parts (per module), bit-identical to the whole step.
 
-The overlap engine (mixprec/engine/overlap.py) updates the parameters of the first layers while
+The overlap engine (mixprec/optim/overlap.py) updates the parameters of the first layers while
 the next forward already runs, so it needs ``optimizer.step()`` split by module. Building one
 optimizer per module would copy state and change the checkpoint format; instead each part is a
 *view*: the optimizer's ``param_groups`` are replaced, for the duration of one ``step()``, by

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from mixprec.engine import Precision
-from mixprec.precision.overrides import LAYER_FORMATS, format_dtype, write_plan
+from mixprec.precision import Precision
+from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, write_plan
 
 __all__ = ["PrecisionPlan", "LayerMeasure", "format_throughput", "choose"]
 
@@ -168,7 +168,7 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
     """FLOP/s per candidate format: measured here (``target="measure"``) or a GPU's datasheet."""
     notes: list[str] = []
     if target != "measure":
-        from mixprec.bench.gpus import get_gpu
+        from mixprec.estimate.gpus import get_gpu
         gpu = get_gpu(target)
         out = {}
         for f in candidates:
@@ -180,8 +180,8 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
             out[f] = value * 1e12
         notes.append(f"throughput: {gpu.name} dense datasheet peaks ({gpu.source})")
         return out, notes
-    from mixprec.bench.matmul import _time_matmul
-    from mixprec.precision import hardware
+    from mixprec.policy.peak import time_matmul
+    from mixprec.policy import hardware
     out = {}
     fp8_native = device.type == "cuda" and hardware.cuda_supports_fp8()
     for f in candidates:
@@ -191,10 +191,10 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
                              "slower than fp32); plan for a GPU with target='H100'")
                 continue
             if "fp8" not in out:
-                out["fp8"] = _time_matmul("fp8", None, device, n, min_time)
+                out["fp8"] = time_matmul("fp8", None, device, n, min_time)
             out[f] = out["fp8"]
         else:
-            out[f] = _time_matmul(f, format_dtype(f), device, n, min_time)
+            out[f] = time_matmul(f, format_dtype(f), device, n, min_time)
     out.pop("fp8", None)
     notes.append(f"throughput: measured on {device.type} with {n}x{n} GEMMs: " +
                  ", ".join(f"{f} {v / 1e9:.0f} GFLOPS" for f, v in out.items()))

@@ -27,7 +27,7 @@ layer's own GEMMs.
 
 Step-time model: each layer's GEMM FLOPs per token (``6 * in * out``: forward, input and weight gradient) at
 the throughput of its format: measured on this machine with ``mixprec bench matmul``'s timer
-(``target="measure"``), or the dense datasheet peaks of a GPU from :data:`mixprec.bench.gpus.GPUS`
+(``target="measure"``), or the dense datasheet peaks of a GPU from :data:`mixprec.estimate.gpus.GPUS`
 (``target="H100"``, ...). On a device without FP8 GEMMs FP8 would be emulated, so measured
 targets drop the FP8 candidates (with a note). The estimated step time is the sum of the GEMM
 times; the rest of the step does not depend on the plan and is left out.
@@ -48,11 +48,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.fp8 import sqnr_db
+from mixprec.formats import sqnr_db
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
-from mixprec.precision.overrides import parse_format
+from mixprec.policy.overrides import parse_format
 
 __all__ = ["plan_precision", "DEFAULT_CANDIDATES"]
 
@@ -174,7 +174,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     if "fp32" not in cands:
         cands.insert(0, "fp32")            # the reference every layer may fall back to
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    from mixprec.precision import hardware
+    from mixprec.policy import hardware
     if target is None:
         target = "measure" if device.type == "cuda" and hardware.cuda_supports_fp8() else "H100"
     throughput, notes = format_throughput(target, cands, device=device)

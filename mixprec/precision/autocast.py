@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from mixprec.precision.policy import Policy, get_policy
+from mixprec.policy.policy import Policy, get_policy
 
 __all__ = ["autocast"]
 

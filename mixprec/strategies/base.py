@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.precision import Policy
 from mixprec.strategies.env import (DistEnv, default_backend, default_timeout, init_process_group,
                                     rank_failure_guard, read_env)

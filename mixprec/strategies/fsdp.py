@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from mixprec.engine import Precision
+from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.precision import Policy
 from mixprec.strategies.base import OptimizerLike, ProcessGroupStrategy, Strategy

@@ -44,7 +44,7 @@ class FitConfig:
     precision_overrides: tuple[tuple[str, str], ...] = ()
     """Per-layer compute formats, first match wins: ``{"head": "bf16", "blocks.0.*": "fp32"}`` in
     Python, an ``[overrides]`` table in TOML, ``precision_overrides=head=bf16,blocks.0.*=fp32`` on
-    the command line (see ``mixprec/precision/overrides.py``)."""
+    the command line (see ``mixprec/policy/overrides.py``)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (skipped steps count). None: run ``epochs``."""
     epochs: int = 1
@@ -110,7 +110,7 @@ class FitConfig:
     """Show a progress bar (rank 0 only)."""
     overlap_optimizer: bool = False
     """Issue each taken optimizer step per module on a side CUDA stream so it overlaps the next
-    forward (bit-identical; in order on CPU). See mixprec/engine/overlap.py."""
+    forward (bit-identical; in order on CPU). See mixprec/optim/overlap.py."""
     profile: int = 0
     """Profile this many steps (after 2 warm-up steps) with torch.profiler: ``profile.txt`` (top
     operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""
@@ -121,7 +121,7 @@ class FitConfig:
     (``checkpoints/step-N/hf``). The run's final weights always go to ``RUN_DIR/hf``."""
 
     def __post_init__(self) -> None:
-        from mixprec.precision.overrides import normalize_overrides
+        from mixprec.policy.overrides import normalize_overrides
         object.__setattr__(self, "precision_overrides", normalize_overrides(self.precision_overrides))
 
     def scaler_options(self) -> dict[str, Any]:
@@ -342,7 +342,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 raise ConfigError(f"unknown setting '{key}' ({origin}){closest(key, types)}; valid: "
                                   f"{', '.join(sorted(types))}")
             if key == "precision_overrides":
-                from mixprec.precision.overrides import normalize_overrides
+                from mixprec.policy.overrides import normalize_overrides
                 values[key] = normalize_overrides(value)
             else:
                 values[key] = _coerce(key, value, types[key], from_text=from_text)

@@ -7,11 +7,11 @@ import time
 import torch
 from torch import nn
 
-from mixprec.engine import Precision
 from mixprec.models.objective import add_tokens
-from mixprec.precision.peak import peak_flops
+from mixprec.precision import Precision
+from mixprec.policy.peak import peak_flops
 from mixprec.strategies import Strategy
-from mixprec.train.metrics import MetricsLogger
+from mixprec.runs.metrics import MetricsLogger
 from mixprec.train.step import StepOutput
 
 __all__ = ["IntervalMeter", "peak_memory_mb"]

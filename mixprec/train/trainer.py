@@ -20,25 +20,26 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from mixprec.data.position import resumable
-from mixprec.engine import OverlappedUpdate, Precision
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.models.objective import add_tokens, make_objective
-from mixprec.monitor import LayerReplanner, NumericsMonitor, ScaleWatch, audit, audit_after_first_step
+from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
+from mixprec.optim.overlap import OverlappedUpdate
 from mixprec.optim.registry import find_optimizer_for
-from mixprec.precision import Policy
+from mixprec.optim.schedule import warmup_cosine_scheduler
+from mixprec.plan.replan import LayerReplanner
+from mixprec.precision import Policy, Precision
+from mixprec.runs.checkpointer import Checkpointer
+from mixprec.runs.events import RunEvents
+from mixprec.runs.metrics import MetricsLogger
+from mixprec.runs.run_dir import claim_run_dir
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
                                    refuse_changes_to_ready_precision, refuse_two_modes)
-from mixprec.train.events import RunEvents
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.meter import IntervalMeter
-from mixprec.train.metrics import MetricsLogger
-from mixprec.train.resume import Checkpointer
-from mixprec.train.run_dir import claim_run_dir
 from mixprec.train.signals import StopRequest
-from mixprec.train.schedule import warmup_cosine_scheduler
 from mixprec.train.step import Batch, StepOutput
 
 __all__ = ["Trainer", "fit", "FitResult", "StepOutput"]
@@ -456,7 +457,7 @@ class Trainer:
     def _stop_if_diverged(self, problem: str | None) -> None:
         if problem is None:
             return
-        from mixprec.train import checkpoint as ckpt
+        from mixprec.runs import checkpoint as ckpt
         done = ckpt.list_checkpoints(self.run_dir) if self.run_dir is not None else []
         where = (f"resume from the last checkpoint before it: mixprec train --resume {done[-1][1]}"
                  if done else "no checkpoint was written before it")

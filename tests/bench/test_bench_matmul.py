@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from mixprec.bench import matmul
+from mixprec.cli import bench_matmul as bench_matmul_cmd
 
 GFLOPS = {"fp32": 100e9, "bf16": 200e9, "fp16": 0.4e9}   # fp16 emulated: 0.4 GFLOPS
 
@@ -47,13 +48,13 @@ def test_cli_prints_the_note_for_a_capped_size(monkeypatch, capsys):
     import argparse
     calls = []
     parser = argparse.ArgumentParser()
-    matmul.configure(parser)
+    bench_matmul_cmd.configure(parser)
     args = parser.parse_args(["--dtypes", "fp32,fp16", "--sizes", "64,2048", "--repeats", "1",
                               "--device", "cpu", "--max-seconds", "30"])
     real = matmul.bench_matmul
-    monkeypatch.setattr(matmul, "bench_matmul",
+    monkeypatch.setattr(bench_matmul_cmd, "bench_matmul",
                         lambda *a, **k: real(*a, **k, timer=fake_timer(calls)))
-    assert matmul.run(args) == 0
+    assert bench_matmul_cmd.run(args) == 0
     out = capsys.readouterr().out
     assert "note: fp16 n=2048 skipped" in out
     lines = out.splitlines()

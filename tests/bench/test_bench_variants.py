@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from mixprec.bench import modes
+from mixprec.cli import bench_train as bench_train_cmd
 from mixprec.errors import ConfigError
 
 
@@ -26,12 +27,12 @@ def test_the_overlap_and_compile_flags_add_a_variant_after_each_mode(monkeypatch
     def fake_bench(cfg, memory, log):
         seen["modes"] = cfg.modes
         raise SystemExit(0)
-    monkeypatch.setattr(modes, "bench_train", fake_bench)
+    monkeypatch.setattr(bench_train_cmd, "bench_train", fake_bench)
     p = argparse.ArgumentParser()
-    modes.configure(p)
+    bench_train_cmd.configure(p)
     args = p.parse_args(["--modes", "32-true,bf16-mixed", "--overlap", "--compile", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
-        modes.run(args)
+        bench_train_cmd.run(args)
     assert seen["modes"] == ("32-true", "32-true+compile", "32-true+overlap", "32-true+overlap+compile",
                              "bf16-mixed", "bf16-mixed+compile", "bf16-mixed+overlap",
                              "bf16-mixed+overlap+compile")

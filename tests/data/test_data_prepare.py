@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mixprec.data import TokenDataset, prepare_files, read_header
-from mixprec.data import prepare as prepare_cmd
+from mixprec.cli import prepare as prepare_cmd
 from mixprec.errors import ConfigError, DataError
 
 

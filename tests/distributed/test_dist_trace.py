@@ -42,7 +42,7 @@ class RankOneOverflow(nn.Module):
 def fit_job(rank: int, run_dir: str) -> dict:
     from mixprec.strategies import MirroredStrategy
     from mixprec.train import fit
-    from mixprec.train.metrics import read_events
+    from mixprec.runs.metrics import read_events
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mixprec.errors import ConfigError
-from mixprec.train.command import build_run
+from mixprec.cli.train import build_run
 from mixprec.train.config import TrainConfig
 from mixprec.train.trainer import Trainer
 
@@ -217,7 +217,7 @@ def test_cli_reports_a_bad_hf_config_in_one_line_and_exits_2(tmp_path, corpus_fi
 
 
 def test_export_hf_on_a_non_hf_model_is_refused(tmp_path):
-    from mixprec.train.resume import Checkpointer
+    from mixprec.runs.checkpointer import Checkpointer
     from mixprec.strategies import get_strategy
     with pytest.raises(ConfigError, match="export_hf=true .* not a transformers model"):
         Checkpointer(get_strategy("single"), tmp_path, keep_last=1, export_hf=True,

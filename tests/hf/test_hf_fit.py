@@ -4,7 +4,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec as mp
-from mixprec.fp8 import Fp8Conv1D, Fp8Linear
+from mixprec.formats import Fp8Conv1D, Fp8Linear
 from mixprec.precision import is_norm
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.fp8 import Fp8Config, Fp8Conv1D, Fp8Linear, convert_to_fp8, is_conv1d, sqnr_db
+from mixprec.formats import Fp8Config, Fp8Conv1D, Fp8Linear, convert_to_fp8, is_conv1d, sqnr_db
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402

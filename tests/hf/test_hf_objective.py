@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import mixprec as mp
 from mixprec.errors import ConfigError
-from mixprec.train.objective import make_objective
+from mixprec.models.objective import make_objective
 
 transformers = pytest.importorskip("transformers")
 

@@ -174,11 +174,11 @@ def test_presets_and_validation():
 
 
 def test_fit_delegates_to_the_trainer(monkeypatch):
-    import mixprec.train
+    import mixprec
 
     model = tiny()
     seen = {}
-    monkeypatch.setattr(mixprec.train, "fit", lambda m, loader, **kw: seen.update(m=m, loader=loader, kw=kw) or 7,
+    monkeypatch.setattr(mixprec, "fit", lambda m, loader, **kw: seen.update(m=m, loader=loader, kw=kw) or 7,
                         raising=False)
     assert model.fit("LOADER", epochs=2) == 7
     assert seen == {"m": model, "loader": "LOADER", "kw": {"epochs": 2}}

@@ -186,7 +186,7 @@ def test_fp16_on_cpu_advises_bf16_only_where_the_cpu_has_bf16_instructions(monke
 
 
 def test_cpu_advice_names_the_cpus_own_matrix_flags():
-    from mixprec.precision.hardware import cpu_matrix_flags
+    from mixprec.policy.hardware import cpu_matrix_flags
     fp8 = Policy(name="custom", fp8_recipe="fp8-blockwise")
     f = next(f for f in audit(Net(), policy=fp8, device="cpu") if f.code == "fp8-unsupported")
     assert "16-bit matrix flags: " + (", ".join(cpu_matrix_flags()) or "none") in f.fix
@@ -205,7 +205,7 @@ def test_fp16_on_cpu_without_native_fp16(monkeypatch):
 
 
 def test_hardware_findings_match_this_machine():
-    from mixprec.precision.hardware import cpu_has_native_bf16
+    from mixprec.policy.hardware import cpu_has_native_bf16
     found = _codes(audit(Net(), policy="bf16-mixed", device="cpu"))
     assert ("bf16-emulated" in found) == (not cpu_has_native_bf16())
 

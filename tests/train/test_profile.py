@@ -8,7 +8,7 @@ import torch
 
 from mixprec.models import Transformer
 from mixprec.monitor.profile import categorize
-from mixprec.train import report
+from mixprec.report import report
 from mixprec.train.trainer import fit
 
 
@@ -53,7 +53,7 @@ def test_a_model_torch_compile_cannot_compile_trains_eager_and_says_why(tmp_path
     a real compile takes minutes on the CI machine) undoes the compile and the run goes on eager."""
     import torch._dynamo.exc as dynamo_exc
 
-    from mixprec.train.metrics import read_events
+    from mixprec.runs.metrics import read_events
     from mixprec.train.trainer import Trainer
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compiled.append(self))

@@ -18,7 +18,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
-from mixprec.train.run_dir import claim_run_dir
+from mixprec.runs.run_dir import claim_run_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_cli import TINY, losses, mixprec  # noqa: E402
@@ -138,7 +138,7 @@ def test_first_signal_saves_a_checkpoint_prints_the_resume_command_and_exits(tmp
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert f"continue with: mixprec train --resume {run}" in err
-    from mixprec.train.checkpoint import list_checkpoints
+    from mixprec.runs.checkpoint import list_checkpoints
     saved = list_checkpoints(run)
     assert saved and saved[-1][0] >= 5
     assert "Traceback" not in err
@@ -227,7 +227,7 @@ def test_one_stray_token_id_is_refused_before_anything_is_built(tmp_path):
 
 
 def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatch):
-    from mixprec.train import command
+    from mixprec.cli import train as command
     monkeypatch.setattr(command, "_available_memory_bytes", lambda: 2**30)
     monkeypatch.setattr(command.torch.cuda, "is_available", lambda: False)
     from mixprec.models import Transformer
@@ -243,7 +243,7 @@ def test_a_model_too_big_for_free_memory_is_refused_before_allocation(monkeypatc
 def test_os_errors_opening_the_run_files_are_one_line_with_the_fix(tmp_path, text_corpus, monkeypatch,
                                                                    capsys, code, fix):
     from mixprec.cli import main
-    from mixprec.train import metrics
+    from mixprec.runs import metrics
 
     def fail(self, *a, **k):
         raise OSError(code, os.strerror(code), str(tmp_path / "r" / "metrics.csv"))
@@ -257,7 +257,7 @@ def test_os_errors_opening_the_run_files_are_one_line_with_the_fix(tmp_path, tex
 
 def test_other_os_errors_are_one_line_with_the_fix(monkeypatch, capsys):
     from mixprec.cli import main
-    from mixprec.train import command
+    from mixprec.cli import train as command
 
     def fail(args):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/tokens.bin")
@@ -269,7 +269,7 @@ def test_other_os_errors_are_one_line_with_the_fix(monkeypatch, capsys):
 
 def test_report_on_an_unwritable_run_folder_is_one_line(tmp_path, monkeypatch, capsys):
     from mixprec.cli import main
-    from mixprec.train import report
+    from mixprec.cli import report
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.csv").write_text("step,loss\n1,2.0\n")

@@ -138,7 +138,7 @@ def test_skipped_step_is_traced_to_the_module_that_made_the_nan(tmp_path):
     result = fit(model, data, epochs=1, mixed_precision="32-true", run_dir=str(tmp_path / "r"),
                  progress=False, audit=False, log_interval=1, ckpt_interval=0, clip_grad_norm=None)
     assert result.skipped_steps == 1
-    from mixprec.train.metrics import read_events
+    from mixprec.runs.metrics import read_events
     skips = [e for e in read_events(tmp_path / "r") if e["kind"] == "skip"]
     assert len(skips) == 1
     assert skips[0]["module"] == "net.0" and skips[0]["direction"] == "forward"
@@ -160,7 +160,7 @@ def test_skip_event_names_the_module_and_keeps_its_nonfinite_kind_for_a_second_m
                  grad_accum_steps=2, progress=False, audit=False, log_interval=1, ckpt_interval=0,
                  clip_grad_norm=None)
     assert result.skipped_steps == 1
-    from mixprec.train.metrics import read_events
+    from mixprec.runs.metrics import read_events
     (skip,) = [e for e in read_events(tmp_path / "r") if e["kind"] == "skip"]
     # tanh saturates the forward inf, so the loss stays finite: the gradient is where it shows
     assert (skip["module"], skip["direction"], skip["nonfinite"]) == ("net.0", "backward", "nan")
@@ -170,7 +170,7 @@ def test_skip_event_names_the_module_and_keeps_its_nonfinite_kind_for_a_second_m
 def test_numerics_monitor_writes_rows_only_on_sampled_steps(tmp_path):
     torch.manual_seed(0)
     from mixprec.train import fit
-    from mixprec.train.metrics import read_numerics
+    from mixprec.runs.metrics import read_numerics
     fit(Regressor(), batches(4), epochs=1, mixed_precision="32-true", run_dir=str(tmp_path / "r"),
         progress=False, audit=False, ckpt_interval=0, monitor_every=2)
     rows = read_numerics(tmp_path / "r")

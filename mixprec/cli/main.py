@@ -1,0 +1,92 @@
+"""The ``mixprec`` command.
+
+Each sub-command is one thin module of :mod:`mixprec.cli` that exposes two functions:
+``configure(parser: argparse.ArgumentParser) -> None`` and ``run(args: argparse.Namespace) -> int``.
+Each is imported when the parser is built; their top-level imports are kept light.
+
+Errors derived from :class:`mixprec.errors.MixprecError` and operating-system errors (a full disk,
+a read-only or missing folder) are printed as one line, ``mixprec: error: ...``, with the fix and
+exit status 2 (3 for a diverged run); a run stopped by Ctrl-C/SIGTERM after saving exits 130.
+``--debug`` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import sys
+
+from mixprec.errors import MixprecError, RunInterrupted
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("mixprec.cli.train", "train a Transformer (default: small model, built-in corpus)"),
+    "audit": ("mixprec.cli.audit", "pre-flight precision audit of a training set-up"),
+    "report": ("mixprec.cli.report", "write PNG plots and an HTML page for a run folder"),
+    "prepare": ("mixprec.cli.prepare", "tokenize text files into a mixprec token file"),
+    "bench": ("mixprec.cli.bench", "benchmarks: matmul throughput, training step per precision"),
+    "memory": ("mixprec.cli.memory", "estimate memory per precision mode: params, grads, masters, moments, activations"),
+    "plan": ("mixprec.cli.plan", "choose FP8/BF16/FP32 per Linear layer from measured sensitivity and cost"),
+    "estimate": ("mixprec.cli.estimate", "estimate memory, time, energy and cost of a training run on a cluster"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show full tracebacks on errors")
+        p.set_defaults(_module=module)
+        importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    # key=value settings may stand anywhere, also after options (`--precision bf16 lr=3e-4`).
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "settings"):
+        args.settings += [e for e in extra if "=" in e and not e.startswith("-")]
+        extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        print("mixprec: interrupted", file=sys.stderr)
+        return 130
+    except RunInterrupted as e:
+        print(f"mixprec: {e}", file=sys.stderr)
+        return e.exit_code
+    except (MixprecError, OSError) as e:
+        if getattr(args, "debug", False):
+            raise
+        message = str(e) if isinstance(e, MixprecError) else _os_error_line(e)
+        print(f"mixprec: error: {message}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+
+
+_OS_FIXES = {
+    errno.ENOSPC: "free some space or write the run elsewhere (run_dir=PATH)",
+    errno.EROFS: "the file system is read-only; write the run elsewhere (run_dir=PATH)",
+    errno.EACCES: "you may not write there; choose a folder you own (run_dir=PATH)",
+    errno.EPERM: "you may not write there; choose a folder you own (run_dir=PATH)",
+    errno.ENOENT: "check the path",
+    errno.EISDIR: "pass a file, not a folder",
+    errno.EDQUOT: "your disk quota is full; free some space or write elsewhere",
+}
+
+
+def _os_error_line(e: OSError) -> str:
+    """``[Errno 28] No space left on device: 'runs/x/metrics.csv'`` as one line with the fix."""
+    what = e.strerror or type(e).__name__
+    where = f" ({e.filename})" if e.filename else ""
+    fix = _OS_FIXES.get(e.errno or -1, "check the path and the disk")
+    return f"{what}{where}; {fix}"

@@ -1,0 +1,79 @@
+"""``mixprec plan``: choose a format per Linear layer for a training set-up, write the plan file.
+
+Builds the model and data of ``mixprec train`` (same settings: ``--config``, ``key=value``),
+optionally loads the weights of a run (``--from RUN_DIR``: sensitivities of a trained model differ
+from those at initialisation), takes ``--batches`` calibration batches from the training data and
+runs :func:`mixprec.plan.plan_precision`. Writes the plan (``-o``, default ``plan.json``) and a PNG
+beside it; train with it via ``mixprec train --precision plan:plan.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mixprec.errors import ConfigError
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="training settings (model=small, seq_len=128, batch_size=..., see "
+                             "`mixprec train --list`)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with training settings")
+    parser.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise",
+                        help="comma-separated formats to choose from (fp32 is always one)")
+    parser.add_argument("--budget", type=float, default=0.1,
+                        help="allowed summed loss change of one forward pass with the planned formats, in percent "
+                             "of the loss (default 0.1); not the end-of-training difference, see "
+                             "docs/per-layer.md")
+    parser.add_argument("--base", default=None,
+                        help="mode outside the planned Linears (default: the precision setting, "
+                             "auto = best safe mode here)")
+    parser.add_argument("--target", default=None,
+                        help="'measure' (this machine's GEMM throughput) or a GPU (H100, H200, "
+                             "H800, A100, B200); default: measure on an FP8 GPU, else H100")
+    parser.add_argument("--criterion", choices=("fisher", "measured"), default="fisher",
+                        help="spend the budget on the estimated (fisher, default) or the measured "
+                             "loss change (see docs/per-layer.md)")
+    parser.add_argument("--batches", type=int, default=2,
+                        help="calibration batches (of the batch_size x seq_len of the settings)")
+    parser.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                        help="load the model weights of this run's latest checkpoint")
+    parser.add_argument("-o", "--output", default="plan.json", help="plan file (.json or .toml)")
+    parser.add_argument("--png", default=None, help="plot (default: the plan file's name, .png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.plan.planner import plan_precision
+    from mixprec.cli.train import build_run
+    from mixprec.train.config import load_config, parse_overrides
+    if args.batches < 1:
+        raise ConfigError("--batches must be >= 1")
+    cfg, _ = load_config(args.config, parse_overrides(args.settings))
+    model, train_loader, _, strategy = build_run(cfg)
+    if args.from_run:
+        from mixprec.runs.checkpoint import load_checkpoint
+        state, _, _ = load_checkpoint(args.from_run)
+        model.load_state_dict(state)
+    batches = []
+    for batch in train_loader:
+        batches.append(batch)
+        if len(batches) == args.batches:
+            break
+    base = args.base or cfg.precision
+    print(f"[mixprec] planning the Linear layers of model "
+          f"{cfg.model} on {len(batches)} batches of {cfg.batch_size}x{cfg.seq_len} tokens "
+          f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
+    plan = plan_precision(model, batches, candidates=args.candidates.split(","),
+                          budget=args.budget / 100, base=base, target=args.target, seed=cfg.seed,
+                          criterion=args.criterion,
+                          progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
+    print(plan.table())
+    out = plan.write(args.output)
+    png = plan.plot(args.png or Path(args.output).with_suffix(".png"))
+    print(f"[mixprec] plan: {out}  plot: {png}", file=sys.stderr)
+    print(f"[mixprec] train with it: mixprec train --precision plan:{out}", file=sys.stderr)
+    strategy.teardown()
+    return 0

@@ -1,0 +1,54 @@
+"""``mixprec report RUN_DIR [RUN_DIR ...]``: the report of one run folder, or several overlaid
+(:mod:`mixprec.report`)."""
+from __future__ import annotations
+
+import argparse
+import errno
+from pathlib import Path
+
+from mixprec.errors import DataError
+from mixprec.report.compare import compare_summary, load_run, write_comparison
+from mixprec.report.report import write_report
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``mixprec report``."""
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                        help="the run folder `mixprec train` printed; several: one page overlaying "
+                             "them (the first is the reference)")
+    parser.add_argument("-o", "--out", metavar="OUT", default=None,
+                        help="folder for the PNGs and report.html (default: RUN_DIR/report, or "
+                             "FIRST_RUN/compare for several runs)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the report (or, for several runs, the comparison) and print where it is."""
+    try:
+        if len(args.run_dir) > 1:
+            return _compare(args)
+        html_path = write_report(args.run_dir[0], args.out)
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+            raise
+        where = args.out or Path(args.run_dir[0]) / "report"
+        raise DataError(f"cannot write the report into {where} ({e.strerror}); write it elsewhere "
+                        "with --out DIR") from None
+    print(f"report: {html_path}")
+    print(f"plots:  {html_path.parent}/*.png")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """``mixprec report RUN_A RUN_B ...``: the overlay page and a summary table."""
+    html_path = write_comparison(args.run_dir, args.out)
+    rows = compare_summary([load_run(Path(d)) for d in args.run_dir])
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join("-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
+                         f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    print(f"comparison: {html_path}")
+    print(f"plots:      {html_path.parent}/compare_*.png")
+    return 0

@@ -1,0 +1,257 @@
+"""``mixprec train``: train a Transformer on the built-in corpus (or your data) from a config.
+
+Settings come from, in increasing precedence: defaults, the resumed run's ``config.toml``,
+``--config FILE``, ``--precision``, and ``key=value`` arguments. The resolved settings and where
+each came from are printed at the start.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from mixprec.errors import ConfigError, DataError, RunInterrupted
+from mixprec.train.config import TrainConfig, load_config, parse_overrides
+
+__all__ = ["configure", "run", "build_run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="override any setting, e.g. max_steps=200 lr=3e-4 (see --list)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with settings")
+    parser.add_argument("--precision", metavar="NAME",
+                        help="precision policy: auto, 32-true, bf16-mixed, 16-mixed, bf16-true, "
+                             "fp8-blockwise, ... or p=f32,c=bf16,o=f32")
+    parser.add_argument("--resume", metavar="PATH",
+                        help="continue a run: its folder (newest checkpoint) or one of its "
+                             "checkpoints/step-N folders")
+    parser.add_argument("--list", action="store_true", help="list every setting with its default")
+
+
+def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Path | None]:
+    """The config, where each value came from, and the run folder to resume (None: fresh)."""
+    overrides = parse_overrides(args.settings)
+    if args.precision:
+        overrides["precision"] = args.precision
+    cfg, source = load_config(args.config, overrides)
+    resume_dir = resume_from = None
+    if args.resume:
+        resume_dir, resume_from = _run_folder_of(Path(args.resume))
+    if resume_dir is None and cfg.resume == "auto":
+        from mixprec.runs.checkpoint import list_checkpoints
+        # Every rank looks at the same (shared) folder, so every rank takes the same decision.
+        if list_checkpoints(Path(cfg.run_dir) / "checkpoints"):
+            resume_dir = resume_from = Path(cfg.run_dir)
+    if resume_dir is None:
+        return cfg, source, None
+    saved = resume_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"cannot resume: {saved} not found; pass the folder of an earlier "
+                          "`mixprec train` run")
+    base_cfg, _ = load_config(saved)
+    base: dict[str, object] = dict(dataclasses.asdict(base_cfg))
+    base["run_dir"] = str(resume_dir)
+    # The resumed run's settings replace the defaults; the file and the command line still win.
+    merged = {**base, **{k: getattr(cfg, k) for k, s in source.items() if s != "default"}}
+    cfg = TrainConfig(**merged)
+    cfg.validate()
+    source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
+    return cfg, source, resume_from
+
+
+def _run_folder_of(path: Path) -> tuple[Path, Path]:
+    """``(run folder, what to resume from)`` for a run folder, its checkpoints/ folder or one
+    checkpoint folder inside it."""
+    if not path.exists():
+        raise ConfigError(f"cannot resume: {path} does not exist; pass the folder of an earlier "
+                          "`mixprec train` run or one of its checkpoints/step-N folders")
+    for run_dir in (path, path.parent, path.parent.parent):
+        if (run_dir / "config.toml").is_file():
+            return run_dir, path
+    raise ConfigError(f"cannot resume: no config.toml in {path} or the two folders above it; pass "
+                      "the folder of an earlier `mixprec train` run or one of its checkpoints/step-N "
+                      "folders")
+
+
+_STRAY_ID_RATIO = 8   # a largest id this many times the distinct-id count is not a vocabulary
+
+
+def _check_vocabulary(ds, say: bool) -> None:
+    """Refuse data whose vocabulary was inferred from one stray id (a 10^6 in a byte-level .npy
+    would build a 64M-parameter embedding table)."""
+    if ds.vocab_inferred:
+        distinct = ds.count_distinct_ids()
+        if ds.vocab_size > 1024 and ds.vocab_size > _STRAY_ID_RATIO * distinct:
+            raise DataError(f"{ds.root}: the largest token id is {ds.vocab_size - 1} but the data holds "
+                            f"only {distinct} distinct ids, so a vocabulary of {ds.vocab_size} is "
+                            "probably one stray id; fix the data, or set vocab_size=N if it is right")
+    if say:
+        how = "inferred from the data's largest id" if ds.vocab_inferred else "declared or set"
+        print(f"[mixprec] vocabulary: {ds.vocab_size} ids ({how})", file=sys.stderr)
+
+
+def _available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_fits_in_memory(build, vocab_size: int) -> None:
+    """Refuse, before allocating, a model (``build()`` makes it) whose weights, gradients and Adam
+    state alone (16 bytes per parameter in every precision mode) exceed the memory free here."""
+    with torch.device("meta"):   # shapes only: nothing is allocated
+        n = build().num_parameters()
+    free = _available_memory_bytes()
+    on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory
+    if free is not None and on_cpu and 16 * n > free:
+        raise ConfigError(f"the model has {n / 1e6:.0f}M parameters (vocab_size {vocab_size}): weights, "
+                          f"gradients and Adam state need at least {16 * n / 2**30:.1f} GiB but "
+                          f"{free / 2**30:.1f} GiB are free; pick a smaller model or vocabulary "
+                          "(`mixprec memory` shows where the bytes go)")
+
+
+def build_run(cfg: TrainConfig):
+    """Data, model and strategy for a config (also used by ``mixprec audit``)."""
+    from mixprec.data import DistributedDataLoader, TokenDataset, builtin_corpus
+    from mixprec.models import Transformer
+    from mixprec.strategies import get_strategy
+
+    kwargs = {}
+    if cfg.grad_compression != "none" and cfg.strategy in ("single", "fsdp"):
+        raise ConfigError(f"grad_compression={cfg.grad_compression} needs strategy=ddp (or auto): "
+                          f"it is a DDP communication hook, and strategy={cfg.strategy} has none")
+    if cfg.grad_compression != "none":
+        kwargs = {"grad_compression": cfg.grad_compression, "topk_ratio": cfg.topk_ratio}
+    strategy = get_strategy(cfg.strategy, **kwargs)
+    vocab = cfg.vocab_size
+    if cfg.data is None:
+        corpus = builtin_corpus()
+        train_ds = TokenDataset(corpus.train_path, cfg.seq_len, vocab_size=vocab)
+        val_ds = TokenDataset(corpus.val_path, cfg.seq_len, vocab_size=vocab)
+    else:
+        train_ds = TokenDataset(cfg.data, cfg.seq_len, vocab_size=vocab)
+        _check_vocabulary(train_ds, strategy.is_main)
+        if cfg.val_data is not None:
+            val_ds = TokenDataset(cfg.val_data, cfg.seq_len, vocab_size=train_ds.vocab_size)
+        else:
+            train_ds, val_ds = train_ds.split(cfg.val_fraction)
+    overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
+
+    def build_transformer():
+        return Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.seq_len,
+                                       gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
+    if cfg.model.startswith("hf:"):
+        torch.manual_seed(cfg.seed)
+        model = _build_hf_model(cfg, train_ds.vocab_size)
+    else:
+        _check_fits_in_memory(build_transformer, train_ds.vocab_size)
+        torch.manual_seed(cfg.seed)
+        model = build_transformer()
+    train_loader = DistributedDataLoader(train_ds, cfg.batch_size, num_workers=cfg.num_workers,
+                                         shuffle=True, seed=cfg.seed, rank=strategy.rank,
+                                         world_size=strategy.world_size)
+    val_loader = DistributedDataLoader(val_ds, cfg.batch_size, shuffle=False, seed=cfg.seed,
+                                       drop_last=False,
+                                       rank=strategy.rank, world_size=strategy.world_size)
+    return model, train_loader, val_loader, strategy
+
+
+_PRESET_FIELDS = ("num_layers", "d_model", "num_heads", "num_experts", "norm", "dropout")
+
+
+def _build_hf_model(cfg: TrainConfig, vocab_size: int):
+    """``model=hf:PATH``: a Hugging Face causal LM from a local config.json (see models/hf.py)."""
+    from mixprec.models.hf import build_hf_model
+
+    shaped = [k for k in _PRESET_FIELDS if getattr(cfg, k) is not None]
+    if shaped:
+        raise ConfigError(f"{shaped[0]}= shapes mixprec's own presets; with model={cfg.model} edit "
+                          "its config.json instead")
+    return build_hf_model(cfg.model, vocab_size=vocab_size, seq_len=cfg.seq_len,
+                          init_from=cfg.init_from,
+                          gradient_checkpointing=cfg.gradient_checkpointing)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for f in dataclasses.fields(TrainConfig):
+            print(f"{f.name} = {f.default!r}")
+        return 0
+    cfg, source, resume_from = _resolve(args)
+    from mixprec.train.trainer import Trainer
+
+    model, train_loader, val_loader, strategy = build_run(cfg)
+    if strategy.is_main:
+        print("[mixprec] settings (non-default):", file=sys.stderr)
+        defaults = TrainConfig()
+        for k, s in source.items():
+            if s != "default" and getattr(cfg, k) != getattr(defaults, k):
+                print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
+        if cfg.resume == "auto" and not args.resume:
+            print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
+                  if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
+                  file=sys.stderr)
+    trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
+    try:
+        result = trainer.fit(train_loader, val_loader, resume=resume_from)
+        # The DDP/FSDP wrappers hold the process group: drop them before teardown destroys it
+        # (Strategy.teardown: a group still alive at interpreter exit can abort or hang the process).
+        del trainer, model, train_loader, val_loader
+        if strategy.is_main:
+            val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
+            print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
+                  f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
+            print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
+            print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
+                  file=sys.stderr)
+            print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
+        strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
+    except BaseException as exc:
+        if strategy.is_distributed:
+            _end_failed_rank(strategy.rank, exc, debug=getattr(args, "debug", False))
+        raise
+    return 0
+
+
+def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
+    """A rank of a distributed run failed: say so in one line naming the rank, then exit at once.
+
+    The process group is *not* destroyed and the interpreter does not finalize it: the peers may
+    be dead or stuck in a collective, and tearing down a broken gloo/NCCL group can block. The
+    peers notice at their next collective (a closed connection at once, a hung rank after at most
+    the process-group timeout, ``MIXPREC_DIST_TIMEOUT``), and torchrun stops the rest of the job
+    as soon as this process exits non-zero.
+    """
+    from mixprec.errors import MixprecError
+    user_error = isinstance(exc, (MixprecError, OSError))
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"mixprec: interrupted (rank {rank})", file=sys.stderr)
+        code = 130
+    elif isinstance(exc, RunInterrupted):   # stopped after saving: said once, by rank 0
+        if rank == 0:
+            print(f"mixprec: {exc}", file=sys.stderr)
+        code = exc.exit_code
+    else:
+        if debug or not user_error:
+            traceback.print_exception(exc)
+        text = str(exc).strip() or type(exc).__name__
+        if not user_error:
+            text = f"{type(exc).__name__}: {text.splitlines()[0]}"
+        prefix = "" if text.startswith(f"rank {rank}:") else f"rank {rank}: "
+        print(f"mixprec: error: {prefix}{text}", file=sys.stderr)
+        code = getattr(exc, "exit_code", 2) if user_error else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,411 @@
+"""``mixprec memory``: where the bytes of a training step go, per precision mode.
+
+The source article on hardware cost (docs/sources.md) tabulates a 67B MoE at 132 GB per GPU in
+FP32 and 58 GB in "FP16+FP32" (-56 %): a headline, not a breakdown; this estimator shows the
+parts. The rules it encodes:
+
+* **States** (bytes per parameter): parameters in the param dtype, gradients in the param dtype,
+  FP32 masters when the params are 16-bit, Adam's two moments (FP32, or BF16 as in DeepSeek-V3),
+  and for 16-bit params the FP32 master gradients the optimizer steps on. With FP32 masters and
+  FP32 Adam moments that is 16 bytes per parameter in *every* mode (4+4+8 with FP32 params;
+  2+2+4+8 with 16-bit params, plus 4 of FP32 master gradients during the step). Mixed precision
+  saves memory only on activations and, optionally, BF16 moments.
+* **Activations** per layer per token, as saved for backward by mixprec's Transformer (counted
+  with ``torch.autograd.graph.saved_tensors_hooks``; ``tests/estimate/test_memory.py`` checks the
+  formula against that count). With ``d`` the width, ``h`` heads, ``r`` the MLP ratio and ``c``
+  the bytes of the compute dtype::
+
+      4 * (2d + 4 + h)          FP32 in every mode: the two norm inputs (FP32 residual stream,
+                                or the FP32 upcast inside the norm), their mean and 1/std, and
+                                the attention log-sum-exp per head
+    + c * (7 + 2r) * d          compute dtype: qkv input d, q/k/v 3d, attention output d, its
+                                (B,T,C) copy d, MLP input d, GELU input r*d, GELU output r*d
+
+  i.e. ``68d + 4h + 16`` bytes in FP32 and ``38d + 4h + 16`` in BF16 (r = 4): activations shrink
+  by ~44 %, not 50 %, because norms keep FP32. (On a CPU without AMX, short sequences' attention
+  runs in FP32, see ``mixprec.nn.attention``, and saves ``10d`` bytes more per layer and token;
+  not counted here: the estimate is the 16-bit kernel's, as on GPUs.) With activation checkpointing a layer keeps only
+  its input (``d`` in the residual dtype), and one layer's full activations exist during its
+  recompute. An MoE MLP keeps ``top_k`` experts' worth of the MLP term per token.
+  The head adds the final norm, the logits' log-softmax (FP32, ``4V`` per token) and, while the
+  loss backward starts, two more FP32 ``V``-wide buffers. While a block runs backward, gradients
+  shaped like its saved tensors exist next to them: one more block's worth (measured: the
+  peak RSS exceeds the saved tensors by one block, 15-84 MiB for the small model at 2-8k tokens).
+* **Autocast weight copies**: under ``*-mixed`` each matmul weight is cast to the compute dtype
+  once per step and kept for backward (``c`` bytes per matmul parameter).
+
+* **Per-layer formats** (a precision with overrides, mixprec's dense Transformer names
+  ``blocks.{i}.attn.qkv|attn.proj|mlp.fc|mlp.proj`` and ``head``): each Linear's weight copy is
+  counted in its own format (``bf16``/``fp16`` layers: 2 bytes per weight when the stored weight is
+  wider; ``fp32`` layers: none, and they store FP32 parameters without masters in the 16-bit "true"
+  modes; FP8 layers: like the surrounding compute dtype, as the uniform ``fp8-*`` modes always
+  were), and each Linear's *saved input* (``d``, ``d``, ``d`` and ``r*d`` per token for the four
+  block Linears) in its format's bytes instead of the compute dtype's (FP8 layers save their
+  input in the surrounding dtype). Everything else keeps the mode's dtypes: a simple, stated
+  approximation (MoE experts keep the mode's format).
+
+Peak = parameters + masters + moments + max(activation phase, gradient/optimizer phase), where the
+activation phase is weight copies + activations + the larger of the loss and block-backward buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import ConfigError
+
+__all__ = ["ModelShape", "MemoryEstimate", "estimate_memory", "activation_bytes_per_token", "dense_linears",
+           "MOE_67B", "format_table"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes the estimate needs (a :class:`mixprec.models.TransformerConfig` maps onto it)."""
+
+    num_layers: int
+    """Transformer blocks."""
+    d_model: int
+    """Residual width."""
+    num_heads: int
+    """Attention heads."""
+    vocab_size: int
+    """Output classes of the head."""
+    max_seq_len: int = 1024
+    """Rows of the learned position embedding."""
+    mlp_ratio: int = 4
+    """MLP hidden width / d_model (per expert for MoE)."""
+    num_experts: int = 0
+    """0: dense MLPs; >0 experts per block."""
+    top_k: int = 2
+    """Experts per token (MoE)."""
+    tie_embeddings: bool = True
+    """Head shares the token embedding."""
+    bias: bool = True
+    """Linear and norm biases."""
+    # --- fields for other architectures (Hugging Face configs); the defaults are mixprec's model --
+    mlp_hidden: int = 0
+    """Hidden width of a dense MLP; 0: ``mlp_ratio * d_model``."""
+    expert_hidden: int = 0
+    """Hidden width of one expert (and of one shared expert); 0: the dense MLP's."""
+    gated_mlp: bool = False
+    """Gated MLP (SwiGLU: gate, up and down matrices) instead of two matrices around a GELU."""
+    shared_experts: int = 0
+    """Experts every token passes through besides its ``top_k`` routed ones (DeepSeek-MoE)."""
+    dense_layers: int = 0
+    """Leading blocks with a dense MLP in an MoE model (DeepSeek's ``first_k_dense_replace``)."""
+    attention_weights: int = 0
+    """Matmul weights of one attention block; 0: ``4 * d_model**2`` (multi-head, q/k/v/o)."""
+    learned_positions: bool = True
+    """A learned position table of ``max_seq_len`` rows (False: rotary, no parameters)."""
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "d_model", "num_heads", "vocab_size", "max_seq_len", "mlp_ratio"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("mlp_hidden", "expert_hidden", "shared_experts", "dense_layers", "attention_weights",
+                  "num_experts"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f} must be >= 0, got {getattr(self, f)}")
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"top_k must be in [1, {self.num_experts}], got {self.top_k}")
+        if self.dense_layers > self.num_layers:
+            raise ConfigError(f"dense_layers ({self.dense_layers}) exceeds num_layers ({self.num_layers})")
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        return cls(num_layers=cfg.num_layers, d_model=cfg.d_model, num_heads=cfg.num_heads,
+                   vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len, mlp_ratio=cfg.mlp_ratio,
+                   num_experts=cfg.num_experts, top_k=cfg.top_k, tie_embeddings=cfg.tie_embeddings,
+                   bias=cfg.bias)
+
+    # --- parameter counts (exactly those of mixprec.models.Transformer for its configs) ---------
+
+    @property
+    def _hidden(self) -> int:
+        return self.mlp_hidden or self.mlp_ratio * self.d_model
+
+    @property
+    def _ehidden(self) -> int:
+        return self.expert_hidden or self._hidden
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts."""
+        return self.num_layers - self.dense_layers if self.num_experts else 0
+
+    def _mlp_weights(self, hid: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.d_model * hid
+
+    def _mlp_params(self, hid: int | None = None) -> int:
+        hid = self._hidden if hid is None else hid
+        return self._mlp_weights(hid) + (hid + self.d_model if self.bias else 0)
+
+    def _attn_weights(self) -> int:
+        return self.attention_weights or 4 * self.d_model * self.d_model
+
+    def _block_matmul_weights(self, moe: bool) -> int:
+        if not moe:
+            return self._attn_weights() + self._mlp_weights(self._hidden)
+        e = self.num_experts
+        return self._attn_weights() + (e + self.shared_experts) * self._mlp_weights(self._ehidden) + self.d_model * e
+
+    def layer_matmul_weights(self) -> int:
+        """Matmul weights of one block (attention + all experts, or the MLP; router included)."""
+        return self._block_matmul_weights(bool(self.num_experts))
+
+    def _block_params(self, moe: bool) -> int:
+        d, b = self.d_model, self.bias
+        norms = 2 * (2 * d if b else d)
+        attn = self._attn_weights() + (4 * d if b else 0)
+        if moe:
+            e = self.num_experts
+            mlp = (e + self.shared_experts) * self._mlp_params(self._ehidden) + d * e    # router: no bias
+        else:
+            mlp = self._mlp_params()
+        return norms + attn + mlp
+
+    def layer_params(self) -> int:
+        """Parameters of one block (an MoE block in an MoE model)."""
+        return self._block_params(bool(self.num_experts))
+
+    def _blocks(self, per_block) -> int:
+        dense = self.num_layers - self.moe_layers
+        return dense * per_block(False) + self.moe_layers * per_block(True)
+
+    def num_parameters(self) -> int:
+        d = self.d_model
+        emb = self.vocab_size * d + (self.max_seq_len * d if self.learned_positions else 0)
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        final_norm = 2 * d if self.bias else d
+        return emb + head + final_norm + self._blocks(self._block_params)
+
+    def matmul_weights(self) -> int:
+        """Parameters that autocast casts to the compute dtype (Linear weights and the head)."""
+        return self._blocks(self._block_matmul_weights) + self.vocab_size * self.d_model
+
+    def active_parameters(self) -> int:
+        """Parameters one token's forward pass uses: the ``N`` of ``6 * N`` training FLOPs per token.
+
+        Counted as ``Transformer.flops_per_token`` does: all parameters but the embedding look-ups
+        (the head counts even when tied to the embedding) and the experts the token is not routed to.
+        """
+        d = self.d_model
+        n = self.num_parameters() - (self.max_seq_len * d if self.learned_positions else 0)
+        if not self.tie_embeddings:
+            n -= self.vocab_size * d                        # the token embedding (the head stays)
+        return n - self.moe_layers * (self.num_experts - self.top_k) * self._mlp_params(self._ehidden)
+
+    def norm_parameters(self) -> int:
+        """Norm weights (and biases): FP32 in every policy."""
+        per = 2 if self.bias else 1
+        return (2 * self.num_layers + 1) * per * self.d_model
+
+
+MOE_67B = ModelShape(num_layers=30, d_model=4096, num_heads=32, vocab_size=102400, max_seq_len=4096,
+                     mlp_ratio=4, num_experts=16, top_k=2, tie_embeddings=False, bias=False)
+"""A ~67B-parameter MoE (the source article's "670亿参数MoE", docs/sources.md): 30 blocks of
+d=4096 with 16 experts, top-2."""
+
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def dense_linears(shape: ModelShape) -> list[tuple[str, int, int, int]]:
+    """(qualified name, weight elements, bias elements, saved-input width) of each Linear of
+    mixprec's Transformer of ``shape`` (MoE blocks contribute their attention Linears only)."""
+    d, hid, b = shape.d_model, shape._hidden, int(shape.bias)
+    out = []
+    for i in range(shape.num_layers):
+        out += [(f"blocks.{i}.attn.qkv", 3 * d * d, b * 3 * d, d),
+                (f"blocks.{i}.attn.proj", d * d, b * d, d)]
+        if not (shape.num_experts and i >= shape.dense_layers):
+            out += [(f"blocks.{i}.mlp.fc", d * hid, b * hid, d),
+                    (f"blocks.{i}.mlp.proj", d * hid, b * d, hid)]
+    return out + [("head", shape.vocab_size * d, 0, d)]
+
+
+def _per_layer(shape: ModelShape, precision, *, pb: int, cb: int, copies_on: bool
+               ) -> tuple[float, float, float, float] | None:
+    """(weight-copy bytes change, activation bytes per token change, max change of one block,
+    parameters moved to FP32) of per-layer formats against the uniform mode; None without overrides."""
+    if shape is None or not precision.policy.overrides or shape.attention_weights or shape.gated_mlp:
+        return None
+    from mixprec.policy.overrides import format_dtype
+    copy_delta = act_delta = fp32_params = 0.0
+    block_delta: dict[str, float] = {}
+    uniform_copy = cb if copies_on else 0
+    for name, numel, bias, width in dense_linears(shape):
+        fmt = precision.requested_format(name)
+        dt = format_dtype(fmt)
+        if dt is None:                                # FP8: as the surrounding compute dtype
+            continue
+        fb = _BYTES[dt]
+        layer_pb = 4 if fmt == "fp32" else pb
+        copy_delta += numel * ((fb if fb < layer_pb else 0) - uniform_copy)
+        if fmt == "fp32" and pb < 4:
+            fp32_params += numel + bias
+        if name != "head":
+            block = name.split(".")[1]
+            block_delta[block] = block_delta.get(block, 0.0) + (fb - cb) * width
+    act_delta = sum(block_delta.values())
+    return copy_delta, act_delta, max(block_delta.values(), default=0.0), fp32_params
+
+
+def activation_bytes_per_token(shape: ModelShape, compute_bytes: int, *, residual_bytes: int = 4,
+                               checkpointing: bool = False, moe: bool | None = None) -> tuple[float, float]:
+    """(bytes kept per token by one block, bytes of one block during its recompute or 0).
+
+    See the module docstring for the derivation; ``residual_bytes`` is what a checkpointed block
+    keeps of its input (4 in 32-true and *-mixed, 2 in the 16-bit "true" modes). ``moe`` picks the
+    block kind (default: an MoE block in an MoE model). A gated MLP keeps its input and four
+    hidden-wide tensors (gate pre-activation, its SiLU, the up projection, their product) per
+    copy; that variant and grouped-query/latent attention are approximations, not checked against
+    autograd (only mixprec's own Transformer is).
+    """
+    d, h = shape.d_model, shape.num_heads
+    moe = bool(shape.num_experts) if moe is None else moe
+    hid = shape._ehidden if moe else shape._hidden
+    mlp_copies = shape.top_k + shape.shared_experts if moe else 1
+    per_copy = d + (4 if shape.gated_mlp else 2) * hid
+    fp32_part = 4 * (2 * d + 4 + h)
+    low_part = compute_bytes * (5 * d + mlp_copies * per_copy)
+    full = fp32_part + low_part
+    if checkpointing:
+        return residual_bytes * d, full
+    return full, 0.0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device of one training step (see the module docstring)."""
+
+    mode: str
+    parameters: float
+    gradients: float
+    master_weights: float
+    master_gradients: float
+    optimizer_moments: float
+    weight_copies: float
+    activations: float
+    loss_buffers: float
+    backward_buffers: float
+    optimizer_scratch: float
+
+    @property
+    def states(self) -> float:
+        """Parameters, gradients, masters and moments: the source article's "parameter storage"
+        (16 bytes per parameter with FP32 masters and Adam). FP32 master gradients, alive only
+        around the optimizer step, are counted in :attr:`peak`."""
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_moments
+
+    @property
+    def peak(self) -> float:
+        resident = self.parameters + self.master_weights + self.optimizer_moments
+        forward_end = self.weight_copies + self.activations + max(self.loss_buffers, self.backward_buffers)
+        step = self.gradients + self.master_gradients + self.optimizer_scratch
+        return resident + max(forward_end, step)
+
+
+def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
+                    moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
+                    pp: int = 1, num_parameters: int | None = None) -> MemoryEstimate:
+    """Bytes per device of a training step of ``shape`` under ``precision``.
+
+    ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
+    are divided by ``shards`` (FSDP / ZeRO-3 over the data-parallel group), by ``tp`` (tensor
+    parallelism splits every matmul; vocabulary-parallel embedding and head) and by ``pp``
+    (pipeline stages hold ``1/pp`` of the layers; an even split is assumed, the embedding's and the
+    head's stages hold more). Activations are divided by ``tp`` (tensor + sequence parallelism,
+    Korthikanti et al. 2022) and *not* by ``pp``: with the 1F1B schedule the first stage keeps
+    ``pp`` micro-batches in flight of ``1/pp`` of the layers each, one whole model's worth.
+
+    ``shape=None`` with ``num_parameters`` estimates the states alone (activations 0): for a model
+    known only by its parameter count.
+    """
+    from mixprec.precision import Precision
+    from mixprec.policy.dtypes import parse_dtype
+    policy = precision if isinstance(precision, Precision) else Precision(precision)
+    if optimizer not in ("adamw", "sgd"):
+        raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
+    if batch < 1 or seq < 1 or shards < 1:
+        raise ConfigError("--batch, --seq and --gpus must be >= 1")
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
+    mdt = parse_dtype(moments_dtype)
+    if mdt not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"--moments-dtype must be fp32 or bf16, got '{moments_dtype}'")
+    if shape is None and not num_parameters:
+        raise ConfigError("estimate_memory needs a model shape or num_parameters")
+    P = num_parameters or shape.num_parameters()
+    norm_params = shape.norm_parameters() if shape is not None else 0    # kept FP32 by every policy
+    pb, cb = _BYTES[policy.param_dtype], _BYTES[policy.compute_dtype]
+    mixed_copies = policy.autocast_copies_weights
+    layers = _per_layer(shape, policy, pb=pb, cb=cb, copies_on=mixed_copies)
+    if layers is not None:
+        norm_params += layers[3]                     # fp32 layers store FP32 params, no masters
+    low_p = P - norm_params
+    params = low_p * pb + norm_params * 4
+    grads = params
+    masters = low_p * 4 if policy.keeps_masters else 0
+    master_grads = masters
+    per_moment = _BYTES[mdt]
+    moments = (2 * per_moment * P) if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
+    # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
+    # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks.
+    scratch = 4 * P if optimizer == "adamw" else 0
+    if shape is None:
+        copies = low_p * cb if mixed_copies else 0
+        acts = loss_buffers = backward_buffers = 0.0
+    else:
+        copies = shape.matmul_weights() * cb if mixed_copies else 0
+        if layers is not None:
+            copies += layers[0]
+        tokens = batch * seq
+        residual = pb if policy.stores_low_precision else 4
+        kept_moe, rec_moe = activation_bytes_per_token(shape, cb, residual_bytes=residual,
+                                                       checkpointing=checkpointing, moe=True)
+        kept_dense, rec_dense = activation_bytes_per_token(shape, cb, residual_bytes=residual,
+                                                           checkpointing=checkpointing, moe=False)
+        dense_layers = shape.num_layers - shape.moe_layers
+        kept = shape.moe_layers * kept_moe + dense_layers * kept_dense
+        recompute = max(rec_moe if shape.moe_layers else 0, rec_dense if dense_layers else 0)
+        if layers is not None:
+            if checkpointing:
+                recompute += layers[2]
+            else:
+                kept += layers[1]
+        d, V = shape.d_model, shape.vocab_size
+        head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids
+        acts = tokens * (kept + recompute + head) / tp
+        loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        # A block's backward materialises gradients shaped like its saved tensors before it frees them.
+        biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
+        backward_buffers = tokens * (recompute or biggest) / tp
+    s = float(shards * tp * pp)
+    name = policy.name + ("+overrides" if layers is not None else "")
+    return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,
+                          master_weights=masters / s, master_gradients=master_grads / s,
+                          optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
+                          loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
+                          optimizer_scratch=scratch / s)
+
+
+def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str = "GB") -> str:
+    """The source article's columns (per device, parameter storage, activations, saving vs FP32),
+    then the breakdown it leaves out (docs/sources.md)."""
+    base = next((r for r in rows if r.mode == "32-true"), rows[0])
+    out = [f"{'mode':<12} {'per device':>11} {'param+optim':>12} {'activations':>12} {'saving':>8}"
+           f"   (in {unit_name}; saving of the per-device peak vs {base.mode})"]
+    for r in rows:
+        out.append(f"{r.mode:<12} {r.peak / unit:>11.2f} {r.states / unit:>12.2f} "
+                   f"{(r.activations + r.loss_buffers) / unit:>12.2f} {1 - r.peak / base.peak:>7.0%}")
+    out.append("")
+    out.append(f"{'breakdown':<12} " + " ".join(f"{n:>10}" for n in (
+        "params", "grads", "masters", "mgrads", "moments", "w.copies", "acts", "loss", "opt.tmp")))
+    for r in rows:
+        vals = (r.parameters, r.gradients, r.master_weights, r.master_gradients, r.optimizer_moments,
+                r.weight_copies, r.activations, r.loss_buffers, r.optimizer_scratch)
+        out.append(f"{r.mode:<12} " + " ".join(f"{v / unit:>10.2f}" for v in vals))
+    return "\n".join(out)

@@ -1,0 +1,165 @@
+"""Swap a model's ``nn.Linear`` layers for :class:`Fp8Linear` (and Hugging Face ``Conv1D`` layers,
+GPT-2's transposed-weight Linears, for :class:`Fp8Conv1D`), and say what was left alone and why.
+
+What stays in high precision by default follows DeepSeek-V3's recipe: embeddings, the output head
+(a Linear tied to an embedding, or named ``lm_head``/``head``/``output``), MoE gates/routers (a
+module or parent with ``keep_in_fp32``, or named ``gate``/``router``), norms, and Linears whose
+in/out features are not multiples of 16 (FP8 GEMM kernels need that, and tiny layers gain nothing).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from mixprec.errors import ConfigError
+from mixprec.formats.fp8_config import Fp8Config
+from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, is_conv1d
+from mixprec.nn.swap import replace_module
+from mixprec.policy import hardware
+from mixprec.policy.dtypes import dtype_name
+from mixprec.policy.exempt import is_norm
+from mixprec.policy.policy import Policy
+
+__all__ = ["convert_to_fp8", "prepare_fp8", "fp8_skip_reason", "Fp8ConversionReport", "HEAD_NAMES",
+           "GATE_NAMES"]
+
+HEAD_NAMES: frozenset[str] = frozenset({"lm_head", "head", "output"})
+GATE_NAMES: frozenset[str] = frozenset({"gate", "router"})
+
+
+@dataclass
+class Fp8ConversionReport:
+    """What :func:`convert_to_fp8` did."""
+
+    config: Fp8Config
+    converted: list[str] = field(default_factory=list)
+    """Qualified names of the layers now running their GEMMs in FP8 (``Fp8Linear``, or
+    ``Fp8Conv1D`` for a Hugging Face ``Conv1D``)."""
+    recipes: dict[str, str] = field(default_factory=dict)
+    """Recipe of each converted layer (differs from ``config``'s with per-layer formats)."""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(qualified name, reason) of Linears, embeddings and norms kept in high precision."""
+    high_precision: str = "high precision"
+    """What the skipped modules run in: the policy's compute dtype when a policy was given (BF16
+    for the ``fp8-*`` presets), else "high precision"."""
+    expected_path: str = "emulated"
+    """Path the converted layers will take on the model's current device (each layer records the
+    path it actually ran in ``Fp8Linear.execution_path``)."""
+
+    @property
+    def num_converted(self) -> int:
+        return len(self.converted)
+
+    def __str__(self) -> str:
+        lines = [f"{self.config.describe()}: {len(self.converted)} Linear layers converted, "
+                 f"{len(self.skipped)} modules kept in {self.high_precision}; expected path: "
+                 f"{self.expected_path}"]
+        lines += [f"  fp8   {name}" + (f" ({self.recipes[name]})" if self.recipes.get(name, self.config.recipe)
+                                            != self.config.recipe else "") for name in self.converted]
+        lines += [f"  skip  {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+
+def _tied_to_embedding(linear: nn.Linear, embedding_weights: set[int]) -> bool:
+    return id(linear.weight) in embedding_weights
+
+
+def fp8_skip_reason(name: str, module: nn.Module, parent: nn.Module | None,
+                    embedding_weights: set[int], shape: tuple[int, int] | None = None) -> str | None:
+    """Why the default rules keep a Linear (or Conv1D) of GEMM shape ``(in, out)`` out of FP8
+    (None: eligible). ``shape`` defaults to a Linear's ``(in_features, out_features)``."""
+    if shape is None:
+        shape = (module.in_features, module.out_features)
+    last = name.rsplit(".", 1)[-1]
+    if _tied_to_embedding(module, embedding_weights):
+        return "output head tied to an embedding"
+    if last in HEAD_NAMES:
+        return f"output head (named '{last}')"
+    if getattr(module, "keep_in_fp32", False) or getattr(parent, "keep_in_fp32", False):
+        return "kept in FP32 (keep_in_fp32, e.g. an MoE gate)"
+    if last in GATE_NAMES:
+        return f"MoE gate/router (named '{last}')"
+    if shape[0] % 16 or shape[1] % 16:
+        return (f"shape {shape[0]}->{shape[1]}: FP8 GEMMs need features that are multiples of 16")
+    return None
+
+
+def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
+                   module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+                   policy: Policy | None = None,
+                   config_fn: Callable[[nn.Module, str], Fp8Config | None] | None = None,
+                   ) -> Fp8ConversionReport:
+    """Replace eligible ``nn.Linear`` submodules of ``model`` with :class:`Fp8Linear`, in place,
+    and Hugging Face ``Conv1D`` ones (GPT-2; recognised by :func:`~mixprec.formats.fp8_linear.is_conv1d`)
+    with :class:`Fp8Conv1D`, which keeps the ``(in, out)`` weight layout and state-dict keys.
+
+    ``module_filter_fn(module, qualified_name) -> bool`` is asked about every layer that passed
+    the default rules; False keeps it in high precision. A ``policy`` adds its own FP32 exemptions
+    (``Policy.keeps_fp32``). ``config_fn(module, qualified_name)`` (per-layer precision) gives
+    each eligible Linear its own recipe, or None to keep it in high precision. Parameters are reused, so an optimizer built before the conversion
+    stays valid. Returns a report of converted and skipped modules.
+    """
+    if not isinstance(config, Fp8Config):
+        raise ConfigError(f"config must be an Fp8Config (e.g. Fp8Config.from_recipe('blockwise')), "
+                          f"not {type(config).__name__}")
+    if type(model) is nn.Linear:
+        raise ConfigError("convert_to_fp8 swaps submodules in place; wrap a bare nn.Linear in a "
+                          "module (e.g. nn.Sequential(linear)) or use Fp8Linear.from_linear")
+    report = Fp8ConversionReport(config=config)
+    if policy is not None:
+        report.high_precision = f"high precision ({dtype_name(policy.compute_dtype)} compute)"
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    modules = dict(model.named_modules())
+    for name, module in list(modules.items()):
+        if not name:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name]
+        if isinstance(module, nn.Embedding):
+            report.skipped.append((name, "embedding (kept in high precision)"))
+            continue
+        if is_norm(module):
+            report.skipped.append((name, "normalization layer (kept in high precision)"))
+            continue
+        if isinstance(module, (Fp8Linear, Fp8Conv1D)):
+            continue
+        if isinstance(module, nn.Linear):
+            shape, swap = (module.in_features, module.out_features), Fp8Linear.from_linear
+        elif is_conv1d(module):
+            shape, swap = tuple(module.weight.shape), Fp8Conv1D.from_conv1d
+        else:
+            continue
+        reason = fp8_skip_reason(name, module, parent, embedding_weights, shape)
+        if reason is None and policy is not None and policy.keeps_fp32(name, module):
+            reason = "kept in FP32 by the precision policy"
+        if reason is None and module_filter_fn is not None and not module_filter_fn(module, name):
+            reason = "excluded by module_filter_fn"
+        layer_config = config
+        if reason is None and config_fn is not None:
+            layer_config = config_fn(module, name)
+            if layer_config is None:
+                reason = "its per-layer precision is not FP8"
+        if reason is not None:
+            report.skipped.append((name, reason))
+            continue
+        replace_module(parent, child, swap(module, layer_config, fqn=name))
+        report.converted.append(name)
+        report.recipes[name] = layer_config.recipe
+    device = next((p.device for p in model.parameters()), None)
+    if config.backend == "emulated" or device is None or device.type != "cuda" or \
+            not hardware.cuda_supports_fp8() or config.limited_accumulation or config.format == "e5m2":
+        report.expected_path = ("cpu-scaled-mm" if config.backend == "scaled-mm" and device is not None
+                                and device.type == "cpu" else "emulated")
+    else:
+        report.expected_path = "cuda-scaled-mm"
+    return report
+
+
+def prepare_fp8(model: nn.Module, policy: Policy) -> Fp8ConversionReport | None:
+    """What the trainer calls: convert ``model`` per ``policy.fp8_recipe``; None when the policy
+    has no FP8 recipe."""
+    if not policy.fp8_recipe:
+        return None
+    return convert_to_fp8(model, config=Fp8Config.from_recipe(policy.fp8_recipe), policy=policy)

@@ -1,0 +1,144 @@
+"""Measured matmul peak of this machine, per dtype: the denominator of MFU.
+
+Vendor peak numbers say nothing about a shared 2-core VM or a CPU that emulates BF16, so mixprec
+measures: a square GEMM, warmed up, synchronised, timed for a minimum duration, FLOPs = 2*n^3.
+The result is cached per (device name, thread count, torch version, dtype) in the user cache
+folder, so a run measures once per machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from mixprec.policy.dtypes import dtype_name
+
+__all__ = ["matmul_flops", "time_matmul", "peak_flops", "cache_dir"]
+
+
+def cache_dir() -> Path:
+    """``$MIXPREC_CACHE`` or ``~/.cache/mixprec``."""
+    return Path(os.environ.get("MIXPREC_CACHE") or Path.home() / ".cache" / "mixprec")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: int = 1024,
+                 min_time: float = 0.2, warmup: int = 2) -> float:
+    """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on ``device`` (timed, synchronised)."""
+    device = torch.device(device)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    for _ in range(warmup):
+        a @ b
+    _sync(device)
+    reps, elapsed = 0, 0.0
+    start = time.perf_counter()
+    while elapsed < min_time or reps < 3:
+        a @ b
+        reps += 1
+        _sync(device)  # time finished work, not queued launches
+        elapsed = time.perf_counter() - start
+    return 2.0 * n**3 * reps / elapsed
+
+
+def _fp8_flops(n: int, device: torch.device, min_time: float) -> float:
+    """Real FP8 GEMM via ``torch._scaled_mm`` (tensorwise scales), CUDA with FP8 tensor cores."""
+    import time
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
+    one = torch.ones((), device=device)
+    mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+    for _ in range(3):
+        mm()
+    torch.cuda.synchronize(device)
+    reps, start = 0, time.perf_counter()
+    while True:
+        mm()
+        reps += 1
+        torch.cuda.synchronize(device)
+        if time.perf_counter() - start >= min_time and reps >= 3:
+            break
+    return 2.0 * n**3 * reps / (time.perf_counter() - start)
+
+
+def time_matmul(label: str, dt: torch.dtype | None, dev: torch.device, n: int,
+                 min_time: float) -> float:
+    """FLOP/s of one ``n x n`` product in ``label``'s dtype (``"fp8"``: a real FP8 GEMM; ``"tf32"``:
+    FP32 with TF32 matmuls on). ``mixprec bench matmul`` and the planner's throughput probe use it."""
+    if label == "fp8":
+        return _fp8_flops(n, dev, min_time)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = label == "tf32"
+    try:
+        return matmul_flops(dt, dev, n=n, min_time=min_time)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{platform.processor() or platform.machine()}:{_cpu_model()}:{torch.get_num_threads()}t"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
+               use_cache: bool = True, refresh: bool = False) -> float:
+    """Measured GEMM FLOP/s for ``dtype`` on ``device``, cached on disk after the first call.
+
+    Sizes adapt to the hardware: the matrix grows until one product takes a few milliseconds, so
+    an emulated BF16 GEMM on a CPU does not take minutes to measure. The best of three runs at that
+    size counts. A measurement taken while other jobs share the machine comes out low, so
+    ``refresh=True`` measures again and keeps the higher of the new and the cached value (the
+    trainer does this when it sees an MFU above 100%).
+    """
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    key = f"{_device_key(device)}|torch{torch.__version__}|{dtype_name(dtype)}"
+    path = cache_dir() / "peak_flops.json"
+    cached: dict[str, float] = {}
+    if use_cache and path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        if key in cached and not refresh:
+            return float(cached[key])
+    n, best = 256, 0.0
+    while True:
+        flops = matmul_flops(dtype, device, n=n, min_time=0.1)
+        best = max(best, flops)
+        if 2.0 * n**3 / flops > 0.02 or n >= 4096:  # one product takes > 20 ms: big enough
+            break
+        n *= 2
+    for _ in range(2):  # best of three at the final size: noise only ever slows a GEMM down
+        best = max(best, matmul_flops(dtype, device, n=n, min_time=0.1))
+    if use_cache:
+        cached[key] = max(best, float(cached.get(key, 0.0)))
+        best = cached[key]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    return best

@@ -1,0 +1,493 @@
+"""`Precision`: one object per precision mode that makes every precision decision of a run.
+
+A :class:`~mixprec.precision.Policy` is data (which dtype where). ``Precision`` is where those
+data become decisions, each made here and nowhere else:
+
+==========================  =====================================================================
+decision                    made by
+==========================  =====================================================================
+storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
+                            ``keep_fp32_names`` stay FP32: :meth:`Policy.keeps_fp32`)
+FP32 master weights         :attr:`Precision.keeps_masters`; :meth:`setup` wraps or builds the
+                            optimizer accordingly
+FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
+each Linear's format        :meth:`Precision.format_for` (per-module overrides, first match
+                            wins); :meth:`setup` swaps FP8 / FP32 / BF16 / FP16 layers
+loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
+the forward's dtype         :meth:`autocast`, :meth:`convert_output`
+gradient reduction          :attr:`reduce_dtype`, :meth:`fsdp_mixed_precision`,
+                            :meth:`fsdp_island_policy`, :meth:`casts_before_sharding`
+==========================  =====================================================================
+
+A hand-written loop and :func:`mixprec.train.fit` use the same object, so they cannot drift::
+
+    precision = mixprec.Precision("bf16-mixed")
+    model, optimizer = precision.setup(model, optimizer)
+    for x, y in loader:
+        with precision.autocast():
+            loss = loss_fn(model(x), y)
+        precision.backward(loss)
+        precision.step(optimizer, clip_grad_norm=1.0)   # unscale, check, clip, step or skip
+        optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from mixprec.amp import GradScaler, clip_grad_norm_
+from mixprec.errors import CheckpointError, ConfigError
+from mixprec.optim import AdamW, MasterWeights
+from mixprec.policy import hardware
+from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
+from mixprec.policy.overrides import check_patterns, normalize_overrides
+from mixprec.policy.policy import Policy, cast_module, get_policy
+from mixprec.precision.autocast import autocast
+
+if TYPE_CHECKING:
+    from mixprec.optim.overlap import OverlappedUpdate
+
+__all__ = ["Precision", "OptimizerSpec"]
+
+_F32 = torch.float32
+_LOW = (torch.bfloat16, torch.float16)
+_TRUE_MODE = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
+
+OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+"""An optimizer over the model's parameters, a factory ``params -> optimizer``, or None."""
+
+_SETUP_TAG = "_mixprec_precision"
+
+
+class Precision:
+    """The precision mode of a run, and every decision it implies.
+
+    Args:
+        precision: a preset name (``"bf16-mixed"``), an alias, the compact form
+            (``"p=f32,c=bf16,o=f32"``), ``True``/``"auto"`` (best safe mode for ``device``), or a
+            :class:`~mixprec.precision.Policy`.
+        device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
+            available, else CPU); decides ``auto`` and the autocast device type.
+        overrides: per-module compute formats ``{pattern: format}`` or ``((pattern, format), ...)``
+            (``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``; first match wins); they come before
+            (so win over) overrides the policy already carries, e.g. from a plan file.
+        **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
+            ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
+            on only when the mode needs it (FP16); the non-finite check and skip are always on.
+    """
+
+    def __init__(self, precision: str | Policy | bool | None = "auto", *,
+                 device: torch.device | str | None = None, overrides: Any = None,
+                 **scaler_options: Any) -> None:
+        self._auto = precision is True or (isinstance(precision, str)
+                                           and precision.strip().lower() in ("auto", "true", "best"))
+        self.device = torch.device(device) if device is not None else hardware.default_device()
+        self.policy: Policy = get_policy(precision, device=self.device)
+        extra = normalize_overrides(overrides)
+        if extra:
+            self.policy = self.policy.replace(name=self.policy.name,
+                                              overrides=extra + self.policy.overrides)
+        self._scaler_options = dict(scaler_options)
+        self.scaler = self._make_scaler()
+        self.notes: list[str] = []
+        """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
+        self.fp8_report = None
+        self.layer_formats: dict[str, str] = {}
+        """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
+        self.last_grad_norm: torch.Tensor | None = None
+        """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
+
+    def _make_scaler(self) -> GradScaler:
+        return GradScaler(enabled=self.scales_loss, **self._scaler_options)
+
+    # ------------------------------------------------------------------ the decisions
+
+    @property
+    def name(self) -> str:
+        return self.policy.name if self.policy.name != "custom" else self.policy.spec()
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.policy.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in across ranks."""
+        return self.policy.reduce_dtype
+
+    @property
+    def stores_low_precision(self) -> bool:
+        """Parameters (other than the FP32 exemptions) are stored in 16 bits."""
+        return self.policy.param_dtype in _LOW
+
+    @property
+    def keeps_masters(self) -> bool:
+        """16-bit parameters are updated through FP32 master copies in the optimizer."""
+        return self.stores_low_precision and bool(self.policy.master_weights)
+
+    @property
+    def loses_small_updates(self) -> bool:
+        """16-bit parameters without masters: updates below half an ULP are rounded away."""
+        return self.stores_low_precision and not self.policy.master_weights
+
+    @property
+    def scales_loss(self) -> bool:
+        """Dynamic loss scaling is on (FP16 compute or storage)."""
+        return bool(self.policy.loss_scaling)
+
+    @property
+    def autocasts(self) -> bool:
+        """The forward runs under autocast (the compute dtype is below FP32)."""
+        return self.policy.is_mixed
+
+    @property
+    def autocast_copies_weights(self) -> bool:
+        """Autocast makes compute-dtype copies of weights stored in a wider dtype."""
+        return self.autocasts and self.param_dtype.itemsize > self.compute_dtype.itemsize
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The FP8 recipe name of ``fp8-*`` modes, else None."""
+        return self.policy.fp8_recipe
+
+    @property
+    def fp8_config(self):
+        """The :class:`mixprec.fp8.Fp8Config` of ``fp8-*`` modes, else None."""
+        if not self.policy.fp8_recipe:
+            return None
+        from mixprec.formats import Fp8Config
+        return Fp8Config.from_recipe(self.policy.fp8_recipe)
+
+    @property
+    def matmul_format(self) -> str:
+        """The format the mode's GEMMs run in: ``fp8``, ``bf16``, ``fp16``, ``tf32`` or ``fp32``."""
+        if self.policy.fp8_recipe:
+            return "fp8"
+        if self.autocasts or self.stores_low_precision:
+            return dtype_name(self.compute_dtype)
+        return "tf32" if self.policy.allow_tf32 else "fp32"
+
+    @property
+    def activation_format(self) -> torch.dtype:
+        """The format whose range activations must fit (FP8 E4M3 for ``fp8-*``)."""
+        return FP8_E4M3 if self.policy.fp8_recipe else self.compute_dtype
+
+    @property
+    def gradient_format(self) -> torch.dtype:
+        """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
+        return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
+
+    def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
+        """Whether ``module``'s own parameters stay FP32 (:meth:`Policy.keeps_fp32`, or a Linear
+        whose per-layer format is ``fp32``)."""
+        if self.policy.keeps_fp32(qualified_name, module):
+            return True
+        return isinstance(module, nn.Linear) and self.policy.override_for(qualified_name) == "fp32"
+
+    def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype:
+        """The dtype ``module``'s own floating parameters are stored in under this mode."""
+        return _F32 if self.keeps_fp32(qualified_name, module) else self.param_dtype
+
+    # --- per-layer formats ----------------------------------------------------------------------
+
+    @property
+    def base_format(self) -> str:
+        """The format a layer computes in when nothing makes it FP8 or overrides it: the compute
+        dtype's name (``fp32``, ``bf16`` or ``fp16``)."""
+        return dtype_name(self.compute_dtype)
+
+    @property
+    def default_format(self) -> str:
+        """What a Linear without an override asks for: ``fp8-<recipe>`` in ``fp8-*`` modes."""
+        return f"fp8-{self.policy.fp8_recipe}" if self.policy.fp8_recipe else self.base_format
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Some layer may run in FP8 (an ``fp8-*`` mode, or an FP8 override)."""
+        return bool(self.policy.fp8_recipe) or any(f.startswith("fp8-") for _, f in self.policy.overrides)
+
+    def requested_format(self, qualified_name: str) -> str:
+        """The format a Linear named ``qualified_name`` asks for: its first matching override,
+        else :attr:`default_format`. FP8 is granted only where the FP8 rules allow (see
+        :meth:`format_for`)."""
+        return self.policy.override_for(qualified_name) or self.default_format
+
+    def format_for(self, qualified_name: str, module: nn.Module) -> str:
+        """The format ``module`` computes in: after :meth:`setup`, what the layer actually runs
+        (an ``Fp8Linear``'s recipe, a ``FormatLinear``'s format, else the surrounding
+        :attr:`base_format`); for a Linear not yet set up, :meth:`requested_format`."""
+        from mixprec.formats import Fp8Conv1D, Fp8Linear
+        from mixprec.nn import FormatLinear
+        if isinstance(module, (Fp8Linear, Fp8Conv1D)):
+            return f"fp8-{module.config.recipe}"
+        if isinstance(module, FormatLinear):
+            return module.compute_format
+        if isinstance(module, nn.Linear) and qualified_name not in self.layer_formats:
+            return self.requested_format(qualified_name)
+        return self.base_format
+
+    def set_layer_format(self, model: nn.Module, qualified_name: str, fmt: str) -> str:
+        """Switch one Linear of a set-up ``model`` to ``fmt`` while training (re-planning).
+
+        The new module shares the old one's Parameters, so parameters, FP32 masters and optimizer
+        state are untouched; a delayed-scaling FP8 layer starts a fresh amax history. Storage
+        dtypes do not change (a layer switched to ``fp32`` computes in FP32 from its stored
+        weights). Returns the format the layer now runs in (FP8 rules may refuse FP8: then the
+        surrounding format)."""
+        from mixprec.precision.layer_formats import swap_layer
+        got = swap_layer(self, model, qualified_name, fmt)
+        self.layer_formats[qualified_name] = got
+        return got
+
+    def apply_layer_formats(self, model: nn.Module, formats: dict[str, str]) -> None:
+        """Bring a set-up ``model``'s Linears to ``formats`` (a saved :attr:`layer_formats`)."""
+        for name, fmt in formats.items():
+            if name in self.layer_formats and self.layer_formats[name] != fmt:
+                self.set_layer_format(model, name, fmt)
+
+    def describe_layers(self) -> list[str]:
+        """One line per Linear: its resolved format (after :meth:`setup`)."""
+        width = max((len(n) for n in self.layer_formats), default=0)
+        return [f"{n:<{width}}  {f}" for n, f in self.layer_formats.items()]
+
+    def casts_before_sharding(self) -> bool:
+        """Under FSDP2 the FP32 shards are the masters; only a mode without masters casts the
+        model to its 16-bit storage dtype before sharding."""
+        return self.loses_small_updates
+
+    def fsdp_mixed_precision(self):
+        """FSDP2's ``MixedPrecisionPolicy`` for the ordinary units (see strategies/fsdp.py)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        gather = self.compute_dtype if self.autocasts else self.param_dtype
+        if gather == _F32:
+            return MixedPrecisionPolicy(reduce_dtype=None if self.reduce_dtype == _F32 else self.reduce_dtype)
+        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=self.reduce_dtype)
+
+    def fsdp_island_policy(self):
+        """FSDP2's policy for units kept in FP32 (norms, gates), or None when every unit gathers
+        FP32 anyway: parameters FP32, output cast back to the gather dtype."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        gather = self.fsdp_mixed_precision().param_dtype
+        if gather is None:
+            return None
+        return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
+
+    def describe(self) -> str:
+        """One line for logs (after :meth:`setup`, with how many Linears run in each format)."""
+        text = self.policy.describe()
+        if self.layer_formats:
+            counts: dict[str, int] = {}
+            for f in self.layer_formats.values():
+                counts[f] = counts.get(f, 0) + 1
+            text += "; Linear layers: " + ", ".join(f"{n} {f}" for f, n in counts.items())
+        return text
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r})"
+
+    def __str__(self) -> str:
+        return self.name
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, model: nn.Module, optimizer: OptimizerSpec = None,
+              ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """Apply this mode to ``model`` (in place) and return ``(model, optimizer)``.
+
+        Stores parameters in the mode's dtype (FP32 exemptions kept), swaps eligible Linear layers
+        for FP8 ones in ``fp8-*`` modes, and gives 16-bit parameters FP32 master weights by
+        wrapping ``optimizer`` in :class:`mixprec.optim.MasterWeights` (or building it, when
+        ``optimizer`` is a factory ``params -> optimizer``). Idempotent: a second call with the same
+        mode returns the same objects; another mode is refused.
+        """
+        built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.reconcile_with_optimizer(built)
+        model = self.setup_module(model, optimizer=built)
+        return model, self.setup_optimizer(optimizer, model)
+
+    def reconcile_with_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Honour an optimizer that already stores the model's parameters in 16 bits.
+
+        ``mixprec.optim.AdamW(..., fp16_params=True)`` converts parameters and keeps masters. With
+        ``auto`` precision the run switches to the matching ``*-true`` mode (and says so); an
+        explicitly requested mode with FP32 parameters is a conflict, refused with the fix.
+        """
+        stored = getattr(optimizer, "param_dtype", None)
+        if stored not in _LOW or stored == self.param_dtype:
+            return
+        wanted = _TRUE_MODE[stored]
+        if not self._auto:
+            raise ConfigError(
+                f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
+                f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
+                f"precision '{wanted}', or build the optimizer without fp16_params")
+        self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides)
+        self.scaler = self._make_scaler()
+        self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
+                          f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
+
+    def setup_module(self, model: nn.Module, *, sharded: bool = False,
+                     optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
+        """Storage dtypes and the FP8 swap, in place. ``sharded``: FSDP2 will shard the model, and
+        its FP32 shards are the masters (cast only modes without masters). ``optimizer``: one that
+        already converted parameters (``fp16_params=True``); FP32-exempt ones get their exact FP32
+        master values back."""
+        done = getattr(model, _SETUP_TAG, None)
+        if done is not None:
+            if done != self._identity():
+                raise ConfigError(f"this model was already set up for precision {done}; build a "
+                                  f"new model to train it in {self._identity()}")
+            return model
+        check_patterns(self.policy.overrides,
+                       [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        first = next(model.parameters(), None)
+        if first is not None:
+            self.device = first.device
+        if not sharded or self.casts_before_sharding():
+            # Storage dtypes (FP32 exemptions kept; an fp16_params optimizer's exact FP32 masters
+            # go back into exempt parameters).
+            master_of = getattr(optimizer, "master_of", None)
+            cast_module(model, self.policy, dtype_for=self.param_dtype_for,
+                        master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
+        self._apply_formats(model)
+        setattr(model, _SETUP_TAG, self._identity())
+        return model
+
+    def _identity(self) -> str:
+        ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
+        return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
+
+    def _apply_formats(self, model: nn.Module) -> None:
+        """Give every Linear its format: FP8 layers become ``Fp8Linear`` (asked per module; the FP8
+        rules may keep one out, and the report says why), layers whose format differs from the
+        surrounding one become ``FormatLinear``; the rest stay as they are."""
+        from mixprec.precision.layer_formats import apply_formats
+        self.layer_formats = apply_formats(self, model)
+
+    def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
+                        sharded: bool = False) -> torch.optim.Optimizer | None:
+        """The optimizer this mode needs: ``optimizer`` itself, or wrapped in FP32 masters."""
+        if optimizer is None:
+            return None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            if not callable(optimizer):
+                raise ConfigError(f"optimizer must be a torch optimizer or a factory params -> "
+                                  f"optimizer, not {type(optimizer).__name__}")
+            optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
+        if isinstance(optimizer, MasterWeights) or sharded or not self.keeps_masters:
+            return optimizer
+        if optimizer.state:
+            raise ConfigError(f"the {type(optimizer).__name__} has already stepped; call "
+                              "precision.setup(model, optimizer) before training")
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in optimizer.param_groups]
+        self.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
+                          "(mixprec.optim.MasterWeights)")
+        return MasterWeights(type(optimizer), groups, **defaults)
+
+    def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
+                       **adamw_options: Any) -> torch.optim.Optimizer:
+        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters) unless
+        FSDP2's FP32 shards are the masters already or the mode asks for no masters."""
+        if sharded or self.loses_small_updates:
+            return torch.optim.AdamW(param_groups, **adamw_options)
+        return AdamW(param_groups, **adamw_options)
+
+    # ------------------------------------------------------------------ the step
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's context: matmuls in the compute dtype (FP32 means autocast off)."""
+        return autocast(self.policy, device_type=self.device.type)
+
+    def convert_output(self, x: Any) -> Any:
+        """Cast a floating output tensor to the mode's output dtype (others pass through)."""
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.policy.output_dtype)
+        return x
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
+        with record_function("mixprec.scale_loss"):
+            scaled = self.scaler.scale(loss)
+        scaled.backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
+             measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:
+        """Finish an optimizer step; return True if it was taken, False if skipped.
+
+        Unscales once (fused with the inf/NaN check, agreed across ranks under
+        ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
+        measures their norm with ``measure_grad_norm``; either way :attr:`last_grad_norm`), then
+        steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
+        updates the loss scale. One host sync: the skip decision.
+
+        ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
+        issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
+        """
+        with record_function("mixprec.unscale"):           # fused with the inf/NaN check
+            self.scaler.unscale_(optimizer)
+        self.last_grad_norm = None
+        if clip_grad_norm or measure_grad_norm:            # clip sees unscaled gradients
+            with record_function("mixprec.clip_grad_norm"):
+                self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
+                                                      clip_grad_norm or math.inf)
+        with record_function("mixprec.found_inf_sync"):    # the one host sync: step or skip
+            take = self.scaler.decide(optimizer)
+        if take:
+            with record_function("mixprec.optimizer_step"):
+                if overlap is None:
+                    optimizer.step()                       # FP32 masters copied back inside
+                else:
+                    overlap.issue(optimizer)               # per module, side stream (optim/overlap.py)
+        self.scaler.update()                               # back off at once, grow when clean
+        return take
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.scaler.last_step_skipped
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return self.scaler.num_skipped_steps
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (1.0 when the mode does not scale)."""
+        return self.scaler.get_scale()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.spec(), "name": self.name, "scaler": self.scaler.state_dict(),
+                "overrides": [list(o) for o in self.policy.overrides]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("policy") != self.policy.spec() or \
+                normalize_overrides(state.get("overrides", ())) != self.policy.overrides:
+            raise CheckpointError(f"the state was saved under precision {state.get('name') or state.get('policy')}, "
+                                  f"this run uses {self.name}; use the same precision to resume")
+        self.scaler.load_state_dict(state["scaler"])
+
+
+
+def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,
+                    p: torch.Tensor) -> torch.Tensor | None:
+    if master_of is None:
+        return None
+    try:
+        return master_of(p)
+    except ConfigError:   # not one of the optimizer's parameters
+        return None

@@ -1,0 +1,373 @@
+"""The report of one run folder: plots and one self-contained HTML page.
+
+Reads what :mod:`mixprec.runs.metrics` wrote (``metrics.csv``, and ``numerics.csv`` /
+``events.jsonl`` when present) and draws one PNG per question a user asks of a run: is the loss
+falling (train and validation), is the loss scale stable or collapsing (log axis, skipped steps
+marked), are gradients exploding, how fast is it (tokens/s, MFU), how much memory, and which
+layers run close to their format's limits (a module x step heat map). ``report.html`` inlines
+every image as base64 so it can be mailed or attached to an issue as one file.
+
+Plots are skipped, not drawn empty, when a run never measured that quantity (e.g. no MFU on CPU),
+and the loss-scale plot when the run did not scale (every logged scale is 1, or the precision in
+``config.toml`` has no loss scaling). MFU is shown in percent everywhere. The wall time is the
+whole run's (the sum of the logged intervals), and the precision and model come from the run
+folder's ``config.toml`` (and the start event, which names the resolved policy).
+"""
+from __future__ import annotations
+
+import base64
+import html
+import math
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from mixprec.errors import DataError
+from mixprec.runs.read import read_run_config, run_precision, start_field
+from mixprec.runs.metrics import (METRICS_FILE, is_finite_number, read_events, read_metrics,
+                                   read_numerics)
+
+__all__ = ["write_report", "summarize"]
+
+_MAX_EVENTS_SHOWN = 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------------------------
+
+def _values(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Steps and finite values of one column (rows where it was not measured are left out)."""
+    pairs = [(r["step"], r[key]) for r in rows if is_finite_number(r.get(key))]
+    return [p[0] for p in pairs], [float(p[1]) for p in pairs]
+
+
+_SKIP_EVENT_KINDS = {"skip", "skipped", "overflow", "nonfinite", "non-finite"}
+
+
+def _skipped_steps(rows: list[dict[str, Any]], events: list[dict[str, Any]] = ()) -> list[int]:
+    """Steps known to be skipped: rows with ``skipped`` > 0 or a rising ``skipped_total``, plus
+    skip/overflow events (which also catch skips between two logged rows)."""
+    marked, previous_total = set(), 0
+    for r in rows:
+        total = r.get("skipped_total")
+        if (r.get("skipped") or 0) > 0 or (total is not None and total > previous_total):
+            marked.add(r["step"])
+        if total is not None:
+            previous_total = total
+    for e in events:
+        kind = str(e.get("kind", e.get("type", ""))).lower()
+        if isinstance(e.get("step"), int) and (kind in _SKIP_EVENT_KINDS or e.get("skipped") is True):
+            marked.add(e["step"])
+    return sorted(marked)
+
+
+def _scale_at(steps: list[int], scale: list[float], step: int) -> float | None:
+    """The loss scale in force at ``step``: the last logged value at or before it."""
+    value = None
+    for s, v in zip(steps, scale):
+        if s > step:
+            break
+        value = v
+    return value
+
+
+
+
+
+
+
+
+def _model(config: dict[str, Any], events: list[dict[str, Any]]) -> str | None:
+    parts = []
+    if config.get("model"):
+        shape = ", ".join(f"{k}={config[k]}" for k in ("num_layers", "d_model", "num_heads",
+                                                         "num_experts") if k in config)
+        parts.append(f"{config['model']}" + (f" ({shape})" if shape else ""))
+    size = start_field(events, "model")
+    if size:
+        parts.append(size.split(";")[0])
+    return "; ".join(parts) or None
+
+
+def _scaling_off(rows: list[dict[str, Any]], config: dict[str, Any]) -> bool:
+    """True when the run did not scale the loss: every logged scale is 1, or its precision has
+    no loss scaling."""
+    _, scale = _values(rows, "loss_scale")
+    if scale and all(v == 1.0 for v in scale):
+        return True
+    name = config.get("precision")
+    if isinstance(name, str) and name != "auto":
+        from mixprec.precision import Precision
+        try:
+            return not Precision(name).scales_loss
+        except ValueError:
+            return False
+    return False
+
+
+def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
+              config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Headline figures of a run (None where the run did not measure them)."""
+    config = config or {}
+    _, losses = _values(rows, "loss")
+    val_steps, vals = _values(rows, "val_loss")
+    _, tps = _values(rows, "tokens_per_s")
+    _, mfu = _values(rows, "mfu")
+    _, mem = _values(rows, "peak_mem_mb")
+    _, times = _values(rows, "time_s")
+    totals = [r["skipped_total"] for r in rows if r.get("skipped_total") is not None]
+    skipped = totals[-1] if totals else sum(int(r.get("skipped") or 0) for r in rows)
+    best = min(range(len(vals)), key=vals.__getitem__) if vals else None
+    return {
+        "precision": run_precision(config, events),
+        "model": _model(config, events),
+        "last step": rows[-1]["step"],
+        "logged rows": len(rows),
+        "final train loss": losses[-1] if losses else None,
+        "final val loss": vals[-1] if vals else None,
+        "best val loss": vals[best] if best is not None else None,
+        "best val loss at step": val_steps[best] if best is not None else None,
+        "skipped steps": skipped,
+        "mean tokens/s": statistics.fmean(tps) if tps else None,
+        "mean MFU (%)": 100 * statistics.fmean(mfu) if mfu else None,
+        "peak memory (MB)": max(mem) if mem else None,
+        "wall time (s)": math.fsum(times) if times else None,   # time_s is each interval's
+        "events": len(events),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots
+# ---------------------------------------------------------------------------------------------
+
+def _figure(title: str, xlabel: str = "step", figsize: tuple[float, float] = (7.5, 4.0)):
+    # A bare Figure renders with the Agg canvas and never touches pyplot's global backend, so a
+    # report written from a notebook or a headless server behaves the same.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=100)
+    ax = fig.subplots()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def _plot_loss(rows, out: Path) -> Path | None:
+    steps, loss = _values(rows, "loss")
+    vsteps, vloss = _values(rows, "val_loss")
+    if not loss and not vloss:
+        return None
+    fig, ax = _figure("loss")
+    if loss:
+        ax.plot(steps, loss, label="train", lw=1.2)
+    if vloss:
+        ax.plot(vsteps, vloss, "o-", label="validation", lw=1.5, ms=4)
+    ax.set_ylabel("loss")
+    ax.legend()
+    return _save(fig, out / "loss.png")
+
+
+def _plot_loss_scale(rows, events, out: Path, config: dict[str, Any] | None = None) -> Path | None:
+    steps, scale = _values(rows, "loss_scale")
+    if not scale or _scaling_off(rows, config or {}):
+        return None
+    fig, ax = _figure("loss scale (skipped steps marked)")
+    ax.step(steps, scale, where="post", lw=1.2, label="loss scale")
+    marks = [(s, _scale_at(steps, scale, s)) for s in _skipped_steps(rows, events)]
+    marks = [(s, v) for s, v in marks if v is not None]
+    if marks:
+        ax.plot([s for s, _ in marks], [v for _, v in marks], "x", color="tab:red", ms=7, label="skipped step")
+    if all(v > 0 for v in scale):
+        ax.set_yscale("log", base=2)
+    ax.set_ylabel("scale")
+    ax.legend()
+    return _save(fig, out / "loss_scale.png")
+
+
+def _plot_grad_norm(rows, out: Path) -> Path | None:
+    steps, norm = _values(rows, "grad_norm")
+    if not norm:
+        return None
+    fig, ax = _figure("gradient norm (unscaled, before clipping)")
+    ax.plot(steps, norm, lw=1.0)
+    if all(v > 0 for v in norm) and max(norm) / min(norm) > 100:
+        ax.set_yscale("log")
+    ax.set_ylabel("global L2 norm")
+    return _save(fig, out / "grad_norm.png")
+
+
+def _plot_throughput(rows, out: Path) -> Path | None:
+    steps, tps = _values(rows, "tokens_per_s")
+    msteps, mfu = _values(rows, "mfu")
+    if not tps and not mfu:
+        return None
+    fig, ax = _figure("throughput")
+    if tps:
+        ax.plot(steps, tps, color="tab:blue", lw=1.2, label="tokens/s")
+        ax.set_ylabel("tokens/s", color="tab:blue")
+        ax.set_ylim(bottom=0)  # from zero, so timer noise does not look like a trend
+    if mfu:
+        ax2 = ax.twinx() if tps else ax
+        ax2.plot(msteps, [100 * m for m in mfu], color="tab:orange", lw=1.2, label="MFU")
+        ax2.set_ylabel("MFU (%)", color="tab:orange")
+        ax2.set_ylim(bottom=0)
+    handles = [h for a in fig.axes for h in a.get_lines()]
+    ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
+    return _save(fig, out / "throughput.png")
+
+
+def _plot_memory(rows, out: Path) -> Path | None:
+    steps, mem = _values(rows, "peak_mem_mb")
+    if not mem:
+        return None
+    fig, ax = _figure("peak memory")
+    ax.plot(steps, mem, lw=1.2)
+    ax.set_ylabel("MB")
+    ax.set_ylim(bottom=0)
+    return _save(fig, out / "memory.png")
+
+
+def _plot_numerics(numerics, out: Path) -> list[Path]:
+    """One heat map per (kind, statistic): rows are modules, columns logged steps."""
+    import numpy as np
+
+    paths = []
+    # One layer order for every heat map: forward order (as the activations were logged), then
+    # any module seen only in gradients or updates (those are logged in backward order).
+    kinds = ("act", "grad", "update")
+    order = list(dict.fromkeys(r["module"] for k in kinds for r in numerics if r.get("kind") == k))
+    for kind in kinds:
+        rows = [r for r in numerics if r.get("kind") == kind]
+        if not rows:
+            continue
+        present = {r["module"] for r in rows}
+        modules = [m for m in order if m in present]
+        steps = sorted({r["step"] for r in rows})
+        col = {s: i for i, s in enumerate(steps)}
+        row = {m: i for i, m in enumerate(modules)}
+        for stat, label, transform in (("absmax", "log10 |x| max", _log10),
+                                       ("overflow_frac", "overflow fraction", float)):
+            grid = np.full((len(modules), len(steps)), np.nan)
+            for r in rows:
+                if is_finite_number(r.get(stat)):
+                    grid[row[r["module"]], col[r["step"]]] = transform(r[stat])
+            if np.isnan(grid).all() or (stat == "overflow_frac" and not np.nanmax(grid) > 0):
+                continue
+            height = min(12.0, 1.5 + 0.25 * len(modules))
+            fig, ax = _figure(f"{kind}: {label} per module over time", figsize=(8.0, height))
+            ax.grid(False)
+            image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest",
+                              cmap="magma" if stat == "overflow_frac" else "viridis")
+            ax.set_yticks(range(len(modules)), labels=modules, fontsize=max(5, 9 - len(modules) // 20))
+            ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
+            ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
+            ax.set_xlabel("step")
+            fig.colorbar(image, ax=ax, label=label)
+            paths.append(_save(fig, out / f"numerics_{kind}_{stat}.png"))
+    return paths
+
+
+def _log10(value: float) -> float:
+    return math.log10(value) if value > 0 else math.nan
+
+
+# ---------------------------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------------------------
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+def _profile_html(run_dir: Path, out: Path) -> str:
+    """A link to the run's Chrome trace and its profile table, when ``profile=STEPS`` wrote them."""
+    trace, table = run_dir / "trace.json", run_dir / "profile.txt"
+    if not trace.is_file():
+        return ""
+    esc = html.escape
+    href = Path(os.path.relpath(trace.resolve(), out.resolve())).as_posix()
+    text = table.read_text(encoding="utf-8") if table.is_file() else ""
+    return (f'<h2>Profile</h2>\n<p><a href="{esc(href)}">trace.json</a> (Chrome trace: open it in '
+            f'chrome://tracing or https://ui.perfetto.dev)</p>\n'
+            + (f"<pre>{esc(text)}</pre>\n" if text else ""))
+
+
+def _html(run_dir: Path, summary: dict[str, Any], images: list[Path], events: list[dict],
+          profile: str = "") -> str:
+    esc = html.escape
+    rows = "\n".join(f"<tr><th>{esc(k)}</th><td>{esc(_fmt(v))}</td></tr>" for k, v in summary.items())
+    figures = "\n".join(
+        f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode("ascii")}"><figcaption>{esc(p.stem)}</figcaption></figure>'
+        for p in images)
+    shown = events[:_MAX_EVENTS_SHOWN]
+    items = "\n".join(
+        f"<li><code>step {esc(str(e.get('step', '—')))}</code> "
+        f"{esc(str(e.get('kind', e.get('type', 'event'))))}: {esc(str(e.get('message', '')))}</li>"
+        for e in shown)
+    more = (f"<p>… and {len(events) - len(shown)} more in events.jsonl</p>" if len(events) > len(shown) else "")
+    events_html = f"<ol>{items}</ol>{more}" if events else "<p>No events (no overflow, skip or scale change was logged).</p>"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>mixprec report: {esc(run_dir.name)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 980px; color: #222; }}
+table {{ border-collapse: collapse; margin-bottom: 1.5em; }}
+th, td {{ border: 1px solid #ccc; padding: 0.3em 0.8em; text-align: left; }}
+th {{ background: #f4f4f4; font-weight: 600; }}
+figure {{ margin: 1em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #666; font-size: 0.9em; }}
+</style></head><body>
+<h1>mixprec report</h1>
+<p>Run folder: <code>{esc(str(run_dir.resolve()))}</code></p>
+<h2>Summary</h2>
+<table>
+{rows}
+</table>
+<h2>Plots</h2>
+{figures}
+<h2>Events</h2>
+{events_html}
+{profile}</body></html>
+"""
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+    """Write the PNGs and ``report.html`` for ``run_dir`` into ``out_dir``; returns the HTML path."""
+    run_path = Path(run_dir)
+    if not run_path.is_dir():
+        raise DataError(f"no run folder at {run_path}; pass the folder `mixprec train` printed "
+                        "(it holds metrics.csv)")
+    if not (run_path / METRICS_FILE).is_file():
+        raise DataError(f"{run_path} has no {METRICS_FILE}; pass a run folder written by `mixprec train`")
+    rows = read_metrics(run_path)
+    if not rows:
+        raise DataError(f"{run_path / METRICS_FILE} has no rows yet; train for at least one logging "
+                        "interval, then run the report again")
+    numerics = read_numerics(run_path)
+    events = read_events(run_path)
+    config = read_run_config(run_path)
+    out = Path(out_dir) if out_dir is not None else run_path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+
+    images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out, config), _plot_grad_norm(rows, out),
+                          _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
+    images += _plot_numerics(numerics, out)
+    from mixprec.report.format_timeline import plot_formats
+    last = max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)
+    images += [p for p in (plot_formats(events, last, out),) if p is not None]
+    html_path = out / "report.html"
+    html_path.write_text(_html(run_path, summarize(rows, events, config), images, events,
+                               _profile_html(run_path, out)), encoding="utf-8")
+    return html_path

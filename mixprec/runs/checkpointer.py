@@ -1,0 +1,143 @@
+"""What a Trainer checkpoint holds, and how a run continues from one.
+
+:class:`Checkpointer` saves and restores everything an exact resume needs; its inputs are
+explicit arguments (model, optimizer, precision, scheduler, loader, step, epoch, config), not a
+trainer it reaches into. Files are written by :mod:`mixprec.runs.checkpoint` (atomic folders,
+safetensors weights, ``weights_only`` state). See docs/checkpoints.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.precision import Precision
+from mixprec.errors import CheckpointError, ConfigError
+from mixprec.strategies import Strategy
+from mixprec.runs import checkpoint as ckpt
+from mixprec.models.hf import export_pretrained, is_hf_model
+
+__all__ = ["Checkpointer", "Restored"]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a restored run stands."""
+
+    step: int
+    epoch: int
+    loader_resumed: bool   # the loader knows its epoch and position (do not call set_epoch)
+
+
+class Checkpointer:
+    """Writes a run's checkpoints under ``run_dir`` (rank 0) and restores them (every rank)."""
+
+    def __init__(self, strategy: Strategy, run_dir: Path | None, *, keep_last: int,
+                 export_hf: bool = False, model: nn.Module | None = None) -> None:
+        self.strategy = strategy
+        self.run_dir = run_dir
+        self.keep_last = keep_last
+        # A Hugging Face model also goes out as a save_pretrained folder: RUN_DIR/hf at the end,
+        # and checkpoints/step-N/hf with each checkpoint when export_hf is set.
+        self.hf = model is not None and is_hf_model(strategy.unwrap(model))
+        if export_hf and not self.hf:
+            name = type(strategy.unwrap(model)).__name__ if model is not None else "the model"
+            raise ConfigError(f"export_hf=true writes Hugging Face save_pretrained folders, but "
+                              f"{name} is not a transformers model; set export_hf=false")
+        self.export_hf = export_hf
+
+    def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             precision: Precision, scheduler: Any, loader: Any, config: Any,
+             replanner: Any = None) -> Path | None:
+        """Write checkpoint ``step`` atomically; collectives (FSDP) run on every rank."""
+        strategy = self.strategy
+        cfg = dataclasses.asdict(config)
+        state = {
+            "step": step,
+            "epoch": epoch,
+            "policy": precision.policy.spec(),
+            "precision": precision.name,
+            "overrides": [list(o) for o in precision.policy.overrides],
+            # The current per-layer formats (re-planning changes them) and the re-planner's state.
+            "layer_formats": dict(precision.layer_formats),
+            "replan": replanner.state_dict() if replanner is not None else None,
+            "optimizer": strategy.optimizer_state_dict(model, optimizer),
+            # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
+            "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
+            "scheduler": scheduler.state_dict(),
+            "rng": ckpt.capture_rng_state(),
+            "loader": loader.state_dict() if hasattr(loader, "state_dict") else None,
+            "strategy": strategy.state_dict() if hasattr(strategy, "state_dict") else None,
+            "config": {k: v for k, v in cfg.items() if v is not None},
+        }
+        model_state = strategy.model_state_dict(model)
+        path = None
+        if strategy.is_main and self.run_dir is not None:
+            path = ckpt.save_checkpoint(self.run_dir, step, model_state=model_state,
+                                        train_state=state, keep_last=self.keep_last)
+            if self.export_hf:
+                self._export(model, path / "hf", model_state)
+        strategy.barrier()
+        return path
+
+    def export_final(self, model: nn.Module) -> Path | None:
+        """A Hugging Face model's final weights as ``RUN_DIR/hf`` (``save_pretrained``); None for
+        other models. Call on every rank (sharded strategies gather collectively)."""
+        if not self.hf or self.run_dir is None:
+            return None
+        state = self.strategy.model_state_dict(model) if self.strategy.shards_parameters else None
+        path = None
+        if self.strategy.is_main:
+            path = self._export(model, self.run_dir / "hf", state)
+        self.strategy.barrier()
+        return path
+
+    def _export(self, model: nn.Module, folder: Path, full_state: dict | None) -> Path:
+        # Unsharded models save themselves (tied weights stay tied); FSDP2 passes the gathered state.
+        state = full_state if self.strategy.shards_parameters else None
+        return export_pretrained(self.strategy.unwrap(model), folder, state_dict=state)
+
+    def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None) -> Restored:
+        """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
+        strategy = self.strategy
+        model_state, state, _meta = ckpt.load_checkpoint(path)
+        if state.get("policy") != precision.policy.spec():
+            saved = state.get("precision") or state.get("policy")
+            raise CheckpointError(
+                f"checkpoint {path} was trained with precision {saved}, this run uses "
+                f"{precision.name}; resume with --precision {saved}")
+        saved_overrides = tuple(tuple(o) for o in state.get("overrides", ()))
+        if saved_overrides != precision.policy.overrides:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with per-layer overrides {list(saved_overrides)}, "
+                f"this run uses {list(precision.policy.overrides)}; resume with the same overrides")
+        try:
+            strategy.load_model_state_dict(model, model_state)
+        except (RuntimeError, KeyError) as e:
+            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+            first = " ".join(lines[:2])[:240]
+            raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
+                                  "the model settings it was saved with") from None
+        # Same Parameters whatever the formats: restore the plan, then the optimizer.
+        precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
+        if replanner is not None and state.get("replan"):
+            replanner.load_state_dict(state["replan"])
+        strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        precision.scaler.load_state_dict(state["scaler"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch = int(state["step"]), int(state["epoch"])
+        loader_resumed = False
+        if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(state["loader"])
+            loader_resumed = True
+            # The loader moves to the next epoch as soon as it hands out an epoch's last batch.
+            epoch = int(state["loader"].get("epoch", epoch))
+        if state.get("strategy") is not None and hasattr(strategy, "load_state_dict"):
+            strategy.load_state_dict(state["strategy"])
+        ckpt.restore_rng_state(state["rng"])
+        return Restored(step, epoch, loader_resumed)

@@ -1,0 +1,165 @@
+"""What a training run tells the user along the way: the start line, skipped steps traced to their
+origin, and audit findings — on the console (rank 0) and in ``events.jsonl``.
+
+:class:`RunEvents` gets what it reports from its arguments; it owns no training state.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+from mixprec.precision import Precision
+from mixprec.monitor import format_findings
+from mixprec.policy.dtypes import dtype_name
+from mixprec.strategies import Strategy
+from mixprec.runs.metrics import MetricsLogger
+
+__all__ = ["RunEvents"]
+
+
+_SKIP_LINES_SHOWN = 5      # the first skipped steps are each reported on the terminal ...
+_SKIP_LINE_EVERY = 100     # ... then at most one line per this many steps (all are in events.jsonl)
+
+
+class RunEvents:
+    """Console lines (rank 0) and ``events.jsonl`` records of a run.
+
+    On a terminal, ``progress=True`` shows a progress bar; otherwise (a log file, a pipe,
+    ``progress=False``) each log interval prints one plain line instead.
+    """
+
+    def __init__(self, strategy: Strategy, precision: Precision, logger: MetricsLogger, *,
+                 progress: bool) -> None:
+        self.strategy = strategy
+        self.precision = precision
+        self.logger = logger
+        self.progress = progress and strategy.is_main and sys.stderr.isatty()
+        self._bar = None
+        self._skip_lines = 0
+        self._last_skip_line = -_SKIP_LINE_EVERY
+        self._skips_unsaid = 0
+
+    def _say(self, message: str) -> None:
+        if not self.strategy.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(f"[mixprec] {message}", file=sys.stderr)
+        else:
+            print(f"[mixprec] {message}", file=sys.stderr, flush=True)
+
+    # --- progress ----------------------------------------------------------------------------
+
+    def open_progress(self, total: int, initial: int) -> None:
+        if self.progress:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr,
+                             desc="train")
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def interval(self, step: int, total: int, *, loss: float, val_loss: float | None, lr: float,
+                 tokens_per_s: float | None) -> None:
+        """One log interval: the bar's numbers, or one plain line."""
+        scale = self.precision.scale
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", val=f"{val_loss:.4f}" if val_loss is not None else "-",
+                                  scale=f"{scale:g}", refresh=False)
+            return
+        parts = [f"step {step}/{total}", f"loss {loss:.4f}"]
+        if val_loss is not None:
+            parts.append(f"val {val_loss:.4f}")
+        parts.append(f"lr {lr:.3g}")
+        if tokens_per_s is not None:             # None: the batches hold no token ids (images)
+            parts.append(f"{tokens_per_s:,.0f} tok/s")
+        if self.precision.scales_loss:
+            parts.append(f"scale {scale:g}")
+        if self.precision.num_skipped_steps:
+            parts.append(f"skipped {self.precision.num_skipped_steps}")
+        self._say("  ".join(parts))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def start(self, *, model: nn.Module, step: int, total: int, run_dir: Any,
+              fp8_report: Any = None) -> None:
+        if not self.strategy.is_main:
+            return
+        precision = self.precision
+        params = sum(p.numel() for p in model.parameters())
+        lines = [f"precision: {precision.describe()}", *precision.notes,
+                 f"device: {self.strategy.device} x {self.strategy.world_size} "
+                 f"({type(self.strategy).__name__})",
+                 f"model: {params / 1e6:.2f}M parameters; steps: {step} -> {total}; "
+                 f"peak-FLOPs dtype for MFU: {dtype_name(precision.compute_dtype)}",
+                 f"run folder: {run_dir}"]
+        if fp8_report is not None:
+            lines.append(f"fp8: {fp8_report}")
+        if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
+            lines.append("layer formats:")
+            lines += [f"  {row}" for row in precision.describe_layers()]
+        for line in lines:
+            print(f"[mixprec] {line}", file=sys.stderr)
+        self.logger.event({"kind": "start", "step": step, "precision": precision.describe(),
+                           "message": "; ".join(lines)})
+        self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
+                           "message": f"{len(precision.layer_formats)} Linear layers: "
+                                      + ", ".join(f"{n}={f}" for n, f in precision.layer_formats.items())})
+
+    def skip(self, step: int, out: Any, origin_event: Any) -> None:
+        """Log a skipped step (``out``: the step's :class:`~mixprec.train.step.StepOutput`), with the
+        layer that produced the inf/NaN when it was traced."""
+        after = self.precision.scale
+        if origin_event is not None:
+            msg = origin_event.message(step, out.scale_before, after)
+            record = {**origin_event.to_dict(), "kind": "skip", "nonfinite": origin_event.kind,
+                      "loss_scale_before": out.scale_before, "loss_scale_after": after, "message": msg}
+        else:
+            msg = (f"step {step} skipped: non-finite gradients "
+                   f"({dtype_name(self.precision.compute_dtype)}) — loss scale "
+                   f"{out.scale_before:g} -> {after:g}")
+            record = {"kind": "skip", "step": step, "nonfinite": None, "loss_scale_before": out.scale_before,
+                      "loss_scale_after": after, "message": msg}
+        self.logger.event(record)
+        # Every skipped step is in events.jsonl; the terminal hears of the first few, then at
+        # most one per _SKIP_LINE_EVERY steps, with the count of those not shown.
+        if self._skip_lines < _SKIP_LINES_SHOWN or step - self._last_skip_line >= _SKIP_LINE_EVERY:
+            more = f" ({self._skips_unsaid} more skipped steps not shown)" if self._skips_unsaid else ""
+            self._say(msg + more)
+            self._skip_lines += 1
+            self._last_skip_line = step
+            self._skips_unsaid = 0
+        else:
+            self._skips_unsaid += 1
+
+    def format_switch(self, switch: Any) -> None:
+        """A layer changed format while training (re-planning): terminal and events.jsonl."""
+        self.logger.event(switch.to_dict())
+        self._say(switch.message)
+
+    def note(self, message: str, step: int, kind: str = "note", *, say: bool = True) -> None:
+        """An ``events.jsonl`` record, also said on the terminal (rank 0) unless ``say=False``
+        (an error that ends the run says it itself)."""
+        self.logger.event({"kind": kind, "step": step, "message": message})
+        if say:
+            self._say(message)
+
+    def data_position(self, message: str | None, step: int) -> None:
+        """The training data's position cannot be restored: said on the terminal and recorded
+        (``{"kind": "data", "exact": false}``) so a resumed run's data order is not a surprise."""
+        if message is not None:
+            self.logger.event({"kind": "data", "step": step, "exact": False, "message": message})
+            self._say(message)
+
+    def findings(self, findings: list, step: int) -> None:
+        if not findings or not self.strategy.is_main:
+            return
+        print(format_findings(findings), file=sys.stderr)
+        for f in findings:
+            self.logger.event({"kind": "audit", "step": step, "code": f.code,
+                               "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})
