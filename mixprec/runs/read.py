@@ -1,0 +1,66 @@
+"""Reading a run folder back: the one :func:`read_run` reports, comparisons and tools use.
+
+A run folder holds ``config.toml`` (what was asked), ``metrics.csv`` / ``numerics.csv`` and
+``events.jsonl`` (what ran, written by :mod:`mixprec.runs.metrics`) and ``checkpoints/``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from mixprec.errors import DataError
+from mixprec.runs.metrics import read_events, read_metrics, read_numerics
+
+__all__ = ["read_run", "read_run_config", "run_precision", "start_field"]
+
+
+def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The run's ``config.toml`` as a dict ({} when absent or unreadable)."""
+    import tomllib
+    try:
+        return tomllib.loads((Path(run_dir) / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return {}
+
+
+def start_field(events: list[dict[str, Any]], name: str) -> str | None:
+    """``name: ...`` from the start event's message (``model: 0.82M parameters; ...``)."""
+    for e in events:
+        if e.get("kind") == "start":
+            for part in str(e.get("message", "")).split("; "):
+                if part.startswith(f"{name}: "):
+                    return part[len(name) + 2:]
+    return None
+
+
+def run_precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str | None:
+    """The resolved precision as the run described it. The description itself contains "; ", so
+    it is its own field of the start event (runs written before that: the message up to the
+    device line); without a start event, what ``config.toml`` asked for."""
+    for e in events:
+        if e.get("kind") == "start":
+            if e.get("precision"):
+                return str(e["precision"])
+            message = str(e.get("message", ""))
+            if message.startswith("precision: "):
+                return message[len("precision: "):].split("; device: ")[0]
+    return config.get("precision")
+
+
+def read_run(run_dir: str | os.PathLike, *, require_rows: bool = True) -> dict[str, Any]:
+    """Everything a run folder says: ``{dir, name, config, rows, numerics, events, last,
+    precision}``. Raises :class:`~mixprec.errors.DataError` (one line, with the fix) for a path
+    that is not a run folder, or, with ``require_rows``, one without metrics rows yet."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise DataError(f"no run folder at {path}; pass folders `mixprec train` printed")
+    rows = read_metrics(path)
+    if require_rows and not rows:
+        raise DataError(f"{path} has no metrics rows yet; train for at least one logging interval")
+    events = read_events(path)
+    config = read_run_config(path)
+    return {"dir": path, "name": path.name, "config": config, "rows": rows,
+            "numerics": read_numerics(path), "events": events,
+            "last": max((int(r["step"]) for r in rows), default=0),
+            "precision": run_precision(config, events)}
