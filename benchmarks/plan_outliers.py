@@ -63,12 +63,17 @@ def inject_outliers(model: nn.Module, layer: str, channels: Sequence[int] = OUTL
     linear.weight.register_hook(freeze_columns)
 
 
-def _config(args, mode: str, seed: int, run_dir: str):
+def _config(args, mode: str, seed: int, run_dir: str, guard: bool = False):
     from mixprec.train.config import TrainConfig
     return TrainConfig(model=args.model, precision=mode, max_steps=args.steps, seq_len=args.seq,
                        batch_size=args.batch, eval_interval=0, eval_batches=args.eval_batches,
                        ckpt_interval=0, log_interval=10, lr=args.lr,
-                       warmup_steps=args.steps // 10, progress=False, seed=seed, run_dir=run_dir)
+                       warmup_steps=args.steps // 10, progress=False, seed=seed, run_dir=run_dir,
+                       guard=guard, guard_every=args.guard_every, audit=False)
+
+
+GUARDED = {"guard-fp8-tensorwise": "fp8-tensorwise", "guard-fp8-blockwise": "fp8-blockwise"}
+"""Uniform FP8 with ``guard=true`` (mixprec/plan/guard.py)."""
 
 
 PLANS = {
@@ -95,10 +100,10 @@ def make_plan(args, mode: str, seed: int, path: Path):
     cands = (candidates or args.candidates).split(",")
     plan = plan_precision(model, batches, candidates=cands, budget=args.budget / 100,
                           base="bf16-mixed", seed=seed)
-    if rule == "drop-worst":
+    if rule == "drop-worst":      # re-chosen on the estimate alone (no whole-plan check)
         plan.budget = 1.0 - 1e-9          # everything fits: the change of the fastest plan ...
         choose(plan, cands)
-        plan.budget = 0.99 * plan.loss_change   # ... less 1 %: the worst move no longer fits
+        plan.budget = 0.99 * plan.spent         # ... less 1 %: the worst move no longer fits
         choose(plan, cands)
     strategy.teardown()
     plan.write(path)
@@ -107,24 +112,36 @@ def make_plan(args, mode: str, seed: int, path: Path):
 
 def train(args, mode: str, seed: int, run_dir: str) -> dict:
     from mixprec.cli.train import build_run
+    from mixprec.errors import TrainingDiverged
+    from mixprec.report.report import guard_summary
     from mixprec.runs.metrics import read_events
     from mixprec.train.trainer import Trainer
-    cfg = _config(args, mode, seed, run_dir)
+    cfg = _config(args, GUARDED.get(mode, mode), seed, run_dir, guard=mode in GUARDED)
     model, train_loader, val_loader, strategy = build_run(cfg)
     inject_outliers(model, args.layer, gain=args.gain)
     start = time.perf_counter()
-    result = Trainer(model, config=cfg, strategy=strategy).fit(train_loader, val_loader)
+    trainer = Trainer(model, config=cfg, strategy=strategy)
+    try:
+        result = trainer.fit(train_loader, val_loader)
+        val, skipped = result.final_val_loss, result.skipped_steps
+    except TrainingDiverged as e:              # uniform FP8 may diverge: that is a result too
+        print(f"[plan_outliers] {mode} seed {seed}: {e}", file=sys.stderr)
+        val, skipped = float("nan"), trainer.precision.num_skipped_steps
     strategy.teardown()
-    formats = next(e["layers"] for e in read_events(run_dir) if e.get("kind") == "formats")
-    return {"val": result.final_val_loss, "skipped": result.skipped_steps, "formats": formats,
-            "wall_s": time.perf_counter() - start}
+    events = read_events(run_dir)
+    formats = next(e["layers"] for e in events if e.get("kind") == "formats")
+    return {"val": val, "skipped": skipped, "formats": formats,
+            "final_formats": dict(trainer.precision.layer_formats),
+            "guard": guard_summary(events), "wall_s": time.perf_counter() - start}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="bf16-mixed,fp8-tensorwise,fp8-blockwise,plan",
                    help="comma-separated policies, 'plan' or 'plan-tensorwise' (planned on the "
-                        "initial weights, see PLANS), or plan:PATH; bf16-mixed is the reference")
+                        "initial weights, see PLANS), 'guard-fp8-tensorwise' / "
+                        "'guard-fp8-blockwise' (uniform FP8 with guard=true), or plan:PATH; "
+                        "bf16-mixed is the reference")
     p.add_argument("--seeds", default="0")
     p.add_argument("--model", default="small")
     p.add_argument("--layer", default="blocks.1.mlp.proj")
@@ -136,9 +153,13 @@ def main() -> int:
     p.add_argument("--eval-batches", type=int, default=40)
     p.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise")
     p.add_argument("--budget", type=float, default=0.1, help="planner budget, percent of the loss")
+    p.add_argument("--guard-every", type=int, default=50, help="guard_every of the guard-* modes")
+    p.add_argument("--no-reference", action="store_true",
+                   help="do not run bf16-mixed (the table then shows the raw validation losses; "
+                        "compare with a bf16-mixed run of the same seeds from another invocation)")
     args = p.parse_args()
     modes = args.modes.split(",")
-    if "bf16-mixed" not in modes:
+    if "bf16-mixed" not in modes and not args.no_reference:
         modes.insert(0, "bf16-mixed")
     seeds = [int(s) for s in args.seeds.split(",")]
     res: dict[tuple[str, int], dict] = {}
@@ -169,25 +190,28 @@ def main() -> int:
           f"{torch.__version__}; model {args.model}, outliers x{args.gain:g} in channels "
           f"{list(OUTLIER_CHANNELS)} of {args.layer}'s input; {args.steps} steps of "
           f"{args.batch}x{args.seq} tokens, seeds {','.join(map(str, seeds))}\n")
-    print("| mode | FP8 share of Linear GEMM FLOPs | " + " | ".join(
-        f"val loss seed {s} (vs bf16-mixed)" for s in seeds) + " | mean difference |")
+    print("| mode | FP8 share of Linear GEMM FLOPs (at the end) | " + " | ".join(
+        f"val loss seed {s} (vs bf16-mixed)" for s in seeds) + " | mean difference (sd) |")
     print("|---" * (3 + len(seeds)) + "|")
     for mode in modes:
         shares, cells, diffs = [], [], []
         for s in seeds:
-            fmts = res[mode, s]["formats"]
+            fmts = res[mode, s]["final_formats"]
             shares.append(100 * sum(f for n, f in flops.items() if fmts.get(n, "").startswith("fp8-")) / total)
-            v, ref = res[mode, s]["val"], res["bf16-mixed", s]["val"]
+            v = res[mode, s]["val"]
+            ref = res["bf16-mixed", s]["val"] if ("bf16-mixed", s) in res else v
             diffs.append((v / ref - 1.0) * 100.0)
             cells.append(f"{v:.4f} ({diffs[-1]:+.2f}%)")
         share = f"{min(shares):.1f}%" if min(shares) == max(shares) else f"{min(shares):.1f}-{max(shares):.1f}%"
-        print(f"| {mode} | {share} | " + " | ".join(cells) + f" | {statistics.mean(diffs):+.2f}% |")
+        sd = f" ({statistics.stdev(diffs):.2f})" if len(diffs) > 1 else ""
+        print(f"| {mode} | {share} | " + " | ".join(cells) + f" | {statistics.mean(diffs):+.2f}%{sd} |")
     for mode in modes:
         for s in seeds:
             fmts = res[mode, s]["formats"]
             print(f"\n{mode} seed {s}: " + ", ".join(f"{n}={f}" for n, f in fmts.items())
-                  + (f" (skipped steps: {res[mode, s]['skipped']})" if res[mode, s]["skipped"] else ""), end="")
-            if mode not in PLANS:
+                  + (f" (skipped steps: {res[mode, s]['skipped']})" if res[mode, s]["skipped"] else "")
+                  + (f"; guard: {res[mode, s]['guard']}" if mode in GUARDED else ""), end="")
+            if mode not in PLANS and mode not in GUARDED:
                 break
     print()
     return 0

@@ -25,9 +25,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise",
                         help="comma-separated formats to choose from (fp32 is always one)")
     parser.add_argument("--budget", type=float, default=0.1,
-                        help="allowed summed loss change of one forward pass with the planned formats, in percent "
-                             "of the loss (default 0.1); not the end-of-training difference, see "
-                             "docs/per-layer.md")
+                        help="allowed relative loss change of the whole plan against FP32, in percent "
+                             "of the loss (default 0.1), measured with the planned formats on "
+                             "held-out batches (and the calibration ones); a forward pass, not the "
+                             "end-of-training difference, see docs/per-layer.md")
     parser.add_argument("--base", default=None,
                         help="mode outside the planned Linears (default: the precision setting, "
                              "auto = best safe mode here)")
@@ -35,10 +36,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="'measure' (this machine's GEMM throughput) or a GPU (H100, H200, "
                              "H800, A100, B200); default: measure on an FP8 GPU, else H100")
     parser.add_argument("--criterion", choices=("fisher", "measured"), default="fisher",
-                        help="spend the budget on the estimated (fisher, default) or the measured "
-                             "loss change (see docs/per-layer.md)")
-    parser.add_argument("--batches", type=int, default=2,
-                        help="calibration batches (of the batch_size x seq_len of the settings)")
+                        help="rank the first choice by the estimated (fisher, default) or the "
+                             "single-layer measured loss change; the whole plan is then measured "
+                             "and layers moved back until it fits the budget (docs/per-layer.md)")
+    parser.add_argument("--batches", type=int, default=3,
+                        help="batches of the training data (batch_size x seq_len of the settings); "
+                             "the last third (at least one of two or more) is held out for the "
+                             "whole-plan check (default 3)")
     parser.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                         help="load the model weights of this run's latest checkpoint")
     parser.add_argument("-o", "--output", default="plan.json", help="plan file (.json or .toml)")
@@ -46,8 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mixprec.plan.planner import plan_precision
     from mixprec.cli.train import build_run
+    from mixprec.plan.planner import plan_precision, split_heldout
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
         raise ConfigError("--batches must be >= 1")
@@ -65,12 +69,14 @@ def run(args: argparse.Namespace) -> int:
     base = args.base or cfg.precision
     print(f"[mixprec] planning the Linear layers of model "
           f"{cfg.model} on {len(batches)} batches of {cfg.batch_size}x{cfg.seq_len} tokens "
+          f"({len(split_heldout(batches, None)[1])} held out) "
           f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
     plan = plan_precision(model, batches, candidates=args.candidates.split(","),
                           budget=args.budget / 100, base=base, target=args.target, seed=cfg.seed,
                           criterion=args.criterion,
                           progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
     print(plan.table())
+    print(f"[mixprec] trade-off: {plan.tradeoff()}", file=sys.stderr)
     out = plan.write(args.output)
     png = plan.plot(args.png or Path(args.output).with_suffix(".png"))
     print(f"[mixprec] plan: {out}  plot: {png}", file=sys.stderr)

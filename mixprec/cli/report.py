@@ -8,7 +8,8 @@ from pathlib import Path
 
 from mixprec.errors import DataError
 from mixprec.report.compare import compare_summary, load_run, write_comparison
-from mixprec.report.report import write_report
+from mixprec.report.report import guard_summary, write_report
+from mixprec.runs.metrics import read_events
 
 __all__ = ["configure", "run"]
 
@@ -29,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
         if len(args.run_dir) > 1:
             return _compare(args)
         html_path = write_report(args.run_dir[0], args.out)
+        guard = guard_summary(read_events(Path(args.run_dir[0])))
+        if guard != "-":
+            print(f"guard: {guard}")                # what guarded training did (guard=true)
     except OSError as e:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
             raise

@@ -1,9 +1,11 @@
 """Per-layer precision planning: measure each Linear's sensitivity and cost, choose its format
 (``mixprec plan``, :func:`plan_precision`), and re-plan formats while training
-(:class:`LayerReplanner`)."""
+(:class:`LayerReplanner`), and guard training (:class:`TrainingGuard`: a layer that goes bad moves
+to a safer format)."""
+from mixprec.plan.guard import GuardConfig, TrainingGuard
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, format_throughput
 from mixprec.plan.planner import DEFAULT_CANDIDATES, plan_precision
 from mixprec.plan.replan import FormatSwitch, LayerReplanner
 
 __all__ = ["plan_precision", "PrecisionPlan", "LayerMeasure", "DEFAULT_CANDIDATES", "format_throughput",
-           "LayerReplanner", "FormatSwitch"]
+           "LayerReplanner", "FormatSwitch", "TrainingGuard", "GuardConfig"]

@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-from mixprec.precision import Precision
+from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB
 from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, write_plan
+from mixprec.precision import Precision
 
-__all__ = ["PrecisionPlan", "LayerMeasure", "format_throughput", "choose"]
+__all__ = ["PrecisionPlan", "LayerMeasure", "format_throughput", "choose", "safer_format",
+           "update_times"]
 
 
 @dataclass
@@ -29,14 +31,40 @@ class LayerMeasure:
     flops_share: float = 0.0
     """Share of all measured Linears' GEMM FLOPs."""
     sqnr_out: dict[str, float] = field(default_factory=dict)
+    """Output SQNR against FP32 (dB) per format."""
     sqnr_grad: dict[str, float] = field(default_factory=dict)
+    """Weight-gradient SQNR (dB) per format."""
+    sqnr_dgrad: dict[str, float] = field(default_factory=dict)
+    """Input-gradient SQNR (dB) per format: the error this layer sends back to the layers below."""
+    flush_in: dict[str, float] = field(default_factory=dict)
+    """Share of the layer's non-zero inputs the format flushes to zero or saturates."""
+    flush_grad: dict[str, float] = field(default_factory=dict)
+    """... of its output gradients (FP8: in the recipe's gradient format)."""
     loss_change: dict[str, float] = field(default_factory=dict)
-    """Relative loss change per format (fraction of the FP32 loss)."""
+    """Measured relative loss change per format with only this layer in it (fraction of the FP32
+    loss, mean over the calibration batches of ``|loss_f - loss_fp32|``)."""
     loss_change_est: dict[str, float] = field(default_factory=dict)
     """Second-order (Fisher) estimate of the relative loss increase per format."""
     unavailable: dict[str, str] = field(default_factory=dict)
     """Formats this layer cannot run in, and why (FP8 rules)."""
+    risky: dict[str, str] = field(default_factory=dict)
+    """Formats the sensitivity gates refuse for this layer (:func:`mixprec.plan.gates.gate`), and why."""
+    severity: dict[str, float] = field(default_factory=dict)
+    """... and how far over its worst limit each is (> 1)."""
     chosen: str = "fp32"
+
+    def sensitivity(self, fmt: str) -> tuple[int, float, float]:
+        """The ranking key of ``fmt`` for this layer, larger = more sensitive: refused by a gate
+        first (the furthest over its limit first), then the estimated loss change."""
+        return (int(fmt in self.risky), self.severity.get(fmt, 0.0), self.loss_change_est.get(fmt, 0.0))
+
+
+def safer_format(m: LayerMeasure, cands: Sequence[str]) -> str | None:
+    """The next more accurate candidate ``m`` can run in than the one it has (the order of
+    :data:`LAYER_FORMATS`: fp32, bf16, fp16, FP8 recipes), or None at the most accurate."""
+    avail = sorted((f for f in cands if f in m.loss_change), key=LAYER_FORMATS.index)
+    idx = avail.index(m.chosen) if m.chosen in avail else 0
+    return avail[idx - 1] if idx > 0 else None
 
 
 @dataclass
@@ -59,8 +87,30 @@ class PrecisionPlan:
     step_time_fp32: float = 0.0
     step_time_fastest: float = 0.0
     """... with every layer in its fastest available candidate, ignoring the budget."""
+    step_time_base: float = 0.0
+    """... with every layer in the base mode's own format."""
+    base_format: str = "fp32"
+    """The base mode's own Linear format (``bf16`` under ``bf16-mixed``)."""
+    spent: float = 0.0
+    """What the first choice spent of the budget: the summed criterion (estimate or single-layer
+    measured change) of the chosen formats."""
+    loss_change_est: float = 0.0
+    """Summed estimated loss change of the final plan's formats."""
+    measured_calibration: float = 0.0
+    """Measured relative loss change of the whole plan on the calibration batches."""
+    measured_heldout: float | None = None
+    """... on the held-out batches (None when there were none)."""
     loss_change: float = 0.0
-    """Summed relative loss change of the chosen formats."""
+    """What the plan promises: the larger of the two measured whole-plan changes (within budget
+    unless every layer is at its most accurate format; see ``notes``)."""
+    calibration_tokens: int = 0
+    heldout_tokens: int = 0
+    demoted: list[dict] = field(default_factory=list)
+    """Layers moved back after the whole plan measured over budget: ``layer``, ``from``, ``to``,
+    ``calibration`` and ``heldout`` (the whole plan's changes after the move)."""
+    min_sqnr_db: float = MIN_SQNR_DB
+    max_flush: float = MAX_FLUSH
+    max_sqnr_drop_db: float = MAX_SQNR_DROP_DB
     seconds: float = 0.0
     """Wall time the planner took."""
     notes: list[str] = field(default_factory=list)
@@ -83,34 +133,75 @@ class PrecisionPlan:
         return write_plan(path, self.base, self.overrides, target=self.target, budget=self.budget,
                           criterion=self.criterion,
                           loss=self.loss, step_time=self.step_time, step_time_fp32=self.step_time_fp32,
-                          loss_change=self.loss_change, throughput=self.throughput,
+                          step_time_base=self.step_time_base, speedup=self.speedup(),
+                          loss_change=self.loss_change, loss_change_est=self.loss_change_est,
+                          measured_calibration=self.measured_calibration,
+                          measured_heldout=self.measured_heldout,
+                          calibration_tokens=self.calibration_tokens,
+                          heldout_tokens=self.heldout_tokens, demoted=self.demoted,
+                          min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush,
+                          max_sqnr_drop_db=self.max_sqnr_drop_db,
+                          throughput=self.throughput,
                           planner_seconds=self.seconds, notes=self.notes,
                           layers=[_finite(asdict(m)) for m in self.layers])
 
+    def speedup(self) -> float:
+        """Predicted Linear-GEMM speed-up of the plan over every Linear in the base format."""
+        return self.step_time_base / self.step_time if self.step_time else 1.0
+
+    def tradeoff(self) -> str:
+        """The trade-off in one line: predicted speed-up next to the measured loss change."""
+        where = "this machine" if self.target == "measure" else self.target
+        held = (f"{100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens, "
+                if self.measured_heldout is not None else "")
+        return (f"predicted {self.speedup():.2f}x faster Linear GEMMs than all-{self.base_format} on "
+                f"{where}, for a measured loss change of {held}{100 * self.measured_calibration:.3g}% "
+                f"on {self.calibration_tokens} calibration tokens (budget {100 * self.budget:.3g}%)")
+
     def table(self) -> str:
-        """The planner's table: layer, FLOPs share, SQNR (out/grad) and loss change per format, choice."""
+        """The planner's table: per layer and format the SQNRs (output / input gradient / weight
+        gradient), the flushed share, the measured single-layer and the estimated loss change;
+        the choice; then the whole plan: estimated and measured (calibration, held-out)."""
         fmts = [f for f in self._formats() if f != "fp32"]
         w = max([22] + [len(m.name) for m in self.layers])     # Hugging Face names run long
-        head = f"{'layer':<{w}} {'flops':>6} " + " ".join(f"{_short(f):>29}" for f in fmts) + "  chosen"
-        sub = f"{'':<{w}} {'share':>6} " + " ".join(f"{'sqnr o/g dB  dloss% meas/est':>29}" for _ in fmts)
+        cw = 42
+        head = f"{'layer':<{w}} {'flops':>6} " + " ".join(f"{_short(f):>{cw}}" for f in fmts) + "  chosen"
+        sub = f"{'':<{w}} {'share':>6} " + " ".join(
+            f"{'sqnr o/dx/dw dB flush% dloss% meas/est':>{cw}}" for _ in fmts)
         lines = [head, sub]
         for m in self.layers:
             cells = []
             for f in fmts:
                 if f in m.unavailable:
-                    cells.append(f"{'n/a':>29}")
+                    cells.append(f"{'n/a':>{cw}}")
                 else:
-                    cells.append(f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_grad[f]:>5.1f} "
+                    flush = 100 * max(m.flush_in.get(f, 0.0), m.flush_grad.get(f, 0.0))
+                    mark = "!" if f in m.risky else " "
+                    cells.append(f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_dgrad.get(f, float('nan')):>5.1f}/"
+                                 f"{m.sqnr_grad[f]:>5.1f} {flush:>6.2g}{mark}"
                                  f"{100 * m.loss_change[f]:>8.2g}/{100 * m.loss_change_est[f]:<8.2g}")
             lines.append(f"{m.name:<{w}} {100 * m.flops_share:>5.1f}% " + " ".join(cells) + f"  {m.chosen}")
         counts: dict[str, int] = {}
         for m in self.layers:
             counts[m.chosen] = counts.get(m.chosen, 0) + 1
-        lines.append(f"plan: {', '.join(f'{n} {f}' for f, n in counts.items())}; base {self.base}; "
-                     f"{self.criterion} loss change {100 * self.loss_change:.3g}% of {self.loss:.4f} (budget "
-                     f"{100 * self.budget:.3g}%); GEMM time per token {self.step_time / self.step_time_fp32:.3f}x "
-                     f"of all-fp32 (fastest possible {self.step_time_fastest / self.step_time_fp32:.3f}x) "
-                     f"at {self.target} throughput; planner took {self.seconds:.1f} s")
+        if any(m.risky for m in self.layers):
+            lines.append(f"! refused by the sensitivity gates (an SQNR below {self.min_sqnr_db:g} dB or "
+                         f"an output SQNR {self.max_sqnr_drop_db:g} dB below the other layers', or over "
+                         f"{100 * self.max_flush:g}% flushed)")
+        lines.append(f"plan: {', '.join(f'{n} {f}' for f, n in counts.items())}; base {self.base}")
+        held = (f", measured {100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens"
+                if self.measured_heldout is not None else ", no held-out batch")
+        lines.append(f"whole-plan loss change (% of {self.loss:.4f}): estimated "
+                     f"{100 * self.loss_change_est:.3g}%, measured {100 * self.measured_calibration:.3g}% "
+                     f"on {self.calibration_tokens} calibration tokens{held}; budget "
+                     f"{100 * self.budget:.3g}%" + ("" if self.loss_change <= self.budget else
+                                                    " (over budget at the most accurate formats)"))
+        for d in self.demoted:
+            lines.append(f"moved back after measuring the whole plan: {d['layer']} {d['from']} -> {d['to']}")
+        lines.append(f"GEMM time per token {self.step_time / self.step_time_fp32:.3f}x of all-fp32 "
+                     f"(fastest possible {self.step_time_fastest / self.step_time_fp32:.3f}x) at "
+                     f"{self.target} throughput; planner took {self.seconds:.1f} s")
+        lines.append(f"trade-off: {self.tradeoff()}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -208,7 +299,8 @@ def choose(plan: PrecisionPlan, cands: list[str]) -> None:
     def t(m: LayerMeasure, f: str) -> float:
         return m.flops_per_token / thr[f]
 
-    avail = {m.name: [f for f in cands if f in m.loss_change] for m in plan.layers}
+    avail = {m.name: [f for f in cands if f in m.loss_change and f not in m.risky]
+             for m in plan.layers}
     cost = {m.name: (m.loss_change_est if plan.criterion == "fisher" else m.loss_change)
             for m in plan.layers}
     for m in plan.layers:
@@ -242,7 +334,21 @@ def choose(plan: PrecisionPlan, cands: list[str]) -> None:
             g = min(better, key=lambda g: (cost[m.name][g], t(m, g)))
             used += cost[m.name][g] - cost[m.name][m.chosen]
             m.chosen = g
-    plan.loss_change = used
+    plan.spent = used
+    update_times(plan)
+
+
+def update_times(plan: PrecisionPlan) -> None:
+    """The plan's estimated GEMM times and summed estimate, from its current choices."""
+    thr = plan.throughput
+
+    def t(m: LayerMeasure, f: str) -> float:
+        return m.flops_per_token / thr[f]
+
+    plan.loss_change_est = sum(m.loss_change_est.get(m.chosen, 0.0) for m in plan.layers)
     plan.step_time = sum(t(m, m.chosen) for m in plan.layers)
     plan.step_time_fp32 = sum(t(m, "fp32") for m in plan.layers)
-    plan.step_time_fastest = sum(min(t(m, f) for f in avail[m.name]) for m in plan.layers)
+    base = plan.base_format if plan.base_format in thr else "fp32"
+    plan.step_time_base = sum(t(m, base) for m in plan.layers)
+    plan.step_time_fastest = sum(min(t(m, f) for f in thr if f in m.loss_change and f not in m.risky)
+                                 for m in plan.layers)

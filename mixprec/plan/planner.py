@@ -1,29 +1,45 @@
 """The per-layer precision planner: measure each Linear's sensitivity and cost, pick its format.
 
+The calibration batches are split: the last third (at least one of two or more, or the
+``heldout=`` batches given) is set aside for the whole-plan check below and seen by nothing else.
+
 One FP32 forward and backward over the calibration batches records, for every Linear ``L``, its
 input, output and output gradient, and its weight gradient. Then for every candidate format ``f``
 ``L`` is built as it would run in training (:class:`mixprec.Precision` with a per-layer override,
 so the FP8 rules and modules are the training ones), and, with *only* ``L`` in ``f``:
 
 * output SQNR: ``L_f(x)`` against ``L``'s FP32 output on the recorded inputs
-  (:func:`mixprec.fp8.sqnr_db`),
-* gradient SQNR: ``L_f``'s weight gradient, from the recorded inputs and FP32 output gradients,
-  against the FP32 weight gradient,
+  (:func:`mixprec.formats.sqnr_db`),
+* input-gradient and weight-gradient SQNR: ``L_f``'s backward, from the recorded inputs and FP32
+  output gradients, against the FP32 layer's (the input gradient is what ``L`` sends to the layers
+  below, the weight gradient what its optimizer steps on),
+* flushed share: of ``L``'s inputs and of its output gradients, the non-zero values ``f`` flushes
+  to zero or saturates (:func:`mixprec.plan.replan.flushed_share`, the re-planner's measure),
 * loss change, measured: the model's forward loss with ``L`` swapped for ``L_f``: ``mean
   |loss_f - loss_fp32| / mean loss_fp32`` over the batches,
 * loss change, estimated: the expected loss *increase* from ``L``'s output error ``e``, to second
   order with the diagonal empirical Fisher: ``1/2 * N * sum (g * e)^2`` per batch (``g`` the
   recorded gradient of the batch-mean loss w.r.t. ``L``'s output, ``N`` its rows), over the loss.
 
-Why two: quantization noise is uncorrelated with the gradient, so the *first-order* term
-``g . e`` of a measured loss difference is zero-mean noise, and on a few calibration batches it
-dominates (measured on the outlier model of ``tests/plan/test_planner.py``: 0.004-0.08 % for
-ordinary layers in ``fp8-tensorwise`` against 0.33 % for the outlier layer, while the estimate
-gives 0.0001-0.002 % against 0.108 %). The budget is spent on the estimate (``criterion="fisher"``, the
-default) or on the measured change (``criterion="measured"``); the table shows both.
+Why both loss changes: quantization noise is uncorrelated with the gradient, so the *first-order*
+term ``g . e`` of a measured loss difference is zero-mean noise, and on a few calibration batches
+it dominates. The estimate is free of it but sees only the forward. So the measurements are used
+together (:func:`mixprec.plan.gates.gate`): a format is refused for a layer when one of its SQNRs
+is below ``min_sqnr_db``, or ``max_sqnr_drop_db`` below the other layers' median in that format
+while under 40 dB (the layer the format treats worse than the rest: outliers), or it flushes more
+than ``max_flush`` of the layer's inputs or output gradients; the rest are ranked by the estimate
+(``criterion="fisher"``, the default) or the single-layer measured change (``"measured"``).
+
+**The promise is measured, never estimated** (:mod:`mixprec.plan.verify`): after the first choice
+the whole plan is applied to a copy of the model and its loss change measured on the calibration
+and the held-out batches; while either exceeds ``budget``, the layer whose move one format safer
+lowers the whole plan's change the most is moved back. The table and the plan file record, per
+layer and format, the estimate and the measured single-layer change, and for the plan the summed
+estimate and both measured whole-plan changes.
 
 Cost: one FP32 forward+backward, then per (layer, format) one forward over the batches plus the
-layer's own GEMMs.
+layer's own GEMMs; the whole-plan check adds one forward over all batches per movable layer and
+round of moving back.
 
 Step-time model: each layer's GEMM FLOPs per token (``6 * in * out``: forward, input and weight gradient) at
 the throughput of its format: measured on this machine with ``mixprec bench matmul``'s timer
@@ -32,15 +48,14 @@ the throughput of its format: measured on this machine with ``mixprec bench matm
 targets drop the FP8 candidates (with a note). The estimated step time is the sum of the GEMM
 times; the rest of the step does not depend on the plan and is left out.
 
-Choice: every layer starts in its most accurate available candidate; then, greedily, the move
-(layer -> faster format) with the largest time saved per unit of added loss change is taken while
-the summed loss change stays within ``budget`` (a fraction of the loss; default 0.1 %). Ties go to
-the larger saving, then to the layer name, so a plan is deterministic for a seed and a stated
-throughput table.
+First choice: every layer starts in its most accurate available candidate; then, greedily, the
+move (layer -> faster format, not refused by a gate) with the largest time saved per unit of added
+estimated loss change is taken while the sum stays within ``budget`` (a fraction of the loss;
+default 0.1 %). Ties go to the larger saving, then to the layer name, so a plan is deterministic
+for a seed and a stated throughput table. Then the whole-plan check above.
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,10 +66,12 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
+from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB, apply_gates
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
+from mixprec.plan.verify import enforce_budget, forward_losses, fp32_copy
 from mixprec.policy.overrides import parse_format
 
-__all__ = ["plan_precision", "DEFAULT_CANDIDATES"]
+__all__ = ["plan_precision", "DEFAULT_CANDIDATES", "split_heldout"]
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "fp8-tensorwise", "fp8-blockwise")
 
@@ -90,41 +107,38 @@ def _reference(model: nn.Module, batches: Sequence[Any], objective: Callable, na
     return losses, {n: [tuple(r) for r in v] for n, v in seen.items()}
 
 
-@torch.no_grad()
-def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Sequence[Any],
-                 objective: Callable, seed: int) -> list[float]:
-    """Forward losses of ``model`` with the Linear ``name`` temporarily replaced by ``variant``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    original = getattr(parent, child)
-    setattr(parent, child, variant)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return [float(objective(model, batch).float()) for batch in batches]
-    finally:
-        setattr(parent, child, original)
-
-
 def _local(layer: nn.Module, records: list[tuple[torch.Tensor, ...]]
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(output, weight gradient) of ``layer`` on its recorded FP32 inputs, with the recorded FP32
-    output gradients flowing into it: the layer alone, everything around it exact. (Measured for
-    the FP32 layer too, so a weight shared with another module, a tied head, compares like with
-    like.) The layer's own ``forward`` runs, not its hooks: the recorded inputs are what reached
-    ``forward``, after any pre-hook, so running a pre-hook again would apply it twice."""
+           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(output, weight gradient, input gradient) of ``layer`` on its recorded FP32 inputs, with the
+    recorded FP32 output gradients flowing into it: the layer alone, everything around it exact.
+    (Measured for the FP32 layer too, so a weight shared with another module, a tied head,
+    compares like with like.) The layer's own ``forward`` runs, not its hooks: the recorded inputs
+    are what reached ``forward``, after any pre-hook, so running a pre-hook again would apply it
+    twice."""
     layer.zero_grad(set_to_none=True)
-    outs = []
+    outs, dxs = [], []
     with torch.enable_grad():
         for rec in records:
-            y = layer.forward(rec[0])
+            x = rec[0].detach().requires_grad_(len(rec) > 2)
+            y = layer.forward(x)
             outs.append(y.detach().float().flatten())
             if len(rec) > 2:
                 y.backward(rec[2].to(y.dtype))
+                dxs.append(x.grad.detach().float().flatten())
     g = layer.weight.grad
     g = None if g is None else g.detach().float().clone()
     layer.zero_grad(set_to_none=True)
-    return torch.cat(outs), g
+    return torch.cat(outs), g, (torch.cat(dxs) if dxs else None)
+
+
+def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str, which: int) -> float:
+    """Largest share over the batches of the recorded inputs (``which=0``) or output gradients
+    (``which=2``) that ``fmt`` flushes to zero or saturates
+    (:func:`mixprec.plan.replan.flushed_share`, the re-planner's measurement)."""
+    from mixprec.plan.replan import flushed_share
+    shares = [flushed_share(r[which], fmt, "act" if which == 0 else "grad")
+              for r in records if len(r) > which]
+    return float(torch.stack(shares).max()) if shares else 0.0
 
 
 def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tensor, out: torch.Tensor
@@ -145,23 +159,68 @@ def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tenso
     return total / len(records)
 
 
+@torch.no_grad()
+def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Sequence[Any],
+                 objective: Callable, seed: int) -> list[float]:
+    """Forward losses of ``model`` with the Linear ``name`` temporarily replaced by ``variant``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    original = getattr(parent, child)
+    setattr(parent, child, variant)
+    try:
+        return forward_losses(model, batches, objective, seed)
+    finally:
+        setattr(parent, child, original)
+
+
+def split_heldout(batches: Sequence[Any], heldout: Sequence[Any] | None) -> tuple[list, list]:
+    """(calibration, held-out): the held-out batches given, or the last third of ``batches`` (at
+    least one when there are two or more)."""
+    batches = list(batches)
+    if heldout is not None:
+        return batches, list(heldout)
+    if len(batches) < 2:
+        return batches, []
+    n = max(1, len(batches) // 3)
+    return batches[:-n], batches[-n:]
+
+
+def _tokens(batches: Sequence[Any]) -> int:
+    """Target tokens in ``batches`` (the last tensor of a tuple batch; ``labels`` of a dict)."""
+    total = 0
+    for b in batches:
+        t = b.get("labels") if isinstance(b, dict) else (b[-1] if isinstance(b, (tuple, list)) else b)
+        total += int(t.numel()) if isinstance(t, torch.Tensor) else 0
+    return total
+
+
 def plan_precision(model: nn.Module, batches: Sequence[Any], *,
                    candidates: Sequence[str] = DEFAULT_CANDIDATES, budget: float = 1e-3,
                    base: str = "auto", target: str | None = None,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    layers: Sequence[str] | None = None, seed: int = 0, criterion: str = "fisher",
+                   heldout: Sequence[Any] | None = None, min_sqnr_db: float = MIN_SQNR_DB,
+                   max_flush: float = MAX_FLUSH, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
                    progress: Callable[[str], None] | None = None) -> PrecisionPlan:
-    """Measure each Linear's sensitivity to each candidate format and choose a plan (module doc).
+    """Measure each Linear's sensitivity to each candidate format, choose a plan, then measure the
+    whole plan and move layers back until it keeps its budget (module doc).
 
-    ``model``: an FP32 model (left untouched: the planner works on copies). ``batches``: a few
+    ``model``: an FP32 model (left untouched: the planner works on copies). ``batches``:
     calibration batches of any shape ``fit()`` takes (``(inputs, targets)``, a dict with
     ``labels``, ...), on the model's device; the loss is ``fit()``'s, from the same
-    :class:`~mixprec.models.objective.Objective` (``loss_fn(outputs, targets)`` if given). ``budget``: the summed loss change allowed, as a
-    fraction of the loss. ``base``: the mode outside the planned Linears (``auto`` resolves to the
-    best safe mode here). ``target``: ``"measure"`` (this machine) or a GPU name from the
-    ``mixprec estimate`` table; default: measure on a CUDA GPU with FP8, else ``H100`` (stated in
-    the notes). ``layers``: restrict to these Linear names. ``criterion``: what the budget is
-    spent on, ``fisher`` (estimated loss increase) or ``measured`` (see the module docstring).
+    :class:`~mixprec.models.objective.Objective` (``loss_fn(outputs, targets)`` if given). ``heldout``: batches only the whole-plan check sees;
+    default: the last third of ``batches`` is set aside (none with a single batch, said in the
+    notes). ``budget``: the allowed relative change of the loss of the *whole plan*, as a fraction
+    of the FP32 loss, on the calibration and the held-out batches. ``base``: the mode outside the
+    planned Linears (``auto`` resolves to the best safe mode here). ``target``: ``"measure"``
+    (this machine) or a GPU name from the ``mixprec estimate`` table; default: measure on a CUDA
+    GPU with FP8, else ``H100`` (stated in the notes). ``layers``: restrict to these Linear names.
+    ``criterion``: what ranks the first choice, ``fisher`` (estimated loss increase) or
+    ``measured`` (single-layer measured change). ``min_sqnr_db`` / ``max_sqnr_drop_db`` /
+    ``max_flush``: a format whose output, input-gradient or weight-gradient SQNR is below
+    ``min_sqnr_db`` or ``max_sqnr_drop_db`` below the other layers' median in that format, or
+    which flushes or saturates more than ``max_flush`` of the layer's inputs or output gradients,
+    is refused for that layer whatever its estimate (:func:`mixprec.plan.gates.gate`).
     """
     if criterion not in ("fisher", "measured"):
         raise ConfigError(f"criterion must be 'fisher' or 'measured', not '{criterion}'")
@@ -170,6 +229,9 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
         raise ConfigError("plan_precision needs at least one calibration batch")
     if not 0 <= budget < 1:
         raise ConfigError(f"budget is a fraction of the loss in [0, 1), e.g. 0.001 for 0.1 %, not {budget}")
+    calib, held = split_heldout(batches, heldout)
+    if not calib:
+        raise ConfigError("plan_precision needs at least one calibration batch")
     cands = list(dict.fromkeys(parse_format(c) for c in candidates))
     if "fp32" not in cands:
         cands.insert(0, "fp32")            # the reference every layer may fall back to
@@ -187,7 +249,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     say = progress or (lambda s: None)
 
     from mixprec.models.objective import make_objective
-    ref_model = copy.deepcopy(model)
+    ref_model = fp32_copy(model)
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
@@ -198,7 +260,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
             from mixprec.errors import closest
             raise ConfigError(f"no Linear named '{unknown[0]}'{closest(unknown[0], names)}")
         names = [n for n in names if n in layers]
-    ref_losses, records = _reference(ref_model, batches, objective, names, seed)
+    ref_losses, records = _reference(ref_model, calib, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
     # One copy per format with every eligible Linear in that format (the FP8 rules refuse some):
     # each trial swaps one of its layers into the FP32 model.
@@ -207,7 +269,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     for f in cands:
         if f == "fp32":
             continue
-        trial = copy.deepcopy(model)
+        trial = fp32_copy(model)
         prec = Precision("32-true", device=device, overrides=(("*", f),))
         prec.setup(trial)
         trial.train()
@@ -221,30 +283,53 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     for m in measures:
         m.flops_share = m.flops_per_token / total
     for i, m in enumerate(measures):
-        ref_out, ref_grad = _local(mods[m.name], records[m.name])
+        rec = records[m.name]
+        ref_out, ref_grad, ref_dx = _local(mods[m.name], rec)
         for f in cands:
             if f == "fp32":
-                m.sqnr_out[f] = m.sqnr_grad[f] = float("inf")
+                m.sqnr_out[f] = m.sqnr_grad[f] = m.sqnr_dgrad[f] = float("inf")
                 m.loss_change[f] = m.loss_change_est[f] = 0.0
+                m.flush_in[f] = m.flush_grad[f] = 0.0
                 continue
             if m.name in refused[f]:
                 m.unavailable[f] = refused[f][m.name]
                 continue
             variant = variants[f].get_submodule(m.name)
-            out, grad = _local(variant, records[m.name])
+            out, grad, dx = _local(variant, rec)
             m.sqnr_out[f] = sqnr_db(ref_out, out)
-            m.loss_change_est[f] = _fisher_change(records[m.name], ref_out, out) / ref_loss
+            m.loss_change_est[f] = _fisher_change(rec, ref_out, out) / ref_loss
             m.sqnr_grad[f] = sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else float("nan")
-            losses = _losses_with(ref_model, m.name, variant, batches, objective, seed)
+            m.sqnr_dgrad[f] = sqnr_db(ref_dx, dx) if dx is not None and ref_dx is not None else float("nan")
+            m.flush_in[f], m.flush_grad[f] = _flushed(rec, f, 0), _flushed(rec, f, 2)
+            losses = _losses_with(ref_model, m.name, variant, calib, objective, seed)
             m.loss_change[f] = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
         say(f"[{i + 1}/{len(measures)}] {m.name}")
-    del ref_model, variants, records
+    del variants, records
+    apply_gates(measures, cands, min_sqnr_db=min_sqnr_db, max_flush=max_flush,
+                max_sqnr_drop_db=max_sqnr_drop_db)
 
-    notes.append("the loss change is that of one forward pass with the chosen formats; training "
-                 "adds gradient error every step, so compare the final losses of a short run "
-                 "(`mixprec report RUN_A RUN_B`) before trusting a plan")
     plan = PrecisionPlan(base=base_name, layers=measures, throughput=throughput, target=target,
-                         budget=budget, criterion=criterion, loss=ref_loss, notes=notes)
+                         budget=budget, criterion=criterion, loss=ref_loss, notes=notes,
+                         base_format=base_precision.base_format, min_sqnr_db=min_sqnr_db,
+                         max_flush=max_flush, max_sqnr_drop_db=max_sqnr_drop_db)
     choose(plan, cands)
+    # The estimate only ranks: the promise is the whole plan's measured loss change.
+    ref_held = forward_losses(ref_model, held, objective, seed) if held else []
+    enforce_budget(plan, model, calib=calib, heldout=held, ref_calib=ref_losses, ref_heldout=ref_held,
+                   objective=objective, seed=seed, device=device, progress=say)
+    plan.calibration_tokens, plan.heldout_tokens = _tokens(calib), _tokens(held)
+    held_said = (f", {100 * plan.measured_heldout:.3g}% on {len(held)} held-out batches "
+                 f"({plan.heldout_tokens} tokens)" if held else "")
+    plan.notes.insert(0, f"measured: the whole plan changes the loss by "
+                         f"{100 * plan.measured_calibration:.3g}% on {len(calib)} calibration batches "
+                         f"({plan.calibration_tokens} tokens){held_said}, against FP32; the budget "
+                         f"({100 * budget:.3g}%) applies to both")
+    if not held:
+        plan.notes.append("no held-out batch (one batch given): the measured loss change is that "
+                          "of the calibration batch only; give more batches or heldout=")
+    del ref_model
+    plan.notes.append("the loss changes are those of a forward pass with the chosen formats; "
+                      "training adds gradient error every step, so compare the final losses of a "
+                      "short run (`mixprec report RUN_A RUN_B`) before trusting a plan")
     plan.seconds = time.perf_counter() - t0
     return plan

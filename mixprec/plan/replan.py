@@ -45,7 +45,38 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 
-__all__ = ["LayerReplanner", "FormatSwitch"]
+__all__ = ["LayerReplanner", "FormatSwitch", "flushed_share"]
+
+
+def flushed_share(t: torch.Tensor, fmt: str, kind: str = "act") -> torch.Tensor:
+    """The share of ``t``'s non-zero values that format ``fmt`` flushes to zero or saturates
+    (a 0-d tensor on ``t``'s device, no host sync).
+
+    FP8 recipes: ``t`` quantized as the recipe quantizes it for a GEMM operand (``kind="act"``:
+    the forward format; ``kind="grad"``: the gradient format; the recipe's tiles along the last
+    dimension); with current scaling nothing saturates, so this counts what the scale pushed
+    below half the smallest subnormal. ``bf16``/``fp16``/``fp32``: values below half the format's
+    smallest subnormal or above its largest finite value."""
+    t = t.detach().reshape(-1, t.shape[-1]).float()
+    nonzero = (t != 0).sum().clamp(min=1)
+    if fmt.startswith("fp8-"):
+        from mixprec.formats import Fp8Config
+        from mixprec.formats.fp8_linear import _operand_block
+        from mixprec.formats.fp8_quantize import quantize
+        config = Fp8Config.from_recipe(fmt)
+        dtype = config.forward_dtype if kind == "act" else config.grad_dtype
+        q = quantize(t, dtype, _operand_block(config, "act"), margin=config.margin,
+                     power_of_two=config.power_of_two_scales)
+        return ((q.data.float() == 0) & (t != 0)).sum() / nonzero
+    from mixprec.policy.dtypes import format_info
+    from mixprec.policy.overrides import format_dtype
+    dtype = format_dtype(fmt)
+    if dtype is None:                   # a format this function does not model
+        return torch.zeros((), device=t.device)
+    info = format_info(dtype)
+    a = t.abs()
+    lost = ((a < info.smallest_subnormal / 2) & (a != 0)) | (a > info.max)
+    return lost.sum() / nonzero
 
 
 @dataclass(frozen=True)
@@ -99,37 +130,26 @@ class LayerReplanner:
         if not self.should_sample(step):
             yield
             return
-        from mixprec.formats import Fp8Config
         self._stats = {n: [] for n in self.planned}
-        handles = []
-        for name, fmt in self.planned.items():
-            config = Fp8Config.from_recipe(fmt)
-            handles.append(model.get_submodule(name).register_forward_hook(self._hook(name, config)))
+        handles = [model.get_submodule(name).register_forward_hook(self._hook(name))
+                   for name in self.planned]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
 
-    def _hook(self, name: str, config):
-        from mixprec.formats.fp8_linear import _operand_block
-        from mixprec.formats.fp8_quantize import quantize
-        block = _operand_block(config, "act")
-
-        def flushed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            t = t.detach().reshape(-1, t.shape[-1]).float()
-            q = quantize(t, dtype, block, margin=config.margin, power_of_two=config.power_of_two_scales)
-            nonzero = (t != 0).sum().clamp(min=1)
-            return ((q.data.float() == 0) & (t != 0)).sum() / nonzero
+    def _hook(self, name: str):
+        fmt = self.planned[name]
 
         def hook(module: nn.Module, args, output) -> None:
             x = args[0]
-            rec = [flushed(x, config.forward_dtype), x.detach().abs().amax().float(),
+            rec = [flushed_share(x, fmt, "act"), x.detach().abs().amax().float(),
                    torch.zeros((), device=x.device)]
             self._stats[name].append(rec)
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 def on_grad(g: torch.Tensor) -> None:
-                    rec[2] = flushed(g, config.grad_dtype)
+                    rec[2] = flushed_share(g, fmt, "grad")
                 output.register_hook(on_grad)
         return hook
 

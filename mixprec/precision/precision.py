@@ -364,6 +364,24 @@ class Precision:
         setattr(model, _SETUP_TAG, self._identity())
         return model
 
+    @property
+    def identity(self) -> str:
+        """The mode and overrides a model set up by this object is tagged with."""
+        return self._identity()
+
+    @staticmethod
+    def setup_identity(model: nn.Module) -> str | None:
+        """What ``model`` was set up for (:attr:`identity`), None if it never was."""
+        return getattr(model, _SETUP_TAG, None)
+
+    @staticmethod
+    def forget_setup(model: nn.Module) -> None:
+        """Let another Precision set ``model`` up. Only for a model whose set-up left its modules
+        and dtypes as they were (``32-true`` without overrides), e.g. the planner's copies of a
+        model ``fit()`` trained in FP32."""
+        if hasattr(model, _SETUP_TAG):
+            delattr(model, _SETUP_TAG)
+
     def _identity(self) -> str:
         ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
         return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
@@ -418,11 +436,15 @@ class Precision:
             return x.to(self.policy.output_dtype)
         return x
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` multiplied by the loss scale when the mode scales (FP16), else ``loss``: for a
+        framework that calls ``backward`` itself (the Lightning plugin)."""
+        with record_function("mixprec.scale_loss"):
+            return self.scaler.scale(loss)
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16)."""
-        with record_function("mixprec.scale_loss"):
-            scaled = self.scaler.scale(loss)
-        scaled.backward()
+        self.scale_loss(loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
              measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:

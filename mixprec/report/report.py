@@ -135,7 +135,19 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "peak memory (MB)": max(mem) if mem else None,
         "wall time (s)": math.fsum(times) if times else None,   # time_s is each interval's
         "events": len(events),
+        "guard": guard_summary(events),
     }
+
+
+def guard_summary(events: list[dict[str, Any]]) -> str:
+    """What guarded training did (``guard=true``): promotions, restores, a give-up; ``-`` if nothing."""
+    said = []
+    for e in events:
+        if e.get("kind") == "format" and e.get("guard"):
+            said.append(f"step {e.get('step')}: {e.get('module')} {e.get('from')} -> {e.get('to')}")
+        elif e.get("kind") == "guard":
+            said.append(f"step {e.get('step')}: {e.get('action')}")
+    return "; ".join(said) or "-"
 
 
 # ---------------------------------------------------------------------------------------------

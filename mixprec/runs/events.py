@@ -142,6 +142,13 @@ class RunEvents:
         self.logger.event(switch.to_dict())
         self._say(switch.message)
 
+    def guard(self, action: Any) -> None:
+        """What the training guard did (a promotion is also a ``format`` record): events.jsonl
+        and the terminal (a give-up is said by the error that ends the run)."""
+        self.logger.event(action.to_dict())
+        if action.kind != "give-up":
+            self._say(action.message)
+
     def note(self, message: str, step: int, kind: str = "note", *, say: bool = True) -> None:
         """An ``events.jsonl`` record, also said on the terminal (rank 0) unless ``say=False``
         (an error that ends the run says it itself)."""

@@ -104,6 +104,21 @@ class FitConfig:
     (``mixprec.monitor.LayerReplanner``)."""
     replan_window: int = 3
     """Healthy samples before a promoted layer returns to its planned FP8 format."""
+    guard: bool = False
+    """Guarded training (``mixprec.plan.guard``): a Linear traced as the origin of inf/NaN on
+    consecutive skipped steps, or whose sampled output SQNR falls below ``guard_min_sqnr``, moves
+    one format safer (FP8 -> BF16 -> FP32); a loss spike restores the last good snapshot (and
+    promotes the layer that stands out). The run ends (exit 3) only when no safer format is left."""
+    guard_every: int = 50
+    """Steps between the guard's SQNR samples (0: none)."""
+    guard_min_sqnr: float = 20.0
+    """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer."""
+    guard_max_flush: float = 0.01
+    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes it."""
+    guard_spike_sigma: float = 6.0
+    """A loss this many standard deviations above the guard's window mean is a spike (0: off)."""
+    guard_window: int = 50
+    """Taken steps in the guard's spike window, and between its snapshots."""
     audit: bool = True
     """Run the pre-flight precision audit at the start of training."""
     progress: bool = True
@@ -128,6 +143,13 @@ class FitConfig:
         """The loss-scaler settings as :class:`mixprec.Precision` / ``GradScaler`` arguments."""
         return {fit: getattr(self, name) for name, fit in _SCALER_OPTIONS.items()}
 
+    def guard_config(self):
+        """The :class:`mixprec.plan.guard.GuardConfig` of the ``guard_*`` fields."""
+        from mixprec.plan.guard import GuardConfig
+        return GuardConfig(every=self.guard_every, min_sqnr_db=self.guard_min_sqnr,
+                           max_flush=self.guard_max_flush,
+                           spike_sigma=self.guard_spike_sigma, window=self.guard_window)
+
     def validate(self) -> None:
         positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches", "replan_window",
                     "keep_last", "init_scale", "growth_interval", "hysteresis")
@@ -151,6 +173,14 @@ class FitConfig:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not 0.0 < self.max_skipped_fraction <= 1.0:
             raise ConfigError(f"max_skipped_fraction must be in (0, 1], got {self.max_skipped_fraction}")
+        if self.guard and self.replan_every:
+            raise ConfigError("guard=true and replan_every both move layers between formats; use "
+                              "one of them (the guard keeps a promotion, the re-planner moves back)")
+        if self.guard and not self.trace_nonfinite:
+            raise ConfigError("guard=true finds the layer that made an inf/NaN by tracing the "
+                              "skipped step; set trace_nonfinite=true")
+        if self.guard:
+            self.guard_config().validate()
         if self.clip_grad_norm is not None and self.clip_grad_norm < 0:
             raise ConfigError(f"clip_grad_norm must be >= 0 (0 or none disables), got {self.clip_grad_norm}")
         from mixprec.precision import get_policy

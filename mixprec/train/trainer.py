@@ -101,6 +101,7 @@ class Trainer:
         self.overlap: OverlappedUpdate | None = None
         self.profiler: StepProfiler | None = None
         self.replanner = None
+        self.guard = None
 
     @property
     def policy(self) -> Policy:
@@ -172,6 +173,13 @@ class Trainer:
                                   "them: use strategy=ddp or single, or replan_every=0")
             self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
                                             window=cfg.replan_window)
+        if cfg.guard:
+            if strategy.world_size > 1:
+                raise ConfigError("guard=true runs in one process for now (every rank would have "
+                                  "to agree on each promotion and restore); use guard=false")
+            from mixprec.plan.guard import TrainingGuard
+            self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
+                                       config=cfg.guard_config())
 
     # ------------------------------------------------------------------ the step
 
@@ -489,8 +497,9 @@ class Trainer:
             self.profiler.files = []
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any, logger: MetricsLogger) -> None:
-        """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics."""
-        origin = None
+        """After a step: trace a skipped step to its origin, watch the loss scale, sample numerics,
+        let the guard repair a layer."""
+        origin = event = None
         if out.skipped:
             # Every rank replays its own micro-batches; rank 0 learns which rank made the inf/NaN.
             event = (gather_origins(self.trace_nonfinite(batches, out, rng), self.strategy)
@@ -508,6 +517,28 @@ class Trainer:
             # Layers whose inputs stopped fitting FP8 move up, healthy ones move back.
             for switch in self.replanner.decide(self.strategy.unwrap(self.model), self.step):
                 self.events.format_switch(switch)
+        if self.guard is not None:
+            self._run_guard(batches, out, event)
+
+    def _run_guard(self, batches: list[Batch], out: StepOutput, event: Any) -> None:
+        """Guarded training (mixprec/plan/guard.py): promote a bad layer, restore on a spike."""
+        from mixprec.plan.guard import StepOutcome
+        outcome = StepOutcome(self.step, float(out.loss), out.skipped,      # host sync: the loss
+                              event.module if event is not None else None)
+        for action in self.guard.after_step(outcome, probe=lambda: self._forward(batches)):
+            self.events.guard(action)
+            if action.kind == "give-up":
+                self._stop_if_diverged(action.message)
+
+    @torch.no_grad()
+    def _forward(self, micro_batches: list[Batch]) -> None:
+        """The forward of a step again, without backward (the guard's hooks measure it)."""
+        self.settle()
+        model = self.strategy.unwrap(self.model)
+        for batch in micro_batches:
+            batch = self.strategy.to_device(batch)
+            with self.precision.autocast():
+                self.objective(model, batch)
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,

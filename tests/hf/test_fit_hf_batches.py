@@ -177,8 +177,8 @@ def test_a_resnet_step_loss_is_its_own_loss_or_the_given_loss_fn(tmp_path):
 
 
 def test_the_planner_measures_a_bert_classifier_on_dict_batches_with_fits_loss():
-    batches = list(DataLoader(PaddedText("cls"), batch_size=4))[:2]
-    plan = mp.plan.plan_precision(bert("cls"), batches, candidates=("fp32", "bf16"),
+    *batches, heldout = list(DataLoader(PaddedText("cls"), batch_size=4))[:3]
+    plan = mp.plan.plan_precision(bert("cls"), batches, heldout=[heldout], candidates=("fp32", "bf16"),
                                   layers=["bert.encoder.layer.0.output.dense", "classifier"],
                                   target="H100")
     assert set(plan.formats) == {"bert.encoder.layer.0.output.dense", "classifier"}

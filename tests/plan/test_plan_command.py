@@ -8,8 +8,10 @@ def test_plan_command_writes_a_plan_that_train_uses(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["plan", "model=tiny", "batch_size=2", "seq_len=32", "--batches", "1",
                  "--candidates", "bf16,fp8-tensorwise", "--target", "H100", "-o", str(plan)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "chosen" in out and "plan:" in out
+    assert "[mixprec] trade-off: predicted" in captured.err and "faster Linear GEMMs" in captured.err
     data = json.loads(plan.read_text())
     formats = dict(data["overrides"])
     assert set(formats) >= {"blocks.0.attn.qkv", "head"} and data["precision"]

@@ -1,0 +1,305 @@
+"""Guarded training: a layer that goes bad moves to a safer format instead of ending the run.
+
+:class:`TrainingGuard` is a step hook: after every optimizer step the trainer hands it what the
+step did (:class:`StepOutcome`) and applies nothing itself; the guard answers with
+:class:`GuardAction` records (what it changed, for ``events.jsonl`` and the terminal). It watches
+three signals, each pointing at one Linear layer:
+
+* **non-finite origin** -- the same Linear traced (:func:`mixprec.monitor.locate_nonfinite`) as
+  the origin of the inf/NaN on ``patience`` consecutive skipped steps. A skipped step changed no
+  weight, so the guard promotes the layer and training simply continues.
+* **low sampled SQNR** -- every ``every`` steps the guard replays the step's forward (no backward)
+  with a hook on each Linear not in FP32 and measures its output against the same GEMM in FP32 on
+  the same input; a layer below ``min_sqnr_db``, or whose format flushes more than ``max_flush``
+  of its inputs (outliers: the SQNR of a tensor they dominate stays high while the rest of it is
+  lost), is promoted (the weights are fine: continue).
+* **loss spike** -- a taken step whose loss exceeds the mean of the last ``window`` taken steps by
+  more than ``spike_sigma`` standard deviations. The weights were hurt: the guard restores its
+  last good snapshot (weights, optimizer state and LR schedule, taken every ``window`` healthy
+  steps) and, if one Linear stands out in an SQNR replay of the spiking step (below
+  ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under the other layers' median while under 40 dB:
+  :func:`mixprec.plan.gates.stands_out`), promotes it. With no culprit the formats stay.
+
+Promotion goes one format safer, FP8 -> BF16 -> FP32 (fp16 -> FP32) via
+:meth:`mixprec.Precision.set_layer_format` (same Parameters, masters and optimizer state) and is
+kept for the rest of the run (checkpoints save the current formats). When the culprit already
+runs in FP32 nothing safer is left: the action is ``give-up`` and the trainer ends the run as
+diverged (exit 3).
+
+The LR schedule follows the optimizer steps that remain in the weights: a restore rewinds the
+scheduler with the weights, and the rolled-back steps count against ``max_steps`` like skipped
+ones (the data moves on; the spiking batches are not replayed).
+
+Cost: with ``every`` and no event, one host sync per step (the loss, for the spike window); a
+replay forward every ``every`` steps; one copy of the weights and optimizer state in memory (the
+snapshot). Runs in one process (a multi-rank guard would have to agree on every decision first).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.precision import Precision
+from mixprec.errors import ConfigError
+from mixprec.plan.replan import FormatSwitch
+from mixprec.plan.gates import stands_out
+
+__all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
+
+
+def safer(fmt: str) -> str | None:
+    """The next safer format on the guard's ladder: FP8 -> bf16 -> fp32, fp16 -> fp32."""
+    return {"fp32": None, "bf16": "fp32", "fp16": "fp32"}.get(fmt, "bf16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """What the guard watches (module docstring)."""
+
+    patience: int = 2
+    """Consecutive skipped steps traced to the same Linear before it is promoted."""
+    every: int = 50
+    """Steps between SQNR samples (0: no sampling)."""
+    min_sqnr_db: float = 20.0
+    """A sampled layer output below this SQNR against FP32 is promoted."""
+    max_flush: float = 0.01
+    """... and so is one whose format flushes more than this share of its sampled inputs
+    (:func:`mixprec.plan.replan.flushed_share`: outliers keep a tensor's SQNR high while the
+    rest of it is lost)."""
+    spike_sigma: float = 6.0
+    """A loss this many standard deviations above the window's mean is a spike (0: off)."""
+    window: int = 50
+    """Taken steps in the spike window; also the steps between snapshots."""
+
+    def validate(self) -> None:
+        if (self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0
+                or not 0 <= self.max_flush <= 1):
+            raise ConfigError(f"guard settings: patience >= 1, window >= 2, every >= 0, "
+                              f"spike_sigma >= 0 and max_flush in [0, 1], got {self}")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one optimizer step did, as the guard needs it."""
+
+    step: int
+    """Steps attempted so far (the one just finished included)."""
+    loss: float
+    skipped: bool
+    origin: str | None = None
+    """Module traced as the origin of this skipped step's inf/NaN (None: not skipped, not traced)."""
+
+
+@dataclass(frozen=True)
+class GuardAction:
+    """One thing the guard did: ``promote``, ``restore``, ``spike`` (seen, nothing to blame) or
+    ``give-up`` (the trainer ends the run)."""
+
+    kind: str
+    step: int
+    message: str
+    switch: FormatSwitch | None = None
+
+    def to_dict(self) -> dict:
+        if self.switch is not None:
+            return {**self.switch.to_dict(), "guard": self.kind}
+        return {"kind": "guard", "action": self.kind, "step": self.step, "message": self.message}
+
+
+class TrainingGuard:
+    """See the module docstring. ``model`` is the unwrapped, set-up model."""
+
+    def __init__(self, precision: Precision, model: nn.Module, optimizer: Any, scheduler: Any, *,
+                 config: GuardConfig | None = None) -> None:
+        self.config = config or GuardConfig()
+        self.config.validate()
+        if not precision.layer_formats:
+            raise ConfigError("guard=true needs a model set up by the Precision (call setup first)")
+        self.precision, self.model = precision, model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.losses: deque[float] = deque(maxlen=self.config.window)
+        self._origin: str | None = None
+        self._origin_count = 0
+        self._healthy = 0
+        self._snapshot: dict | None = None
+        self.last_sqnr: dict[str, float] = {}
+        self.last_flush: dict[str, float] = {}
+        self.actions: list[GuardAction] = []
+
+    # ----------------------------------------------------------------- the hook
+
+    def after_step(self, outcome: StepOutcome, probe: Callable[[], Any] | None = None
+                   ) -> list[GuardAction]:
+        """React to one step. ``probe`` replays the step's forward (no backward) on the model;
+        the guard calls it when it samples SQNR or looks for a spike's culprit."""
+        cfg, step = self.config, outcome.step
+        done: list[GuardAction] = []
+        if outcome.skipped:
+            self._healthy = 0
+            if outcome.origin is None:
+                return done
+            name = self.linear_of(outcome.origin)
+            if name is None:
+                return done
+            self._origin_count = self._origin_count + 1 if name == self._origin else 1
+            self._origin = name
+            if self._origin_count >= cfg.patience:
+                self._origin, self._origin_count = None, 0
+                done.append(self._promote(step, name, f"origin of non-finite values on "
+                                                      f"{cfg.patience} consecutive skipped steps"))
+            return self._record(done)
+        self._origin, self._origin_count = None, 0
+        if cfg.spike_sigma and len(self.losses) == self.losses.maxlen and self._is_spike(outcome.loss):
+            return self._record(self._spike(outcome, probe))
+        if not math.isfinite(outcome.loss):
+            return done
+        self.losses.append(outcome.loss)
+        self._healthy += 1
+        if self._snapshot is None or self._healthy >= cfg.window:
+            self._take_snapshot(step)
+        if cfg.every and probe is not None and step % cfg.every == 0:
+            sqnr = self.sample_sqnr(probe)
+            for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
+                flushed = self.last_flush.get(name, 0.0)
+                why = []
+                if db < cfg.min_sqnr_db:
+                    why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
+                if flushed > cfg.max_flush:
+                    why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
+                               f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
+                if why:
+                    done.append(self._promote(step, name, "; ".join(why)))
+        return self._record(done)
+
+    # ----------------------------------------------------------------- signals
+
+    def linear_of(self, module: str) -> str | None:
+        """The Linear (a key of the precision's layer formats) that ``module`` is or lies in."""
+        names = self.precision.layer_formats
+        if module in names:
+            return module
+        inside = [n for n in names if module.startswith(n + ".")]
+        return max(inside, key=len) if inside else None
+
+    def _is_spike(self, loss: float) -> bool:
+        if not math.isfinite(loss):
+            return True
+        mean = sum(self.losses) / len(self.losses)
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.losses) / (len(self.losses) - 1))
+        return loss > mean + self.config.spike_sigma * max(std, 1e-12)
+
+    @torch.no_grad()
+    def sample_sqnr(self, probe: Callable[[], Any]) -> dict[str, float]:
+        """Output SQNR (dB) of every Linear not in FP32 against its GEMM in FP32 on the same
+        inputs, over one replay of the forward (one host sync); also sets :attr:`last_flush`
+        (the share of each layer's inputs its format flushes)."""
+        from mixprec.plan.replan import flushed_share
+        watched = {n: f for n, f in self.precision.layer_formats.items() if f != "fp32"}
+        energy: dict[str, list[torch.Tensor]] = {}
+        handles = []
+
+        def hook(name: str):
+            def fn(module: nn.Module, args, output) -> None:
+                x = args[0]
+                bias = None if module.bias is None else module.bias.float()
+                ref = torch.nn.functional.linear(x.float(), module.weight.float(), bias)
+                noise = (output.float() - ref).square().sum()
+                zero = torch.zeros((), device=ref.device)
+                sig, err, flush = energy.get(name, [zero, zero, zero])
+                energy[name] = [sig + ref.square().sum(), err + noise,
+                                torch.maximum(flush, flushed_share(x, watched[name], "act"))]
+            return fn
+
+        for name in watched:
+            handles.append(self.model.get_submodule(name).register_forward_hook(hook(name)))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                probe()
+        finally:
+            for h in handles:
+                h.remove()
+        if not energy:
+            return {}
+        names = list(energy)
+        values = torch.stack([torch.stack(energy[n]) for n in names]).double().tolist()
+        out = {}
+        for n, (sig, err, flush) in zip(names, values):
+            out[n] = float("inf") if err == 0 else (
+                10 * math.log10(sig / err) if sig > 0 and math.isfinite(err) else float("-inf"))
+        self.last_sqnr = out
+        self.last_flush = {n: v[2] for n, v in zip(names, values)}
+        return out
+
+    def _spike(self, outcome: StepOutcome, probe: Callable[[], Any] | None) -> list[GuardAction]:
+        step = outcome.step
+        mean = sum(self.losses) / len(self.losses)
+        what = (f"loss {outcome.loss:.4g} at step {step}, {self.config.spike_sigma:g} sigma above "
+                f"the last {len(self.losses)} steps' mean {mean:.4g}")
+        culprit = None
+        if probe is not None:
+            sqnr = self.sample_sqnr(probe)         # on the hurt weights: what made the spike
+            by_format: dict[str, list[str]] = {}
+            for n in sqnr:
+                by_format.setdefault(self.precision.layer_formats[n], []).append(n)
+            worst = None
+            for n, db in sqnr.items():
+                peers = [sqnr[o] for o in by_format[self.precision.layer_formats[n]] if o != n]
+                bad = stands_out(db, peers, min_sqnr_db=self.config.min_sqnr_db)
+                if bad and (worst is None or bad[1] > worst[1]):
+                    worst = (n, bad[1], bad[0])
+            culprit = worst
+        done = [self._restore(step, what)]
+        if culprit is not None:
+            name, _, why = culprit
+            done.append(self._promote(step, name, f"{what}; its output {why}"))
+        else:
+            done.append(GuardAction("spike", step, f"{what}; no Linear stands out in an SQNR "
+                                                   "replay: formats unchanged"))
+        return done
+
+    # ----------------------------------------------------------------- actions
+
+    def _promote(self, step: int, name: str, reason: str) -> GuardAction:
+        current = self.precision.layer_formats[name]
+        new = safer(current)
+        if new is None:
+            return GuardAction("give-up", step, f"guard: {name} is the culprit ({reason}) and already "
+                                                f"runs in {current}, the safest format: nothing "
+                                                "safer is left")
+        got = self.precision.set_layer_format(self.model, name, new)
+        switch = FormatSwitch(step, name, current, got, f"guard: {reason}")
+        self._healthy = 0
+        return GuardAction("promote", step, switch.message, switch)
+
+    def _take_snapshot(self, step: int) -> None:
+        self._snapshot = {
+            "step": step,
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+        }
+        self._healthy = 0
+
+    def _restore(self, step: int, what: str) -> GuardAction:
+        snap = self._snapshot
+        if snap is None:
+            return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
+        self.model.load_state_dict(snap["model"])
+        # load_state_dict may keep the given tensors: hand it copies, keep the snapshot intact.
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        self.losses.clear()
+        self._healthy = 0
+        return GuardAction("restore", step, f"guard: {what}: weights, optimizer state and LR "
+                                            f"schedule restored to step {snap['step']}")
+
+    def _record(self, done: list[GuardAction]) -> list[GuardAction]:
+        self.actions += done
+        return done

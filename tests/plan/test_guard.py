@@ -1,0 +1,171 @@
+"""Guarded training: a layer that makes inf/NaN, or whose FP8 output goes bad, moves one format
+safer and the run goes on; a loss spike restores the last good snapshot; a layer that fails in
+every format ends the run (exit 3)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.errors import ConfigError, TrainingDiverged
+from mixprec.formats import Fp8Linear
+from mixprec.plan.guard import GuardConfig, StepOutcome, TrainingGuard
+
+FAULTY = "blocks.1.fc"
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int = 32, h: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, h)
+        self.proj = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(256, 32)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(32, 256)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+def _faulty_net(fails_in: str) -> _Net:
+    """``FAULTY`` outputs NaN when it runs in FP8 (``fails_in="fp8"``) or always (``"all"``). The
+    hook moves with the layer when a format switch swaps its module."""
+    net = _Net()
+
+    def fault(module, args, output):
+        if fails_in == "all" or isinstance(module, Fp8Linear):
+            return torch.full_like(output, float("nan"))
+    net.get_submodule(FAULTY).register_forward_hook(fault)
+    return net
+
+
+def _loader():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 256, (4, 16), generator=g) for _ in range(12)]
+    return [(x, (7 * x + 3) % 256) for x in xs]
+
+
+def _events(run):
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def _fit(net, run, steps):
+    trainer = mp.Trainer(net, mixed_precision="fp8-tensorwise", max_steps=steps, run_dir=str(run),
+                         progress=False, audit=False, guard=True, ckpt_interval=0,
+                         log_interval=1, lr=1e-3)
+    return trainer, trainer.fit(_loader())
+
+
+def test_a_layer_making_nan_in_fp8_is_promoted_and_the_run_finishes(tmp_path):
+    run = tmp_path / "run"
+    trainer, result = _fit(_faulty_net("fp8"), run, 8)
+    start = next(e for e in _events(run) if e["kind"] == "formats")["layers"]
+    final = trainer.precision.layer_formats
+    assert final[FAULTY] == "bf16" and start[FAULTY] == "fp8-tensorwise"
+    assert {n: f for n, f in final.items() if n != FAULTY} == \
+        {n: f for n, f in start.items() if n != FAULTY}                # no other layer changed
+    switches = [e for e in _events(run) if e["kind"] == "format"]
+    assert [(e["step"], e["module"], e["from"], e["to"], e["guard"]) for e in switches] == \
+        [(2, FAULTY, "fp8-tensorwise", "bf16", "promote")]             # 2 consecutive skips
+    assert "non-finite" in switches[0]["reason"]
+    assert result.skipped_steps == 2 and result.steps == 8
+    assert result.final_loss is not None and result.final_loss == result.final_loss  # finite
+    # The scheduler stepped only on the 6 steps taken.
+    assert trainer.scheduler.last_epoch == 6
+    # Resuming keeps the promotion (the checkpoint holds the current formats).
+    again = mp.Trainer(_faulty_net("fp8"), mixed_precision="fp8-tensorwise", max_steps=9,
+                       run_dir=str(run), progress=False, audit=False, guard=True, ckpt_interval=0,
+                       log_interval=1, lr=1e-3)
+    again.fit(_loader(), resume=True)
+    assert again.precision.layer_formats[FAULTY] == "bf16"
+    from mixprec.report.report import summarize
+    from mixprec.runs.metrics import read_events, read_metrics
+    assert "blocks.1.fc fp8-tensorwise -> bf16" in summarize(read_metrics(run), read_events(run))["guard"]
+
+
+def test_a_layer_failing_in_every_format_ends_the_run_with_exit_3(tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(TrainingDiverged, match="nothing safer is left") as e:
+        _fit(_faulty_net("all"), run, 12)
+    assert e.value.exit_code == 3
+    ladder = [(x["from"], x["to"]) for x in _events(run) if x["kind"] == "format"]
+    assert ladder == [("fp8-tensorwise", "bf16"), ("bf16", "fp32")]
+    assert any(x.get("action") == "give-up" and x["step"] == 6 for x in _events(run))
+
+
+def test_guard_settings_are_checked_in_one_line():
+    with pytest.raises(ConfigError, match="use one of them"):
+        mp.Trainer(_Net(), guard=True, replan_every=5)
+    with pytest.raises(ConfigError, match="trace_nonfinite=true"):
+        mp.Trainer(_Net(), guard=True, trace_nonfinite=False)
+    with pytest.raises(ConfigError, match="window >= 2"):
+        mp.Trainer(_Net(), guard=True, guard_window=1)
+
+
+def _outlier_guard(every: int):
+    """A set-up FP8 model whose ``blocks.0.proj`` input has two channels 10^5x the rest (its FP8
+    output SQNR collapses), a guard over it, and a probe running one forward."""
+    net = _Net()
+    boost = torch.ones(64)
+    boost[[3, 40]] = 1e5
+    net.blocks[0].proj.register_forward_pre_hook(lambda mod, args: (args[0] * boost,))
+    with torch.no_grad():
+        net.blocks[0].proj.weight[:, [3, 40]] /= 1e5
+    precision = mp.Precision("fp8-tensorwise")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = precision.setup(net, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    guard = TrainingGuard(precision, net, opt, sched,
+                          config=GuardConfig(every=every, window=5, spike_sigma=6.0))
+    x, y = _loader()[0]
+
+    def probe():
+        net(x, y)
+    return net, opt, sched, precision, guard, probe
+
+
+def test_a_sampled_low_sqnr_layer_is_promoted_alone():
+    net, opt, sched, precision, guard, probe = _outlier_guard(every=1)
+    before = dict(precision.layer_formats)
+    actions = guard.after_step(StepOutcome(1, 2.0, False), probe)
+    assert [(a.kind, a.switch.module, a.switch.new) for a in actions] == [("promote", "blocks.0.proj", "bf16")]
+    assert "SQNR" in actions[0].message
+    assert guard.last_sqnr["blocks.0.proj"] < 20 < min(v for n, v in guard.last_sqnr.items()
+                                                       if n != "blocks.0.proj")
+    assert {n: f for n, f in precision.layer_formats.items() if n != "blocks.0.proj"} == \
+        {n: f for n, f in before.items() if n != "blocks.0.proj"}
+
+
+def test_a_loss_spike_restores_the_snapshot_and_promotes_the_layer_that_stands_out():
+    net, opt, sched, precision, guard, probe = _outlier_guard(every=0)
+    for s in range(1, 6):                       # a calm window; the first step is the snapshot
+        guard.after_step(StepOutcome(s, 2.0 + 0.01 * (s % 2), False), probe)
+        opt.step()
+        sched.step()
+    snap = {k: v.clone() for k, v in net.state_dict().items()}
+    lr = sched.get_last_lr()
+    guard._take_snapshot(5)
+    with torch.no_grad():                       # the weights get hurt ...
+        net.head.weight.add_(1.0)
+    opt.step()
+    sched.step()
+    actions = guard.after_step(StepOutcome(6, 9.0, False), probe)   # ... and the loss spikes
+    assert [a.kind for a in actions] == ["restore", "promote"]
+    assert actions[1].switch.module == "blocks.0.proj" and "sigma" in actions[1].message
+    assert all(torch.equal(v, snap[k]) for k, v in net.state_dict().items())
+    assert sched.get_last_lr() == lr                                # the LR schedule rewinds too
