@@ -12,7 +12,7 @@ from mixprec.models import Transformer
 from mixprec.precision import Policy, autocast, cast_module, get_policy
 from mixprec.strategies import FSDPStrategy, MirroredStrategy, SingleDeviceStrategy
 from mixprec.train import FitConfig, Trainer, TrainConfig, fit
-from mixprec.plan import plan_precision
+from mixprec.plan import plan_precision, what_if
 
 __version__ = "0.1.0"
 
@@ -24,7 +24,7 @@ __all__ = [
     # training
     "Trainer", "fit", "FitConfig", "TrainConfig",
     # per-layer precision planning
-    "plan_precision",
+    "plan_precision", "what_if",
     # models
     "Transformer",
     # strategies

@@ -54,6 +54,16 @@ class TrainingDiverged(NumericsError):
 
 
 class RunInterrupted(MixprecError):
-    """The run was stopped by Ctrl-C or SIGTERM after saving a checkpoint."""
+    """The run was stopped by Ctrl-C (SIGINT) or SIGTERM after saving a checkpoint.
 
-    exit_code = 130
+    ``signum`` is the signal; ``exit_code`` the shell's ``128 + signum`` (130 for SIGINT, 143 for
+    SIGTERM), which ``mixprec train`` exits with. In your own script: ``sys.exit(e.exit_code)``.
+    """
+
+    def __init__(self, message: str, signum: int = 2) -> None:
+        super().__init__(message)
+        self.signum = int(signum)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from mixprec.amp.grad_scaler import GradScaler, _Stage
+from mixprec.amp.unscale import deferred_grads
 from mixprec.errors import ConfigError
 
 __all__ = ["clip_grad_norm_"]
@@ -62,6 +63,18 @@ def clip_grad_norm_(scaler: GradScaler | torch.amp.GradScaler, optimizer: torch.
     if not max_norm > 0:
         raise ConfigError(f"max_norm must be > 0, not {max_norm}")
     _unscale_first(scaler, optimizer)
+    deferred = deferred_grads(optimizer)
+    if deferred is not None:   # split masters: the norm of the FP32 values, the coefficient deferred
+        norms = deferred.norms(norm_type, foreach)
+        if not norms:
+            return torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so "
+                               "it cannot be clipped; pass error_if_nonfinite=False to skip this check")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        deferred.scale_(lambda device: coef.to(device))
+        return total
     grads = _grads_for_clipping(optimizer)
     if not grads:
         return torch.zeros(())

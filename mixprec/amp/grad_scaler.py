@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
-from mixprec.amp.unscale import check_and_unscale, optimizer_grads
+from mixprec.amp.unscale import check_and_unscale, deferred_grads, optimizer_grads
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.policy.policy import Policy, get_policy
 
@@ -261,9 +261,16 @@ class GradScaler:
             raise RuntimeError("unscale_() called after step() for this optimizer; call "
                                "scaler.update() to end the iteration first")
         inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        grads = optimizer_grads(optimizer)
-        st.no_grads = not grads
-        found = check_and_unscale(grads, inv_for, self._device)
+        deferred = deferred_grads(optimizer)
+        if deferred is None:
+            grads = optimizer_grads(optimizer)
+            st.no_grads = not grads
+            found = check_and_unscale(grads, inv_for, self._device)
+        else:   # split masters: check the BF16 grads as they are, scale inside the step
+            st.no_grads = not deferred.entries
+            found = check_and_unscale(deferred.low, lambda dev: None, self._device)
+            found = found + check_and_unscale(deferred.own, lambda dev: None, self._device).to(found.device)
+            deferred.scale_(inv_for)
         pg = self._process_group
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size(pg) > 1:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["optimizer_grads", "check_and_unscale"]
+__all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale"]
 
 
 def _dtensor_type() -> type | None:
@@ -62,6 +63,14 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [g._values() if g.is_sparse else
             g._local_tensor if _DTENSOR is not None and isinstance(g, _DTENSOR) else g
             for g in raw]
+
+
+def deferred_grads(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer's :class:`mixprec.optim.split.DeferredGrads` (split FP32 masters: BF16
+    gradients read by the step, unscale and clip factors applied inside it), or None: then use
+    :func:`optimizer_grads`."""
+    get = getattr(optimizer, "deferred_grads", None)
+    return get() if callable(get) else None
 
 
 _FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}

@@ -33,12 +33,20 @@ from mixprec.errors import ConfigError
 __all__ = ["TrainBenchConfig", "Contender", "build_contender", "bench_train", "PEERS",
            "bench_device", "format_table", "write_csv", "write_png", "profile_contender"]
 
-PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true")
-"""Peer loops added by ``--peers``; the last three are skipped when their package is absent."""
+PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true",
+                          "torchao-adamw8bit", "torchao-adamwfp8", "bnb-adamw8bit")
+"""Peer loops added by ``--peers``; all but the first are skipped when their package is absent.
+The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torchao's 8-bit /
+FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
-VARIANTS: tuple[str, ...] = ("overlap", "compile")
+VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
+                             "fp8acts")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
-(``torch.compile`` of the model), or both (``bf16-mixed+overlap+compile``)."""
+(``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
+masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
+(moments=bf16; ``+int8moments``, ``+fp8moments`` likewise), ``+fp8acts``
+(fp8_activations=true), or several
+(``bf16-mixed+overlap+compile``)."""
 
 
 def split_variant(name: str) -> tuple[str, frozenset[str]]:
@@ -141,7 +149,9 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     model, x, y = _model_and_batch(cfg, device)
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
-                    overlap_optimizer="overlap" in variants, compile="compile" in variants)
+                    overlap_optimizer="overlap" in variants, compile="compile" in variants,
+                    split_masters="fullmasters" not in variants,
+                    moments=_moments_of(variants), fp8_activations="fp8acts" in variants)
     trainer = Trainer(model, config=fit, strategy="single")
     trainer.prepare(total_steps=10**6)
     trainer.model.train()
@@ -149,12 +159,18 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     return Contender(name, trainer.precision.compute_dtype, lambda: trainer.train_step(batch))
 
 
+def _moments_of(variants: frozenset[str]) -> str:
+    return next((m for m in ("bf16", "int8", "fp8") if f"{m}moments" in variants), "fp32")
+
+
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:
     """A peer loop on the identical model, or None when its package is not installed."""
     model, x, y = _model_and_batch(cfg, device)
     model.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if name == "torch-autocast-bf16":
+    opt = _peer_optimizer(name, model, cfg.lr)
+    if opt is None:
+        return None
+    if name == "torch-autocast-bf16" or name.startswith(("torchao-", "bnb-")):
         def step() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 _, loss = model(x, y)
@@ -192,6 +208,23 @@ def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender |
             fopt.zero_grad(set_to_none=True)
         return Contender(name, torch.bfloat16, step)
     raise ConfigError(f"unknown peer '{name}'; valid: {', '.join(PEERS)}")
+
+
+def _peer_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer | None:
+    """The peer's AdamW (torch's unless the peer is an 8-bit optimizer), None if not installed."""
+    try:
+        if name == "torchao-adamw8bit":
+            from torchao.optim import AdamW8bit
+            return AdamW8bit(model.parameters(), lr=lr)
+        if name == "torchao-adamwfp8":
+            from torchao.optim import AdamWFp8
+            return AdamWFp8(model.parameters(), lr=lr)
+        if name == "bnb-adamw8bit":
+            import bitsandbytes as bnb
+            return bnb.optim.AdamW8bit(model.parameters(), lr=lr)
+    except ImportError:
+        return None
+    return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
 def build_contender(name: str, cfg: TrainBenchConfig) -> Contender | None:

@@ -6,7 +6,8 @@ Each is imported when the parser is built; their top-level imports are kept ligh
 
 Errors derived from :class:`mixprec.errors.MixprecError` and operating-system errors (a full disk,
 a read-only or missing folder) are printed as one line, ``mixprec: error: ...``, with the fix and
-exit status 2 (3 for a diverged run); a run stopped by Ctrl-C/SIGTERM after saving exits 130.
+exit status 2 (3 for a diverged run). A run stopped by a signal exits with the shell's ``128 + N``:
+130 for Ctrl-C (SIGINT), 143 for SIGTERM (:mod:`mixprec.train.signals` says when it saves first).
 ``--debug`` shows the traceback.
 """
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import signal
 import sys
 
 from mixprec.errors import MixprecError, RunInterrupted
+from mixprec.train.signals import Aborted, StopRequest
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -28,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "memory": ("mixprec.cli.memory", "estimate memory per precision mode: params, grads, masters, moments, activations"),
     "plan": ("mixprec.cli.plan", "choose FP8/BF16/FP32 per Linear layer from measured sensitivity and cost"),
     "estimate": ("mixprec.cli.estimate", "estimate memory, time, energy and cost of a training run on a cluster"),
+    "whatif": ("mixprec.cli.whatif", "which format (FP8, MXFP8, MXFP4, NVFP4, BF16) can each Linear take: table, CSV, heat-map"),
 }
 
 
@@ -45,6 +49,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv_given = argv
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
     # key=value settings may stand anywhere, also after options (`--precision bf16 lr=3e-4`).
@@ -57,20 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    try:
-        return int(importlib.import_module(args._module).run(args) or 0)
-    except KeyboardInterrupt:
-        print("mixprec: interrupted", file=sys.stderr)
-        return 130
-    except RunInterrupted as e:
-        print(f"mixprec: {e}", file=sys.stderr)
-        return e.exit_code
-    except (MixprecError, OSError) as e:
-        if getattr(args, "debug", False):
-            raise
-        message = str(e) if isinstance(e, MixprecError) else _os_error_line(e)
-        print(f"mixprec: error: {message}", file=sys.stderr)
-        return getattr(e, "exit_code", 2)
+    # The process's signal policy, from here until it ends (argv None: this is the process's
+    # entry point, so after a signal the exit itself must not be killable by the next one).
+    with StopRequest(loop=False, hold=argv_given is None) as signals:
+        try:
+            return int(importlib.import_module(args._module).run(args) or 0)
+        except Aborted as e:
+            signals.ending = True          # an attribute store, not a call: no signal lands first
+            print(f"mixprec: interrupted ({signal.Signals(e.signum).name})", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            signals.ending = True
+            print("mixprec: interrupted", file=sys.stderr)
+            return 130
+        except RunInterrupted as e:
+            signals.ending = True
+            print(f"mixprec: {e}", file=sys.stderr)
+            return e.exit_code
+        except (MixprecError, OSError) as e:
+            signals.ending = True
+            if getattr(args, "debug", False):
+                raise
+            message = str(e) if isinstance(e, MixprecError) else _os_error_line(e)
+            print(f"mixprec: error: {message}", file=sys.stderr)
+            return getattr(e, "exit_code", 2)
+        finally:
+            signals.ending = True
 
 
 _OS_FIXES = {

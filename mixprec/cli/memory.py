@@ -16,7 +16,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="32-true,bf16-mixed,bf16-true",
                         help="comma-separated precision modes")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    parser.add_argument("--moments-dtype", default="fp32", help="Adam moments: fp32 or bf16")
+    parser.add_argument("--moments-dtype", "--moments", default="fp32",
+                        help="Adam moments: fp32, bf16, int8 or fp8 (mixprec.optim.moments)")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="Linear inputs saved for backward in FP8 (mixprec.nn.fp8_activations)")
+    parser.add_argument("--device", default=None, choices=("cpu",),
+                        help="cpu: the estimate for this CPU (short 16-bit attention runs in FP32 "
+                             "without AMX); default: the 16-bit kernels, as on GPUs")
+    parser.add_argument("--full-masters", action="store_true",
+                        help="full FP32 masters and master gradients (split_masters=false) instead of "
+                             "mixprec's default split masters (BF16 parameter + 16-bit remainder)")
     parser.add_argument("--batch", type=int, default=16, help="micro-batch per device")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sample (default: model max)")
     parser.add_argument("--checkpointing", action="store_true", help="activation recompute per block")
@@ -62,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
         modes = [Precision(m, overrides=args.overrides) for m in modes]
     rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
-                            shards=args.gpus) for m in modes]
+                            shards=args.gpus, split_masters=not args.full_masters,
+                            device=args.device, fp8_activations=args.fp8_activations) for m in modes]
     big = rows[0].peak > 1e9
     n = shape.num_parameters()
     print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"
           f"{f', {shape.num_experts} experts top-{shape.top_k}' if shape.num_experts else ''}); "
           f"batch {args.batch} x {seq} per device; {args.gpus} device(s); optimizer {args.optimizer} "
-          f"(moments {args.moments_dtype}); checkpointing {'on' if args.checkpointing else 'off'}")
+          f"(moments {args.moments_dtype}); masters {'full FP32' if args.full_masters else 'split'}; "
+          f"checkpointing {'on' if args.checkpointing else 'off'}")
     print(format_table(rows, unit=GB if big else 2**20, unit_name="GB" if big else "MiB"))
     return 0

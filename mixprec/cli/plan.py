@@ -23,7 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "`mixprec train --list`)")
     parser.add_argument("--config", metavar="FILE", help="TOML file with training settings")
     parser.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise",
-                        help="comma-separated formats to choose from (fp32 is always one)")
+                        help="comma-separated formats to choose from (fp32 is always one; also "
+                             "fp8-rowwise, mxfp8, nvfp4, mxfp4: plan those for --target B200)")
     parser.add_argument("--budget", type=float, default=0.1,
                         help="allowed relative loss change of the whole plan against FP32, in percent "
                              "of the loss (default 0.1), measured with the planned formats on "
@@ -34,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "auto = best safe mode here)")
     parser.add_argument("--target", default=None,
                         help="'measure' (this machine's GEMM throughput) or a GPU (H100, H200, "
-                             "H800, A100, B200); default: measure on an FP8 GPU, else H100")
+                             "H800, A100, B200, GB200); default: measure on an FP8 GPU, else H100")
     parser.add_argument("--criterion", choices=("fisher", "measured"), default="fisher",
                         help="rank the first choice by the estimated (fisher, default) or the "
                              "single-layer measured loss change; the whole plan is then measured "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from mixprec.errors import ConfigError, DataError, RunInterrupted
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
+from mixprec.train.signals import exit_code
 
 __all__ = ["configure", "run", "build_run"]
 
@@ -237,8 +239,9 @@ def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
     from mixprec.errors import MixprecError
     user_error = isinstance(exc, (MixprecError, OSError))
     if isinstance(exc, KeyboardInterrupt):
-        print(f"mixprec: interrupted (rank {rank})", file=sys.stderr)
-        code = 130
+        signum = getattr(exc, "signum", signal.SIGINT)      # Aborted carries its signal
+        print(f"mixprec: interrupted ({signal.Signals(signum).name}, rank {rank})", file=sys.stderr)
+        code = exit_code(signum)
     elif isinstance(exc, RunInterrupted):   # stopped after saving: said once, by rank 0
         if rank == 0:
             print(f"mixprec: {exc}", file=sys.stderr)

@@ -9,7 +9,10 @@ parts. The rules it encodes:
   and for 16-bit params the FP32 master gradients the optimizer steps on. With FP32 masters and
   FP32 Adam moments that is 16 bytes per parameter in *every* mode (4+4+8 with FP32 params;
   2+2+4+8 with 16-bit params, plus 4 of FP32 master gradients during the step). Mixed precision
-  saves memory only on activations and, optionally, BF16 moments.
+  saves memory only on activations and, optionally, BF16 moments. mixprec's default **split
+  masters** (mixprec/optim/split.py) store the FP32 master of a BF16 parameter as the parameter
+  plus a 16-bit remainder and keep no FP32 master gradients (the step widens one bounded chunk at
+  a time): 2 + 2 + 2 + 8 = 14 bytes per parameter, 10 with BF16 moments (``--full-masters``: 20).
 * **Activations** per layer per token, as saved for backward by mixprec's Transformer (counted
   with ``torch.autograd.graph.saved_tensors_hooks``; ``tests/estimate/test_memory.py`` checks the
   formula against that count). With ``d`` the width, ``h`` heads, ``r`` the MLP ratio and ``c``
@@ -292,6 +295,19 @@ class MemoryEstimate:
     loss_buffers: float
     backward_buffers: float
     optimizer_scratch: float
+    num_parameters: float = 0.0
+    """Parameters per device (for :meth:`bytes_per_parameter`)."""
+
+    @property
+    def bytes_per_parameter(self) -> dict[str, float]:
+        """Each state's bytes per parameter (params, grads, masters, master grads at the step,
+        moments), and their sum: what one parameter costs outside the activations."""
+        n = self.num_parameters or 1.0
+        parts = {"params": self.parameters, "grads": self.gradients, "masters": self.master_weights,
+                 "mgrads": self.master_gradients, "moments": self.optimizer_moments}
+        out = {k: v / n for k, v in parts.items()}
+        out["total"] = sum(out.values())
+        return out
 
     @property
     def states(self) -> float:
@@ -310,7 +326,8 @@ class MemoryEstimate:
 
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
-                    pp: int = 1, num_parameters: int | None = None) -> MemoryEstimate:
+                    pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
+                    device: str | None = None, fp8_activations: bool = False) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -323,6 +340,20 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
 
     ``shape=None`` with ``num_parameters`` estimates the states alone (activations 0): for a model
     known only by its parameter count.
+
+    ``split_masters`` (mixprec's default): the FP32 master of a BF16 parameter is stored as the
+    parameter plus a 16-bit remainder (2 bytes) and the step widens one chunk of at most
+    ``mixprec.optim.split.CHUNK_NUMEL`` elements at a time (FP32 master, FP32 gradient and the
+    optimizer's FP32 temporary: 12 bytes per chunk element) instead of holding FP32 master
+    gradients and a whole-model temporary.
+
+    ``device="cpu"``: the estimate for this machine's CPU, where short sequences' 16-bit attention
+    runs in FP32 (``mixprec.nn.attention.upcasts_short_attention``) and saves ``10d`` bytes more
+    per layer and token. ``None`` (default): the 16-bit kernel, as on GPUs.
+
+    ``fp8_activations`` (``mixprec.nn.fp8_activations``): the inputs Linear layers save (``3d +
+    hidden`` values per dense block and token, ``d`` for the head) take ``1 + 4/128`` bytes each
+    instead of the compute dtype's; blocks under activation checkpointing are unchanged.
     """
     from mixprec.precision import Precision
     from mixprec.policy.dtypes import parse_dtype
@@ -333,9 +364,15 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError("--batch, --seq and --gpus must be >= 1")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
-    mdt = parse_dtype(moments_dtype)
-    if mdt not in (torch.float32, torch.bfloat16):
-        raise ConfigError(f"--moments-dtype must be fp32 or bf16, got '{moments_dtype}'")
+    from mixprec.optim.moments import MOMENTS, state_bytes
+    if moments_dtype not in MOMENTS:
+        try:
+            mdt = parse_dtype(moments_dtype)
+        except ConfigError:
+            mdt = None
+        if mdt not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"--moments-dtype must be one of {', '.join(MOMENTS)}, got '{moments_dtype}'")
+        moments_dtype = "fp32" if mdt == torch.float32 else "bf16"
     if shape is None and not num_parameters:
         raise ConfigError("estimate_memory needs a model shape or num_parameters")
     P = num_parameters or shape.num_parameters()
@@ -348,13 +385,25 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     low_p = P - norm_params
     params = low_p * pb + norm_params * 4
     grads = params
-    masters = low_p * 4 if policy.keeps_masters else 0
-    master_grads = masters
-    per_moment = _BYTES[mdt]
-    moments = (2 * per_moment * P) if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
+    from mixprec.optim.split import CHUNK_NUMEL, splits
+    split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
+    masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
+    master_grads = 4 * min(low_p, CHUNK_NUMEL) if split else masters
+    moments = state_bytes(moments_dtype) * P if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
-    # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks.
-    scratch = 4 * P if optimizer == "adamw" else 0
+    # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks. Split masters
+    # step one chunk at a time: its widened FP32 masters and the temporary.
+    # mixprec's own FP32-math AdamW (bf16 / 8-bit moments) widens both moments of a chunk and
+    # keeps one temporary (12 bytes per chunk element); 8-bit codes add their packing buffers.
+    c = min(P, CHUNK_NUMEL)
+    if optimizer != "adamw":
+        scratch = 0.0
+    elif moments_dtype == "fp32":
+        scratch = 4 * (c if split else P)
+    else:
+        scratch = (12 + (16 if moments_dtype in ("int8", "fp8") else 0)) * c
+    if split:
+        scratch += 4 * min(low_p, CHUNK_NUMEL)
     if shape is None:
         copies = low_p * cb if mixed_copies else 0
         acts = loss_buffers = backward_buffers = 0.0
@@ -371,25 +420,38 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         dense_layers = shape.num_layers - shape.moe_layers
         kept = shape.moe_layers * kept_moe + dense_layers * kept_dense
         recompute = max(rec_moe if shape.moe_layers else 0, rec_dense if dense_layers else 0)
+        from mixprec.nn.attention import upcasts_short_attention
+        upcast = 10 * shape.d_model if device is not None and upcasts_short_attention(
+            device, policy.compute_dtype, seq, shape.d_model // shape.num_heads) else 0
+        if checkpointing:
+            recompute += upcast
+        else:
+            kept += upcast * shape.num_layers
         if layers is not None:
             if checkpointing:
                 recompute += layers[2]
             else:
                 kept += layers[1]
         d, V = shape.d_model, shape.vocab_size
-        head = 4 * (d + 2) + cb * d + 4 * V + 8          # final norm, head input, log-softmax, token ids
+        head_in = cb
+        if fp8_activations:
+            from mixprec.nn.fp8_activations import BYTES_PER_VALUE as fb
+            head_in = fb
+            if not checkpointing:
+                kept -= (cb - fb) * (dense_layers * (3 * d + shape._hidden) + shape.moe_layers * 2 * d)
+        head = 4 * (d + 2) + head_in * d + 4 * V + 8     # final norm, head input, log-softmax, token ids
         acts = tokens * (kept + recompute + head) / tp
         loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
-        backward_buffers = tokens * (recompute or biggest) / tp
+        backward_buffers = tokens * (recompute or biggest + upcast) / tp
     s = float(shards * tp * pp)
     name = policy.name + ("+overrides" if layers is not None else "")
     return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
                           loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
-                          optimizer_scratch=scratch / s)
+                          optimizer_scratch=scratch / s, num_parameters=P / s)
 
 
 def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str = "GB") -> str:
@@ -408,4 +470,11 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
         vals = (r.parameters, r.gradients, r.master_weights, r.master_gradients, r.optimizer_moments,
                 r.weight_copies, r.activations, r.loss_buffers, r.optimizer_scratch)
         out.append(f"{r.mode:<12} " + " ".join(f"{v / unit:>10.2f}" for v in vals))
+    if all(r.num_parameters for r in rows):
+        out.append("")
+        out.append(f"{'bytes/param':<12} " + " ".join(f"{n:>10}" for n in (
+            "params", "grads", "masters", "mgrads", "moments", "total")) + "   (mgrads: FP32 master "
+            "gradients at the step)")
+        for r in rows:
+            out.append(f"{r.mode:<12} " + " ".join(f"{v:>10.2f}" for v in r.bytes_per_parameter.values()))
     return "\n".join(out)

@@ -1,4 +1,6 @@
-"""Number formats. FP8 training: E4M3/E5M2 Linear (and Hugging Face Conv1D) layers with tensorwise, delayed, rowwise and DeepSeek-V3
+"""Number formats.
+
+FP8 training: E4M3/E5M2 Linear (and Hugging Face Conv1D) layers with tensorwise, delayed, rowwise and DeepSeek-V3
 blockwise scaling; real FP8 GEMMs through ``torch._scaled_mm`` on GPUs with FP8 tensor cores,
 faithful emulation elsewhere.
 
@@ -9,12 +11,23 @@ FP32 parameters (master weights) and FP32 gradient reduction. The FP8 GEMMs them
 the compute dtype: emulation runs them in FP32 after FP8 rounding. On CPUs without BF16
 instructions (see ``mixprec.policy.hardware.cpu_has_native_bf16``) BF16 compute is itself
 emulated and slow: FP8 emulation on a CPU is for studying numerics, not for speed.
+
+Block-scaled micro formats: MXFP8, MXFP4 and NVFP4 quantizers (bit-exact against the OCP MX v1.0
+scale rules and NVIDIA's NVFP4 recipe), the Linear layer that trains in them (emulated on every
+device for now), and the conversion that swaps it in. The ``mxfp8`` / ``mxfp4`` / ``nvfp4``
+presets and per-layer formats are declared with the others in :mod:`mixprec.policy`;
+:class:`mixprec.Precision` applies them. See docs/micro-formats.md.
 """
 from mixprec.formats.fp8_config import FORMATS, RECIPES, SCALINGS, Fp8Config
 from mixprec.formats.convert import Fp8ConversionReport, convert_to_fp8, prepare_fp8
 from mixprec.formats.emulation import emulated_mm, limited_precision_matmul, round_mantissa
 from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
 from mixprec.formats.fp8_quantize import Fp8Tensor, compute_amax, dequantize, quantize, scale_from_amax, sqnr_db
+from mixprec.formats.micro_config import BF16_SHARE, MICRO_RECIPES, MicroConfig
+from mixprec.formats.mx import (E2M1_VALUES, ELEMENTS, BlockScaledTensor, ElementFormat, quantize_mx,
+                                quantize_nvfp4, round_to_grid)
+from mixprec.formats.mx_convert import MicroConversionReport, block_index, convert_to_micro
+from mixprec.formats.mx_linear import MicroLinear, hadamard_matrix, quantize_operand
 
 __all__ = [
     # configuration
@@ -25,5 +38,11 @@ __all__ = [
     "Fp8Tensor", "quantize", "dequantize", "compute_amax", "scale_from_amax", "sqnr_db",
     # GEMMs and emulation
     "fp8_gemm", "emulated_mm", "limited_precision_matmul", "round_mantissa",
+    # micro formats: configuration, quantization, modules and conversion
+    "MicroConfig", "MICRO_RECIPES", "BF16_SHARE",
+    "quantize_mx", "quantize_nvfp4", "BlockScaledTensor", "ElementFormat", "ELEMENTS", "E2M1_VALUES",
+    "round_to_grid",
+    "MicroLinear", "quantize_operand", "hadamard_matrix", "convert_to_micro", "MicroConversionReport",
+    "block_index",
 ]
 

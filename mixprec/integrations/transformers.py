@@ -164,8 +164,8 @@ class MixprecCallback(transformers.TrainerCallback):
                 raise ConfigError(f"TrainingArguments({flag}=True) with MixprecCallback: mixprec "
                                   f"owns the precision; leave {flag}=False and pass the mode to "
                                   "MixprecCallback(precision=...)")
-        if model is not None:
-            self.mixprec.setup_module(model)        # storage dtypes, norms FP32, FP8/per-layer swap
+        # The model is set up by MixprecTrainerMixin.__init__, once the Trainer is known to carry
+        # mixprec's step: a plain Trainer is refused before the user's model is changed.
 
     def on_train_begin(self, args, state, control, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any):
@@ -258,6 +258,7 @@ class MixprecTrainerMixin:
                               f"callbacks=[...], got {len(found)}")
         self.mixprec_callback = found[0]
         self.mixprec_callback._trainer = self
+        self.mixprec.setup_module(self.model)   # storage dtypes, norms FP32, FP8/per-layer swap
 
     @property
     def mixprec(self) -> Precision:

@@ -54,6 +54,7 @@ from mixprec.policy.exempt import TORCH_NORM_TYPES as _NORM_TYPES
 from mixprec.policy.exempt import is_norm as _is_norm
 from mixprec.policy.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
                                        cuda_supports_fp8, describe_cpu)
+from mixprec.policy.overrides import is_micro
 from mixprec.policy.policy import Policy
 
 __all__ = ["Finding", "audit", "audit_after_first_step", "format_findings"]
@@ -246,6 +247,13 @@ def _check_hardware(precision: Precision, device: torch.device, findings: list[F
             message=f"precision {precision} uses FP8 ({what}) but {device} has no FP8 tensor "
                     "cores (compute capability 8.9+): FP8 is emulated, correct but slower than bf16",
             fix="use 'bf16-mixed' on this GPU" if on_gpu else f"use '{cpu_fast}' on this CPU{cpu}"))
+    micro = sorted({f for f in asked if is_micro(f)} | ({precision.policy.micro_format} - {None}))
+    if micro:
+        findings.append(Finding(
+            code="micro-emulated", severity="warning",
+            message=f"precision {precision} uses block-scaled formats ({', '.join(micro)}): mixprec "
+                    "emulates them on every device (exact numerics, slower than bf16)",
+            fix="use them to study numerics (`mixprec whatif`), train for speed in bf16-mixed or fp8-*"))
     if torch.bfloat16 in dts and not bf16_is_fast(device):
         findings.append(Finding(
             code="bf16-emulated", severity="warning",

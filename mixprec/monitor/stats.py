@@ -290,7 +290,9 @@ class NumericsMonitor:
             self.record_updates(before)
             return
         live = self.snapshot_refs()
-        masters = {k: master_of(p) for k, p in live.items() if p.requires_grad}
-        before = {k: m.detach().clone() for k, m in masters.items()}
+        keys = [k for k, p in live.items() if p.requires_grad]
+        before = {k: master_of(live[k]).detach().clone() for k in keys}
         yield
-        self.record_updates(before, masters, storage_dtypes={k: live[k].dtype for k in masters})
+        # Asked again after the step: a split master (mixprec.optim.split) is a fresh FP32 copy.
+        after = {k: master_of(live[k]) for k in keys}
+        self.record_updates(before, after, storage_dtypes={k: live[k].dtype for k in keys})

@@ -1,8 +1,9 @@
 """Numerics-safe layers: FP32-statistics norms, FP32-softmax attention, MoE with an FP32 router,
-and opt-in activation clamping."""
+and opt-in activation clamping and FP8-stored activations."""
 from mixprec.nn.attention import ATTENTION_IMPLS, CausalSelfAttention, causal_attention_fp32_softmax
 from mixprec.nn.format_linear import FormatLinear
 from mixprec.nn.clamp import DEFAULT_CLAMP_BOUND, ClampHandle, clamp_activations
+from mixprec.nn.fp8_activations import Fp8ActivationStore, store_activations_in_fp8
 from mixprec.nn.moe import Expert, MoEGate, MoELayer
 from mixprec.nn.norms import NORM_LAYERS, MixedPrecisionLayerNorm, RMSNorm, make_norm
 
@@ -17,4 +18,6 @@ __all__ = [
     "FormatLinear",
     # clamping
     "clamp_activations", "ClampHandle", "DEFAULT_CLAMP_BOUND",
+    # activations saved for backward in FP8
+    "store_activations_in_fp8", "Fp8ActivationStore",
 ]

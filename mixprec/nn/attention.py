@@ -58,6 +58,14 @@ def causal_attention_fp32_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 _UPCAST_MAX_T_TIMES_D = 8192
 
 
+def upcasts_short_attention(device_type: str, dtype: torch.dtype, seq_len: int, head_size: int) -> bool:
+    """Whether 16-bit attention inputs of this shape run SDPA in FP32 here (see below); the memory
+    estimator asks this too (the FP32 kernel saves q, k, v and its output in FP32)."""
+    return (device_type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and seq_len * head_size <= _UPCAST_MAX_T_TIMES_D
+            and not any(flag.startswith("amx") for flag in cpu_matrix_flags()))
+
+
 def _sdpa_upcast_dtype(q: torch.Tensor) -> torch.dtype | None:
     """FP32 when ``q`` is BF16/FP16 on a CPU without AMX and the sequence is short, else None.
 
@@ -71,13 +79,9 @@ def _sdpa_upcast_dtype(q: torch.Tensor) -> torch.dtype | None:
     16-bit-rounded inputs, so it is at least as accurate. AMX CPUs were not measured and keep the
     16-bit kernel.
     """
-    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if q.shape[-2] * q.shape[-1] > _UPCAST_MAX_T_TIMES_D:
-        return None
-    if any(flag.startswith("amx") for flag in cpu_matrix_flags()):
-        return None
-    return torch.float32
+    if upcasts_short_attention(q.device.type, q.dtype, q.shape[-2], q.shape[-1]):
+        return torch.float32
+    return None
 
 
 class CausalSelfAttention(nn.Module):

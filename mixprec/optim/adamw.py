@@ -19,6 +19,7 @@ amount of transient memory.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,11 +27,13 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
-from mixprec.optim.master import MasterWeights
+from mixprec.optim import moments as _moments
+from mixprec.optim.master import MasterWeights, _normalise_groups
+from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 
 __all__ = ["AdamW"]
 
-_CHUNK_NUMEL = 1 << 22  # 4 Mi elements: 16 MiB per FP32 scratch buffer
+_CHUNK_NUMEL = CHUNK_NUMEL  # 4 Mi elements: 16 MiB per FP32 scratch buffer (the split masters' chunks too)
 _LOW_BITS_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 BF16 mantissa bits
 
 
@@ -43,18 +46,6 @@ def _check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay
         raise ConfigError(f"eps must be >= 0, got {eps}; the usual choice is 1e-8")
     if not weight_decay >= 0.0:
         raise ConfigError(f"weight_decay must be >= 0, got {weight_decay}; use 0.0 to turn it off")
-
-
-def _chunks(numels: list[int], limit: int) -> Iterable[tuple[int, int]]:
-    """Split indices [0, n) into consecutive ranges whose element counts sum to at most ``limit``."""
-    start, total = 0, 0
-    for i, n in enumerate(numels):
-        if total and total + n > limit:
-            yield start, i
-            start, total = i, 0
-        total += n
-    if start < len(numels):
-        yield start, len(numels)
 
 
 def _round_to_bf16_stochastic_(flat: Tensor, generator: torch.Generator | None) -> None:
@@ -77,6 +68,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
     (``step`` as a CPU tensor, ``exp_avg``, ``exp_avg_sq``), so checkpoints move between the two.
     """
 
+    mixprec_chunk_exact = True
+    """Stepping chunks cut by ``mixprec.optim.split.chunks`` (its own boundaries) is exact: split
+    masters step it that way."""
+
     mixprec_not_separable_because = ("draws its stochastic-rounding noise per chunk of a whole param "
                                      "group, so a step split by module draws other noise (use "
                                      "stochastic_rounding=False, or FP32 moments)")
@@ -87,9 +82,14 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         return not opt.stochastic_rounding
 
     def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 *, moments_dtype: torch.dtype, stochastic_rounding: bool, seed: int | None) -> None:
+                 *, moments_dtype: torch.dtype, stochastic_rounding: bool, seed: int | None,
+                 moments: str | None = None) -> None:
+        self.moments = moments or {torch.float32: "fp32", torch.bfloat16: "bf16"}[moments_dtype]
+        self.quantized = _moments.is_quantized(self.moments)
         self.moments_dtype = moments_dtype
-        self.stochastic_rounding = stochastic_rounding and moments_dtype == torch.bfloat16
+        # int8 moments are always rounded stochastically; fp8 ones to nearest (see optim.moments).
+        self.stochastic_rounding = (stochastic_rounding and moments_dtype == torch.bfloat16
+                                    and not self.quantized) or self.moments == "int8"
         self._generators: dict[torch.device, torch.Generator] = {}
         self._seed = seed
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
@@ -115,10 +115,11 @@ class _AdamWFP32Math(torch.optim.Optimizer):
                 gen.set_state(rng_state)
         # torch casts floating state to the param dtype (FP32); store the moments narrow again.
         super().load_state_dict(sd)
+        narrow = torch.float8_e4m3fn if self.moments == "fp8" else None if self.quantized else self.moments_dtype
         for st in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    st[key] = st[key].to(self.moments_dtype)
+                if key in st and narrow is not None:
+                    st[key] = st[key].to(narrow)    # fp8 codes went through FP32 exactly
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -139,6 +140,9 @@ class _AdamWFP32Math(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.tensor(0.0)
+                    if self.quantized:
+                        st.update(_moments.new_state(p, self.moments))
+                        continue
                     st["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
             by_device: dict[torch.device, list[Tensor]] = {}
@@ -170,8 +174,12 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         v_flat = torch.empty_like(m_flat)
         m32 = [t.view_as(p) for t, p in zip(m_flat.split(numels), params)]
         v32 = [t.view_as(p) for t, p in zip(v_flat.split(numels), params)]
-        torch._foreach_copy_(m32, exp_avgs)
-        torch._foreach_copy_(v32, exp_avg_sqs)
+        if self.quantized:      # each parameter has blocks and scales of its own
+            _moments.decode_(states, "exp_avg", m32, self.moments)
+            _moments.decode_(states, "exp_avg_sq", v32, self.moments)
+        else:
+            torch._foreach_copy_(m32, exp_avgs)
+            torch._foreach_copy_(v32, exp_avg_sqs)
 
         if wd != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * wd)  # decoupled weight decay
@@ -184,6 +192,11 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, m32, denom, step_sizes)  # p -= lr / bc1 * m / denom
         del denom
 
+        if self.quantized:
+            gen = self._generator(device)
+            _moments.encode_(states, "exp_avg", m32, self.moments, gen)
+            _moments.encode_(states, "exp_avg_sq", v32, self.moments, gen)
+            return
         if self.stochastic_rounding:
             _round_to_bf16_stochastic_(m_flat, self._generator(device))
             _round_to_bf16_stochastic_(v_flat, self._generator(device))
@@ -202,9 +215,15 @@ class AdamW(MasterWeights):
         param_dtype: ``torch.float16`` (default) or ``torch.bfloat16``; used with ``fp16_params``.
         moments_dtype: ``torch.float32`` (delegates to ``torch.optim.AdamW`` on the masters, with
             ``foreach``/``fused``) or ``torch.bfloat16`` (our foreach implementation, FP32 math).
+        moments: the same choice by name, plus 8-bit storage: ``"fp32"``, ``"bf16"``, ``"int8"``
+            (block-wise, stochastic rounding) or ``"fp8"`` (E4M3 with per-block range expansion);
+            see mixprec.optim.moments. Overrides ``moments_dtype`` when given.
         foreach, fused: passed to ``torch.optim.AdamW`` when the moments are FP32.
         stochastic_rounding: round BF16 moments stochastically (default) or to nearest.
         seed: seed of the stochastic-rounding generator (``None``: the global torch generator).
+        split_masters: FP32 masters of BF16 params stored as the param plus a 16-bit remainder
+            (``None``: on, the default; ``False``: full FP32 masters). Bit-identical either way;
+            see mixprec.optim.master.
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).
@@ -225,8 +244,19 @@ class AdamW(MasterWeights):
         fused: bool | None = None,
         stochastic_rounding: bool = True,
         seed: int | None = None,
+        split_masters: bool | None = None,
+        moments: str | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
+        params = _normalise_groups(params)
+        given = [p for g in params for p in g["params"]]
+        self._unmarked_vectors = (_unmarked_vectors(given), given) if fp16_params else None
+        if moments is not None:
+            if moments not in _moments.MOMENTS:
+                raise ConfigError(f"moments must be one of {', '.join(_moments.MOMENTS)}, got '{moments}'")
+            if moments in ("fp32", "bf16"):
+                moments_dtype, moments = (torch.float32 if moments == "fp32" else torch.bfloat16), None
+        self.moments = moments or {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(moments_dtype, "?")
         if param_dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"param_dtype must be torch.float16 or torch.bfloat16, got {param_dtype}")
         if moments_dtype not in (torch.float32, torch.bfloat16):
@@ -234,12 +264,58 @@ class AdamW(MasterWeights):
                               "(FP16 moments underflow: exp_avg_sq holds squared gradients)")
         self.moments_dtype = moments_dtype
         common: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        if moments is not None:           # int8 / fp8: our FP32-math AdamW, 8-bit storage
+            if fused:
+                raise ConfigError(f"fused=True is torch's FP32-moment kernel; with moments={moments} leave it unset")
+            super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
+                             split=split_masters, moments_dtype=torch.float32, moments=moments,
+                             stochastic_rounding=stochastic_rounding, seed=seed, **common)
+            return
         if moments_dtype == torch.float32:
             super().__init__(torch.optim.AdamW, params, param_dtype=param_dtype if fp16_params else None,
-                             foreach=foreach, fused=fused, **common)
+                             split=split_masters, foreach=foreach, fused=fused, **common)
             return
         if fused:
             raise ConfigError("fused=True keeps moments in the param dtype; with moments_dtype=torch.bfloat16 "
                               "leave fused unset (the BF16-moment path always uses foreach ops)")
         super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
-                         moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+                         split=split_masters, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        if self._unmarked_vectors is not None:
+            _warn_vectors_in_16_bits(*self._unmarked_vectors, self.param_dtype)
+            self._unmarked_vectors = None
+        return super().step(closure, **kwargs)
+
+
+def _unmarked_vectors(params: list[Tensor]) -> list[Tensor]:
+    """The 1-D floating parameters (norm weights, biases) ``fp16_params=True`` is about to store in
+    16 bits when *nothing* marks which parameters stay FP32.
+
+    An optimizer sees parameters, not modules: it keeps a parameter FP32 only when it carries
+    ``keep_in_fp32`` (mixprec's own norms and gates do; :func:`mixprec.precision.mark_fp32_params`
+    and ``mixprec.Precision.setup`` mark the rest). A Hugging Face model has no marks, so its
+    ``LlamaRMSNorm``/``LayerNorm`` weights would go to 16 bits with the matrices. They are not
+    kept FP32 here behind the user's back: a 16-bit Linear fed by an FP32 norm fails in a plain
+    forward (``mat1 and mat2 must have the same dtype``) unless an autocast converts the inputs.
+    """
+    if any(getattr(p, "keep_in_fp32", False) for p in params):
+        return []
+    return [p for p in params if p.dim() == 1 and p.dtype == torch.float32]
+
+
+def _warn_vectors_in_16_bits(vectors: list[Tensor], params: list[Tensor], dtype: torch.dtype) -> None:
+    """At the first step, one line if those parameters are still 16-bit and still unmarked
+    (``Precision.setup`` and ``fit()`` restore and mark the norms in between: no warning then)."""
+    low = [p for p in vectors if p.dtype == dtype and not getattr(p, "keep_in_fp32", False)]
+    if not low or any(getattr(p, "keep_in_fp32", False) for p in params):
+        return
+    name, mode = ("float16", "16-true") if dtype == torch.float16 else ("bfloat16", "bf16-true")
+    warnings.warn(
+        f"mixprec.optim.AdamW(fp16_params=True) stores all {len(low)} one-dimensional parameters "
+        f"(biases, norm weights) in {name}: nothing marks which stay FP32 and an optimizer sees "
+        "parameters, not modules, so norm layers mixprec did not build (Hugging Face's "
+        "LlamaRMSNorm, LayerNorm, ...) are in 16 bits too; to keep norms FP32 use "
+        f"mixprec.Precision('{mode}').setup(model, optimizer) with its autocast(), as fit() does, "
+        "or mixprec.precision.mark_fp32_params(model) before building the optimizer (then run the "
+        "forward under autocast)", UserWarning, stacklevel=4)   # AdamW.step <- torch's wrapper <- caller

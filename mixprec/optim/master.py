@@ -21,9 +21,19 @@ How it fits the grad protocol with ``mixprec.amp.GradScaler`` (docs/CONTRACTS.md
 ``param_groups`` (the masters), which are empty until the grads are moved. With it, call
 ``optimizer.master_grads()`` right after ``backward()`` and before ``scaler.unscale_``/``scaler.step``.
 
-Params already in the master dtype are their own master (no copy, no extra memory). Memory is
-not saved by this scheme: an FP16 param with an FP32 master and Adam moments costs 2 + 4 + 8 = 14
-bytes instead of 12 for plain FP32; the savings of mixed precision are in activations.
+Params already in the master dtype are their own master (no copy, no extra memory). An FP16
+param with an FP32 master and Adam moments costs 2 + 4 + 8 = 14 bytes instead of 12 for plain FP32,
+plus 4 bytes of FP32 master gradient during the step.
+
+**Split masters** (``split=None``, the default, turns them on wherever they are exact): the FP32
+master of a BF16 param is stored as the BF16 param itself plus a 16-bit remainder
+(mixprec.optim.split), 2 bytes instead of 4, and no FP32 master gradients are kept: the step widens
+one bounded chunk of masters and BF16 gradients at a time, steps it with the inner optimizer and
+splits it back, bit-identical to the FP32-master step. The loss-scale division and the clip
+coefficient are deferred into that widening (``deferred_grads()``, used by mixprec's scaler and
+``clip_grad_norm_``). ``master_grads()`` still works for other callers (``torch.amp.GradScaler``):
+it widens everything for that step, as before. Gradient accumulation is unchanged: autograd sums
+the micro-batches into the BF16 ``.grad``, exactly as with full masters.
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from mixprec.optim import registry
+from mixprec.optim import registry, split as _split
 from mixprec.errors import CheckpointError, ConfigError
 
 __all__ = ["MasterWeights"]
@@ -74,6 +84,12 @@ class MasterWeights(torch.optim.Optimizer):
         param_dtype: if given, floating-point params in ``master_dtype`` are converted **in place**
             to this dtype after their masters have been taken (so the masters keep the exact
             initial FP32 values). Their existing ``.grad`` is dropped. ``None`` converts nothing.
+        split: store the FP32 master of each BF16 param as the param plus a 16-bit remainder
+            (see the module docstring). ``None`` (default): wherever exact, i.e. FP32 masters of
+            BF16 params with an inner optimizer whose step may be issued chunk by chunk (the
+            elementwise ``mixprec.optim.parts.SEPARABLE`` ones, or a class declaring
+            ``mixprec_chunk_exact = True``). ``True`` refuses other optimizers; ``False`` keeps
+            full FP32 masters.
 
     It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
     ``state`` are the inner optimizer's own objects, holding the masters, so editing
@@ -89,6 +105,7 @@ class MasterWeights(torch.optim.Optimizer):
         *,
         master_dtype: torch.dtype = torch.float32,
         param_dtype: torch.dtype | None = None,
+        split: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -105,6 +122,10 @@ class MasterWeights(torch.optim.Optimizer):
                               "use torch.float16 or torch.bfloat16")
         self.master_dtype = master_dtype
         self.param_dtype = param_dtype
+        self.split = _resolve_split(split, optimizer_cls, master_dtype)
+        self._lo: dict[int, Tensor] = {}      # id(placeholder master) -> int16 remainder
+        self._ties: dict[int, Tensor] = {}    # id(placeholder master) -> flat indices of the ties
+        self._deferred: _split.DeferredGrads | None = None
         # Pairs (model param, separate master); self-mastered params are not listed here.
         self._model_params: list[Tensor] = []
         self._masters: list[Tensor] = []
@@ -112,6 +133,9 @@ class MasterWeights(torch.optim.Optimizer):
         self._all_model_params: list[Tensor] = []  # flat order of the param groups
         self._grads_ready = False
         self._stepped: tuple[list[Tensor], list[Tensor]] = ([], [])  # (model params, masters) to copy back
+        self._model_of: dict[int, Tensor] = {}  # id(separate master) -> model param
+        self._pending: set[int] = set()   # split masters with a grad, not yet widened this step
+        self._wide: set[int] = set()      # split masters holding FP32 values right now
 
         master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
@@ -144,10 +168,28 @@ class MasterWeights(torch.optim.Optimizer):
         if p.dtype == self.master_dtype:  # convert the model param in place, keep the exact master
             p.data = p.data.to(self.param_dtype)
             p.grad = None
+        if self.split and _split.splits(p.dtype, self.master_dtype):
+            master = self._make_split(p, master)
         self._model_params.append(p)
         self._masters.append(master)
+        self._model_of[id(master)] = p
         self._master_of[id(p)] = master
         return master
+
+    def _make_split(self, p: Tensor, exact: Tensor) -> Tensor:
+        """Keep ``exact`` as ``p`` + remainder; return the (storage-free) placeholder master the
+        inner optimizer keys its state by. It holds FP32 values only inside the step."""
+        lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
+        ties = _split.split_(exact, p.data, lo)
+        holder = torch.empty(0, dtype=self.master_dtype, device=p.device).requires_grad_(p.requires_grad)
+        self._lo[id(holder)], self._ties[id(holder)] = lo, ties
+        return holder
+
+    def _is_split(self, m: Tensor) -> bool:
+        return id(m) in self._lo
+
+    def _join(self, p: Tensor, m: Tensor) -> Tensor:
+        return _split.join(p.detach(), self._lo[id(m)], self._ties[id(m)])
 
     def _alias_inner(self) -> None:
         """Share the inner optimizer's ``param_groups`` list and ``state`` dict (not copies)."""
@@ -173,15 +215,65 @@ class MasterWeights(torch.optim.Optimizer):
 
     @property
     def masters(self) -> list[Tensor]:
-        """The separate master tensors (one per low-precision param), in param-group order."""
-        return list(self._masters)
+        """The separate masters (one per low-precision param), in param-group order. A split
+        master is joined into a fresh FP32 tensor (a copy: writing to it changes nothing)."""
+        return [self.master_of(p) for p in self._model_params]
 
     def master_of(self, param: Tensor) -> Tensor:
-        """The master of a model param (the param itself when it is already in the master dtype)."""
+        """The FP32 master of a model param (the param itself when it is already in the master
+        dtype). For a split master outside the step this is a fresh FP32 tensor joined from the
+        param and its remainder: read it again after a step to see the new value."""
         try:
-            return self._master_of[id(param)]
+            m = self._master_of[id(param)]
         except KeyError:
             raise ConfigError("this tensor is not one of the optimizer's parameters") from None
+        if self._is_split(m) and id(m) not in self._wide:
+            return self._join(param, m)
+        return m
+
+    def updates(self, param: Tensor) -> bool:
+        """Whether ``param`` is one of the model params this optimizer steps (no copy made)."""
+        return id(param) in self._master_of
+
+    def step_grads(self, param: Tensor) -> list[Tensor]:
+        """The gradient tensors the step reads for ``param``: its master's FP32 ``.grad`` and,
+        for a split master, the model param's own (BF16) grad, which the step widens itself."""
+        m = self._master_of.get(id(param))
+        out = [g for g in (m.grad if m is not None else None,) if g is not None]
+        if m is not None and self._is_split(m) and param.grad is not None:
+            out.append(param.grad)
+        return out
+
+    @torch.no_grad()
+    def _prepare_grads(self) -> None:
+        """Once per step: copy the grads of full (non-split) masters into their FP32 ``.grad`` and
+        note which split masters have a grad (their BF16 grad is read by the step itself)."""
+        if self._grads_ready:
+            return
+        src, dst, stepped_params, stepped_masters, pending = [], [], [], [], []
+        for p, m in zip(self._model_params, self._masters):
+            if p.grad is None:
+                m.grad = None
+                continue
+            if p.grad.is_sparse:
+                raise ConfigError("sparse gradients are not supported with master weights; "
+                                  "use a dense embedding (sparse=False)")
+            stepped_params.append(p)
+            stepped_masters.append(m)
+            if self._is_split(m):
+                if id(m) not in self._wide:
+                    pending.append(m)
+                continue
+            if m.grad is None or m.grad.shape != m.shape:
+                m.grad = torch.empty_like(m)
+            src.append(p.grad)
+            dst.append(m.grad)
+        if dst:
+            with record_function("mixprec.master_grad_copy"):
+                torch._foreach_copy_(dst, src)  # one cast-copy launch per (device, dtype) bucket
+        self._stepped = (stepped_params, stepped_masters)
+        self._pending = {id(m) for m in pending}
+        self._grads_ready = True
 
     @torch.no_grad()
     def master_grads(self) -> list[Tensor]:
@@ -190,29 +282,75 @@ class MasterWeights(torch.optim.Optimizer):
         The returned tensors are the ones ``step()`` will use: unscale, check or clip them in
         place. The copy happens once per step; later calls return the same tensors without copying
         again, until ``step()`` or ``zero_grad()``. Params whose grad is ``None`` are left out (and
-        their master's grad is set to ``None`` so the inner optimizer skips them).
+        their master's grad is set to ``None`` so the inner optimizer skips them). With split
+        masters this widens every split master and its grad to FP32 for this step (the memory of
+        full masters); mixprec's scaler and clipping use :meth:`deferred_grads` instead.
         """
-        if not self._grads_ready:
-            src, dst, stepped_params, stepped_masters = [], [], [], []
-            for p, m in zip(self._model_params, self._masters):
-                if p.grad is None:
-                    m.grad = None
-                    continue
-                if p.grad.is_sparse:
-                    raise ConfigError("sparse gradients are not supported with master weights; "
-                                      "use a dense embedding (sparse=False)")
-                if m.grad is None or m.grad.shape != m.shape:
-                    m.grad = torch.empty_like(m)
-                src.append(p.grad)
-                dst.append(m.grad)
-                stepped_params.append(p)
-                stepped_masters.append(m)
-            if dst:
-                with record_function("mixprec.master_grad_copy"):
-                    torch._foreach_copy_(dst, src)  # one cast-copy launch per (device, dtype) bucket
-            self._stepped = (stepped_params, stepped_masters)
-            self._grads_ready = True
+        self._prepare_grads()
+        if self._pending:
+            wide = [m for m in self._masters if id(m) in self._pending]
+            self._widen(wide)
+            if self._deferred is not None:
+                self._deferred.closed = True
+                self._deferred = None
         return [m.grad for group in self.param_groups for m in group["params"] if m.grad is not None]
+
+    def deferred_grads(self) -> _split.DeferredGrads | None:
+        """The step's gradients without FP32 copies of the split ones (mixprec.optim.split), or
+        None when nothing is deferred (no split masters with a grad): then use ``master_grads()``.
+        Same object until ``step()`` or ``zero_grad()``."""
+        if self._deferred is not None:
+            return self._deferred
+        self._prepare_grads()
+        if not self._pending:
+            return None
+        entries = []
+        for group in self.param_groups:
+            for m in group["params"]:
+                if id(m) in self._pending:
+                    entries.append(("low", self._model_of[id(m)].grad))
+                elif m.grad is not None:
+                    entries.append(("own", m.grad))
+        self._deferred = _split.DeferredGrads(low=[g for k, g in entries if k == "low"],
+                                              own=[g for k, g in entries if k == "own"], entries=entries)
+        return self._deferred
+
+    def _widen(self, masters: list[Tensor]) -> None:
+        """Give split ``masters`` their FP32 values and FP32 grads (unscale/clip factors applied)."""
+        todo = [m for m in masters if id(m) in self._pending]
+        if not todo:
+            return
+        params = [self._model_of[id(m)] for m in todo]
+        factors = self._deferred.factors if self._deferred is not None else []
+        with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
+            grads = _split.widen([p.grad for p in params], factors)
+        for dev in {p.device for p in params}:
+            idx = [i for i, p in enumerate(params) if p.device == dev]
+            ws = _split.join_many([params[i].detach() for i in idx], [self._lo[id(todo[i])] for i in idx],
+                                  [self._ties[id(todo[i])] for i in idx])
+            for i, w in zip(idx, ws):
+                todo[i].data = w
+        for m, g in zip(todo, grads):
+            m.grad = g
+            self._wide.add(id(m))
+            self._pending.discard(id(m))
+
+    @torch.no_grad()
+    def _narrow(self, masters: list[Tensor], *, store: bool) -> None:
+        """Split wide masters back into their params (``store``) or just drop the FP32 copies."""
+        wide = [m for m in masters if id(m) in self._wide]
+        for m in wide:
+            m.grad = None                  # freed before the split's temporaries are made
+        if store and wide:
+            for dev in {m.device for m in wide}:
+                ms = [m for m in wide if m.device == dev]
+                ties = _split.split_many_([m.data for m in ms], [self._model_of[id(m)].data for m in ms],
+                                          [self._lo[id(m)] for m in ms])
+                for m, t in zip(ms, ties):
+                    self._ties[id(m)] = t
+        for m in wide:
+            m.data = torch.empty(0, dtype=m.dtype, device=m.device)
+            self._wide.discard(id(m))
 
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
              parts: Sequence[Sequence[Tensor]] | None = None,
@@ -233,10 +371,12 @@ class MasterWeights(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             self._grads_ready = False
-        self.master_grads()
+        self._prepare_grads()
         params, masters = self._stepped
         try:
-            if parts is None:
+            if self._lo:
+                self._step_split(parts, around)
+            elif parts is None:
                 self._inner.step()
                 if params:
                     with torch.no_grad(), record_function("mixprec.master_copy_back"):
@@ -244,9 +384,58 @@ class MasterWeights(torch.optim.Optimizer):
             else:
                 self._step_parts(parts, around, {id(p) for p in params})
         finally:
-            self._grads_ready = False
-            self._stepped = ([], [])
+            self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
+            self._end_step()
         return loss
+
+    def _end_step(self) -> None:
+        self._grads_ready = False
+        self._stepped = ([], [])
+        self._pending = set()
+        if self._deferred is not None:
+            self._deferred.closed = True
+            self._deferred = None
+
+    def _step_split(self, parts: Sequence[Sequence[Tensor]] | None,
+                    around: Callable[[int], contextlib.AbstractContextManager] | None) -> None:
+        """The step with split masters: per param group and device, chunks of at most
+        ``split.CHUNK_NUMEL`` elements are widened, stepped by the inner optimizer over a view of
+        the groups holding only that chunk, and split back (the BF16-moment AdamW draws its
+        rounding noise per chunk of the same boundaries, so it steps bit-identically too)."""
+        inner, whole = self._inner, self._inner.param_groups
+        units: Sequence[Sequence[Tensor] | None] = [None] if parts is None else parts
+        stepped = {id(m) for m in self._stepped[1]}
+        try:
+            for i, unit in enumerate(units):
+                keep = None if unit is None else {id(self._master_of[id(p)]) for p in unit}
+                with (around(i) if around is not None else contextlib.nullcontext()):
+                    for gi, group in enumerate(whole):
+                        ms = [m for m in group["params"] if (keep is None or id(m) in keep)
+                              and (m.grad is not None or id(m) in self._pending)]
+                        by_device: dict[torch.device, list[Tensor]] = {}
+                        for m in ms:
+                            by_device.setdefault(m.device, []).append(m)
+                        for dev_ms in by_device.values():
+                            numels = [self._model_of[id(m)].numel() if id(m) in self._model_of else m.numel()
+                                      for m in dev_ms]
+                            for a, b in _split.chunks(numels):
+                                chunk = dev_ms[a:b]
+                                self._widen(chunk)
+                                inner.param_groups = [{**g, "params": chunk if j == gi else []}
+                                                      for j, g in enumerate(whole)]
+                                inner.step()
+                                self._store_chunk(chunk, stepped)
+        finally:
+            inner.param_groups = whole
+
+    @torch.no_grad()
+    def _store_chunk(self, chunk: list[Tensor], stepped: set[int]) -> None:
+        with record_function("mixprec.master_copy_back"):
+            self._narrow([m for m in chunk if id(m) in self._wide], store=True)
+            full = [m for m in chunk if id(m) in stepped and not self._is_split(m)
+                    and self._model_of.get(id(m)) is not None]
+            if full:
+                torch._foreach_copy_([self._model_of[id(m)] for m in full], full)
 
     def _step_parts(self, parts: Sequence[Sequence[Tensor]],
                     around: Callable[[int], contextlib.AbstractContextManager] | None,
@@ -255,7 +444,7 @@ class MasterWeights(torch.optim.Optimizer):
         inner, whole = self._inner, self._inner.param_groups
         try:
             for i, part in enumerate(parts):
-                masters = [self.master_of(p) for p in part]
+                masters = [self._master_of[id(p)] for p in part]
                 with (around(i) if around is not None else contextlib.nullcontext()):
                     inner.param_groups = restricted_groups(whole, masters)
                     inner.step()
@@ -268,8 +457,8 @@ class MasterWeights(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of the model params and of the masters."""
-        self._grads_ready = False
-        self._stepped = ([], [])
+        self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
+        self._end_step()
         tensors = self._all_model_params + self._masters
         if set_to_none:
             for t in tensors:
@@ -286,21 +475,27 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
         """Overwrite the masters with the model params (after loading model weights only)."""
-        if self._masters:
-            torch._foreach_copy_(self._masters, self._model_params)
+        full = [(m, p) for p, m in zip(self._model_params, self._masters) if not self._is_split(m)]
+        if full:
+            torch._foreach_copy_([m for m, _ in full], [p for _, p in full])
+        for m in self._masters:
+            if self._is_split(m):
+                self._lo[id(m)].zero_()
+                self._ties[id(m)] = _split.empty_ties(m.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus the separate masters (by flat param index).
+        """The inner optimizer's state dict plus the masters (by flat param index), in FP32.
 
-        Like torch's, the returned tensors are references, not copies. Everything in it loads
-        with ``torch.load(..., weights_only=True)``.
+        Like torch's, the returned tensors are references, not copies (split masters are joined
+        into fresh FP32 tensors, so the file is the same with and without split masters). Everything
+        in it loads with ``torch.load(..., weights_only=True)``.
         """
         sd = self._inner.state_dict()
         index = {id(p): i for i, p in enumerate(self._all_model_params)}
         sd[_STATE_KEY] = {
             "dtype": str(self.master_dtype).removeprefix("torch."),
             "index": [index[id(p)] for p in self._model_params],
-            "tensors": list(self._masters),
+            "tensors": self.masters,
         }
         return sd
 
@@ -312,6 +507,7 @@ class MasterWeights(torch.optim.Optimizer):
         """
         sd = dict(state_dict)
         saved = sd.pop(_STATE_KEY, None)
+        self.zero_grad()
         try:
             self._inner.load_state_dict(sd)
         except (ValueError, KeyError) as exc:
@@ -327,22 +523,45 @@ class MasterWeights(torch.optim.Optimizer):
             raise CheckpointError("the saved master weights index params this optimizer does not have; "
                                   "load the checkpoint into an optimizer over the same model")
         dst_masters, src, model_params = [], [], []
-        for i, t in zip(index, tensors):
-            p = self._all_model_params[i]
-            if t.shape != p.shape:
-                raise CheckpointError(f"saved master #{i} has shape {tuple(t.shape)} but the param has "
-                                      f"{tuple(p.shape)}; load the checkpoint into the same model architecture")
-            dst_masters.append(self._master_of[id(p)])
-            src.append(t)
-            if self._master_of[id(p)] is not p:
-                model_params.append(p)
-        if not dst_masters:
-            return
         with torch.no_grad():
+            for i, t in zip(index, tensors):
+                p = self._all_model_params[i]
+                if t.shape != p.shape:
+                    raise CheckpointError(f"saved master #{i} has shape {tuple(t.shape)} but the param has "
+                                          f"{tuple(p.shape)}; load the checkpoint into the same model architecture")
+                m = self._master_of[id(p)]
+                if self._is_split(m):
+                    w = t.to(device=p.device, dtype=torch.float32, copy=True)
+                    self._ties[id(m)] = _split.split_(w, p.data, self._lo[id(m)])
+                    continue
+                dst_masters.append(m)
+                src.append(t)
+                if m is not p:
+                    model_params.append(p)
+            if not dst_masters:
+                return
             torch._foreach_copy_(dst_masters, src)
             if model_params:
                 torch._foreach_copy_(model_params, [self._master_of[id(p)] for p in model_params])
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({type(self._inner).__name__}, {len(self._masters)} masters in "
+        kind = f"{len(self._lo)} split" if self._lo else str(len(self._masters))
+        return (f"{type(self).__name__}({type(self._inner).__name__}, {kind} masters in "
                 f"{self.master_dtype}, {len(self._all_model_params)} params)")
+
+
+def _resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
+                   master_dtype: torch.dtype) -> bool:
+    """Whether split masters are used: only where the chunked step is exact (see ``split``)."""
+    if split is False:
+        return False
+    from mixprec.optim.parts import SEPARABLE
+    exact = (issubclass(optimizer_cls, SEPARABLE) or getattr(optimizer_cls, "mixprec_chunk_exact", False)
+             or getattr(optimizer_cls, "mixprec_separable", None) is True)
+    if master_dtype != torch.float32:
+        exact = False
+    if split and not exact:
+        raise ConfigError(f"split=True needs FP32 masters and an elementwise optimizer (AdamW, Adam, SGD, "
+                          f"...) whose step can be issued chunk by chunk; {optimizer_cls.__name__} with "
+                          f"{master_dtype} masters is not one. Use split=False (full FP32 masters)")
+    return exact

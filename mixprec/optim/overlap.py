@@ -92,6 +92,9 @@ def module_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Paramet
 
 def _updated_by(optimizer: torch.optim.Optimizer):
     """A predicate: does ``optimizer`` update this model parameter?"""
+    updates = getattr(optimizer, "updates", None)
+    if callable(updates):
+        return updates
     master_of = getattr(optimizer, "master_of", None)
     if master_of is not None:
         def mastered(p: torch.Tensor) -> bool:
@@ -222,11 +225,12 @@ class OverlappedUpdate:
         step_in_parts(optimizer, parts, on_side)
         # The grads were allocated on the compute stream; keep their memory until the side stream
         # has read them, even when zero_grad() drops them before that.
-        grad_of = getattr(optimizer, "master_of", None)
+        step_grads = getattr(optimizer, "step_grads", None)
         for p in (q for part in parts for q in part):
-            g = (grad_of(p) if grad_of is not None else p).grad
-            if g is not None:
-                g.record_stream(side)
+            grads = step_grads(p) if step_grads is not None else [p.grad]
+            for g in grads:
+                if g is not None:
+                    g.record_stream(side)
         self._pending = {u: [done[g] for g in self.waits_for[u] if g in done]
                          for u in range(len(self.units))}
         self._pending = {u: evs for u, evs in self._pending.items() if evs}

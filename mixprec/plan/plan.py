@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB
-from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, write_plan
+from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, is_micro, write_plan
 from mixprec.precision import Precision
 
 __all__ = ["PrecisionPlan", "LayerMeasure", "format_throughput", "choose", "safer_format",
@@ -259,14 +259,14 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
     """FLOP/s per candidate format: measured here (``target="measure"``) or a GPU's datasheet."""
     notes: list[str] = []
     if target != "measure":
-        from mixprec.estimate.gpus import get_gpu
+        from mixprec.estimate.gpus import format_peak_kind, get_gpu
         gpu = get_gpu(target)
         out = {}
         for f in candidates:
-            kind = "fp8" if f.startswith("fp8-") else ("bf16" if f in ("bf16", "fp16") else "fp32")
+            kind = format_peak_kind(f)
             value = getattr(gpu, f"{kind}_tflops")
             if value is None:
-                notes.append(f"{gpu.name} has no FP8 tensor cores: {f} left out")
+                notes.append(f"{gpu.name} has no {kind.upper()} tensor cores: {f} left out")
                 continue
             out[f] = value * 1e12
         notes.append(f"throughput: {gpu.name} dense datasheet peaks ({gpu.source})")
@@ -276,6 +276,10 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
     out = {}
     fp8_native = device.type == "cuda" and hardware.cuda_supports_fp8()
     for f in candidates:
+        if is_micro(f):
+            notes.append(f"{f} left out: no block-scaled GEMMs here (it would be emulated, slower "
+                         "than fp32); plan for a Blackwell GPU with target='B200'")
+            continue
         if f.startswith("fp8-"):
             if not fp8_native:
                 notes.append(f"{f} left out: no FP8 GEMMs on {device.type} (it would be emulated, "

@@ -274,7 +274,8 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
         prec.setup(trial)
         trial.train()
         variants[f] = trial
-        why = dict(prec.fp8_report.skipped) if prec.fp8_report else {}
+        why = {n: r for rep in (prec.fp8_report, prec.micro_report) if rep is not None
+               for n, r in rep.skipped}
         refused[f] = {n: why.get(n, f"runs {got}") for n, got in prec.layer_formats.items() if got != f}
 
     mods = dict(ref_model.named_modules())

@@ -56,7 +56,8 @@ def flushed_share(t: torch.Tensor, fmt: str, kind: str = "act") -> torch.Tensor:
     the forward format; ``kind="grad"``: the gradient format; the recipe's tiles along the last
     dimension); with current scaling nothing saturates, so this counts what the scale pushed
     below half the smallest subnormal. ``bf16``/``fp16``/``fp32``: values below half the format's
-    smallest subnormal or above its largest finite value."""
+    smallest subnormal or above its largest finite value. Micro formats (``mxfp8``, ``mxfp4``,
+    ``nvfp4``): quantized as their GEMM operand, values flushed to zero or clamped."""
     t = t.detach().reshape(-1, t.shape[-1]).float()
     nonzero = (t != 0).sum().clamp(min=1)
     if fmt.startswith("fp8-"):
@@ -69,7 +70,11 @@ def flushed_share(t: torch.Tensor, fmt: str, kind: str = "act") -> torch.Tensor:
                      power_of_two=config.power_of_two_scales)
         return ((q.data.float() == 0) & (t != 0)).sum() / nonzero
     from mixprec.policy.dtypes import format_info
-    from mixprec.policy.overrides import format_dtype
+    from mixprec.policy.overrides import format_dtype, is_micro
+    if is_micro(fmt):                   # block-scaled: flushed to zero or clamped by its block scale
+        from mixprec.formats import MicroConfig, quantize_operand
+        from mixprec.formats.mx import lost_share
+        return lost_share(t, quantize_operand(t, MicroConfig.from_recipe(fmt), grad=kind == "grad"))
     dtype = format_dtype(fmt)
     if dtype is None:                   # a format this function does not model
         return torch.zeros((), device=t.device)

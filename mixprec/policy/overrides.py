@@ -10,7 +10,10 @@ both cover every layer inside ``blocks.0``. ``format`` is one of :data:`LAYER_FO
 * ``fp8-tensorwise`` / ``fp8-delayed`` / ``fp8-rowwise`` / ``fp8-blockwise``  the layer becomes an
   :class:`mixprec.fp8.Fp8Linear` with that recipe (where the FP8 rules allow: the output head,
   MoE gates and layers whose features are not multiples of 16 stay out, and the FP8 report says
-  why).
+  why),
+* ``mxfp8`` / ``nvfp4`` / ``mxfp4``  the layer becomes a :class:`mixprec.formats.MicroLinear`
+  (block-scaled OCP MX / NVIDIA NVFP4 GEMMs, emulated; the same rules keep layers out, and MX
+  formats also need features that are multiples of 32).
 
 **Order: the first matching pattern wins** (as in a routing table): put specific patterns before
 broad ones, e.g. ``(("blocks.0.mlp.fc", "fp32"), ("blocks.0.*", "bf16"))``.
@@ -48,11 +51,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["LAYER_FORMATS", "Overrides", "parse_format", "normalize_overrides", "match_override",
+__all__ = ["LAYER_FORMATS", "MICRO_FORMATS", "is_micro", "Overrides", "parse_format", "normalize_overrides", "match_override",
            "check_patterns", "format_dtype", "load_plan", "write_plan", "PLAN_PREFIX"]
 
+MICRO_FORMATS: tuple[str, ...] = ("mxfp8", "nvfp4", "mxfp4")
+"""The block-scaled formats (:mod:`mixprec.formats`): MXFP8, NVFP4, MXFP4."""
+
 LAYER_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-delayed",
-                                  "fp8-rowwise", "fp8-blockwise")
+                                  "fp8-rowwise", "fp8-blockwise", *MICRO_FORMATS)
 """The compute formats a layer can be given, cheapest last."""
 
 Overrides = tuple[tuple[str, str], ...]
@@ -80,8 +86,13 @@ def parse_format(name: str) -> str:
     return _FORMAT_ALIASES[key]
 
 
+def is_micro(fmt: str) -> bool:
+    """A block-scaled micro format (``mxfp8``, ``nvfp4``, ``mxfp4``)."""
+    return fmt in MICRO_FORMATS
+
+
 def format_dtype(fmt: str) -> torch.dtype | None:
-    """The torch dtype of a 16/32-bit layer format; None for the FP8 formats."""
+    """The torch dtype of a 16/32-bit layer format; None for the FP8 and micro formats."""
     return _DTYPES.get(parse_format(fmt))
 
 

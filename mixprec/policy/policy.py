@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 import fnmatch
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +30,11 @@ from mixprec.errors import ConfigError, closest
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import dtype_name, parse_dtype
 from mixprec.policy.exempt import is_norm
-from mixprec.policy.overrides import PLAN_PREFIX, Overrides, load_plan, match_override, normalize_overrides
+from mixprec.policy.overrides import (MICRO_FORMATS, PLAN_PREFIX, Overrides, load_plan, match_override,
+                                      normalize_overrides)
 
-__all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES"]
+__all__ = ["Policy", "get_policy", "cast_module", "mark_fp32_params", "PRESETS", "ALIASES", "FP8_RECIPES",
+           "MICRO_FORMATS"]
 
 _F32, _BF16, _F16 = torch.float32, torch.bfloat16, torch.float16
 _LOW = (_BF16, _F16)
@@ -63,6 +66,13 @@ class Policy:
     """Let FP32 matmuls run on TF32 tensor cores (CUDA Ampere and newer)."""
     fp8_recipe: str | None = None
     """Name of an FP8 recipe (``mixprec.fp8.Fp8Config.from_recipe``) for Linear layers, or None."""
+    micro_format: str | None = None
+    """A block-scaled format for Linear layers (``mxfp8``, ``mxfp4``, ``nvfp4``;
+    :mod:`mixprec.formats`), or None."""
+    micro_options: tuple[tuple[str, Any], ...] = ()
+    """Changes to the micro-format recipe, ``(("hadamard_wgrad", False), ...)`` (fields of
+    :class:`mixprec.formats.MicroConfig`; :class:`mixprec.Precision` checks them). Also accepts a
+    dict."""
     keep_norms_fp32: bool = True
     """Norm layers (torch's and any that look like one, :func:`mixprec.policy.exempt.is_norm`)
     keep FP32 parameters."""
@@ -95,6 +105,15 @@ class Policy:
         if self.fp8_recipe is not None and self.fp8_recipe not in recipes:
             raise ConfigError(f"unknown fp8_recipe '{self.fp8_recipe}'{closest(self.fp8_recipe, recipes)}"
                               f"; valid: {', '.join(recipes)}")
+        if self.micro_format is not None and self.micro_format not in MICRO_FORMATS:
+            raise ConfigError(f"unknown micro_format '{self.micro_format}'"
+                              f"{closest(str(self.micro_format), MICRO_FORMATS)}; valid: {', '.join(MICRO_FORMATS)}")
+        if self.micro_format and self.fp8_recipe:
+            raise ConfigError("a policy has either an fp8_recipe or a micro_format, not both; give "
+                              "single layers the other one with overrides")
+        opts = self.micro_options
+        object.__setattr__(self, "micro_options", tuple(
+            (str(k), v) for k, v in (opts.items() if isinstance(opts, dict) else opts)))
         object.__setattr__(self, "keep_fp32_types", tuple(self.keep_fp32_types))
         object.__setattr__(self, "keep_fp32_names", tuple(self.keep_fp32_names))
         object.__setattr__(self, "overrides", normalize_overrides(self.overrides))
@@ -146,7 +165,11 @@ class Policy:
         s = ",".join(f"{k}={_compact(getattr(self, f))}" for k, f in
                      (("p", "param_dtype"), ("c", "compute_dtype"), ("o", "output_dtype"),
                       ("r", "reduce_dtype")))
-        return s + (f",fp8={self.fp8_recipe}" if self.fp8_recipe else "")
+        s += f",fp8={self.fp8_recipe}" if self.fp8_recipe else ""
+        s += f",micro={self.micro_format}" if self.micro_format else ""
+        if self.micro_options:
+            s += "(" + ",".join(f"{k}={v}" for k, v in self.micro_options) + ")"
+        return s
 
     def describe(self) -> str:
         """One line for logs: name, dtypes, masters, loss scaling."""
@@ -180,6 +203,8 @@ PRESETS: dict[str, Policy] = {
         Policy(name="16-true", param_dtype=_F16, compute_dtype=_F16, output_dtype=_F16),
         # FP8 GEMMs in eligible Linear layers; every other op autocasts to BF16, params stay FP32.
         *(Policy(name=n, compute_dtype=_BF16, fp8_recipe=n.removeprefix("fp8-")) for n in FP8_RECIPES),
+        # Block-scaled GEMMs (MXFP8 / MXFP4 / NVFP4) in eligible Linears; the rest as for FP8.
+        *(Policy(name=n, compute_dtype=_BF16, micro_format=n) for n in MICRO_FORMATS),
     )
 }
 
@@ -190,6 +215,7 @@ ALIASES: dict[str, str] = {
     "fp16": "16-mixed", "16": "16-mixed", "mixed_float16": "16-mixed", "16-mixed": "16-mixed",
     "tf32": "tf32", "bf16-true": "bf16-true", "16-true": "16-true", "fp16-true": "16-true",
     **{n: n for n in FP8_RECIPES},
+    **{n: n for n in MICRO_FORMATS},
 }
 
 
@@ -235,7 +261,7 @@ def get_policy(name: str | Policy | bool | None = True, *,
     """Resolve a user's precision setting into a :class:`Policy`.
 
     Accepts a ``Policy``; a preset name (``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed``,
-    ``bf16-true``, ``16-true``, ``fp8-*``); an alias other tools use (``fp32``, ``no``, ``bf16``,
+    ``bf16-true``, ``16-true``, ``fp8-*``, ``mxfp8``, ``mxfp4``, ``nvfp4``); an alias other tools use (``fp32``, ``no``, ``bf16``,
     ``fp16``, ``mixed_float16``, ``mixed_bfloat16``); the compact form ``p=f32,c=bf16,o=f32``;
     ``plan:PATH`` for a plan file (a base mode plus per-module overrides, written by
     ``mixprec plan``); ``True`` for the best safe mixed mode on ``device`` (BF16 where the hardware runs it natively,

@@ -6,6 +6,9 @@ layer's Parameters (checkpoints, FP32 masters and optimizer state stay valid):
 
 * FP8 formats -> :class:`mixprec.formats.Fp8Linear` (asked per module through
   ``convert_to_fp8(config_fn=...)``, so the FP8 rules keep the head, gates and odd shapes out),
+* micro formats (``mxfp8``, ``mxfp4``, ``nvfp4``) -> :class:`mixprec.formats.MicroLinear`
+  (through ``convert_to_micro``: the same rules, plus NVFP4's first/last blocks in BF16 under
+  the preset),
 * a 16/32-bit format other than the surrounding one -> :class:`mixprec.nn.FormatLinear`,
 * the surrounding format -> a plain ``nn.Linear``.
 """
@@ -17,6 +20,7 @@ from torch import nn
 
 from mixprec.errors import ConfigError
 from mixprec.nn.swap import replace_module
+from mixprec.policy.overrides import is_micro
 
 __all__ = ["apply_formats", "swap_layer", "is_gemm_layer"]
 
@@ -53,12 +57,20 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
         precision.fp8_report = convert_to_fp8(
             model, config=base, policy=precision.policy,
             config_fn=lambda module, name: configs.get(wanted.get(name, "")))
+    if any(is_micro(f) for f in wanted.values()):
+        from mixprec.formats import convert_to_micro
+        configs = {f: precision.micro_config(f) for f in set(wanted.values()) if is_micro(f)}
+        precision.micro_report = convert_to_micro(
+            model, config_fn=lambda name: configs.get(wanted.get(name, "")),
+            keeps_fp32=precision.policy.keeps_fp32,
+            explicit={n for n in wanted if precision.policy.override_for(n) is not None})
     modules = dict(model.named_modules())
     for name, module in list(modules.items()):
         if not isinstance(module, nn.Linear):
             continue
         fmt = wanted.get(name, precision.base_format)
-        if not fmt.startswith("fp8-") and fmt != precision.base_format and type(module) is nn.Linear:
+        if not fmt.startswith("fp8-") and not is_micro(fmt) and fmt != precision.base_format \
+                and type(module) is nn.Linear:
             parent, _, child = name.rpartition(".")
             replace_module(modules[parent], child, FormatLinear.from_linear(module, fmt))
     formats: dict[str, str] = {}
@@ -87,7 +99,15 @@ def swap_layer(precision: Precision, model: nn.Module, qualified_name: str, fmt:
     plain.weight, plain.bias = old.weight, old.bias
     plain.train(old.training)
     new: nn.Module = plain
-    if fmt.startswith("fp8-"):
+    if is_micro(fmt):
+        from mixprec.formats import MicroLinear
+        from mixprec.formats.mx_convert import micro_skip_reason
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        config = precision.micro_config(fmt)
+        why = micro_skip_reason(qualified_name, plain, parent, config, embeddings)
+        if why is None and not precision.policy.keeps_fp32(qualified_name, plain):
+            new = MicroLinear.from_linear(plain, config, fqn=qualified_name)
+    elif fmt.startswith("fp8-"):
         # The FP8 rules of setup (head, tied weights, gates, shape, policy exemptions).
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         why = fp8_skip_reason(qualified_name, plain, parent, embeddings)

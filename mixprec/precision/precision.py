@@ -11,6 +11,8 @@ storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``k
 FP32 master weights         :attr:`Precision.keeps_masters`; :meth:`setup` wraps or builds the
                             optimizer accordingly
 FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
+micro-format GEMMs          :meth:`Precision.micro_config` (MXFP8 / MXFP4 / NVFP4 recipes and
+                            their options); :meth:`setup` swaps eligible Linears
 each Linear's format        :meth:`Precision.format_for` (per-module overrides, first match
                             wins); :meth:`setup` swaps FP8 / FP32 / BF16 / FP16 layers
 loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
@@ -76,8 +78,11 @@ class Precision:
         device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
             available, else CPU); decides ``auto`` and the autocast device type.
         overrides: per-module compute formats ``{pattern: format}`` or ``((pattern, format), ...)``
-            (``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``; first match wins); they come before
-            (so win over) overrides the policy already carries, e.g. from a plan file.
+            (``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``, ``mxfp8``, ``mxfp4``, ``nvfp4``; first
+            match wins); they come before (so win over) overrides the policy already carries, e.g.
+            from a plan file.
+        micro_options: changes to the micro-format recipes (``"hadamard_wgrad=false"``, a dict,
+            or pairs; fields of :class:`mixprec.formats.MicroConfig`), checked here.
         **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
             on only when the mode needs it (FP16); the non-finite check and skip are always on.
@@ -85,7 +90,7 @@ class Precision:
 
     def __init__(self, precision: str | Policy | bool | None = "auto", *,
                  device: torch.device | str | None = None, overrides: Any = None,
-                 **scaler_options: Any) -> None:
+                 micro_options: Any = None, **scaler_options: Any) -> None:
         self._auto = precision is True or (isinstance(precision, str)
                                            and precision.strip().lower() in ("auto", "true", "best"))
         self.device = torch.device(device) if device is not None else hardware.default_device()
@@ -94,11 +99,19 @@ class Precision:
         if extra:
             self.policy = self.policy.replace(name=self.policy.name,
                                               overrides=extra + self.policy.overrides)
+        if micro_options:
+            from mixprec.formats.micro_config import parse_micro_options
+            self.policy = self.policy.replace(name=self.policy.name,
+                                              micro_options=parse_micro_options(micro_options))
+        for fmt in self.micro_formats:      # refuse an option that does not fit a recipe, now
+            self.micro_config(fmt)
         self._scaler_options = dict(scaler_options)
         self.scaler = self._make_scaler()
         self.notes: list[str] = []
         """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
         self.fp8_report = None
+        self.micro_report = None
+        """What the micro-format conversion did (:class:`mixprec.formats.MicroConversionReport`)."""
         self.layer_formats: dict[str, str] = {}
         """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
         self.last_grad_norm: torch.Tensor | None = None
@@ -170,8 +183,24 @@ class Precision:
         return Fp8Config.from_recipe(self.policy.fp8_recipe)
 
     @property
+    def micro_formats(self) -> list[str]:
+        """The micro formats some layer may run in (the mode's and the overrides')."""
+        from mixprec.policy.overrides import is_micro
+        asked = [self.policy.micro_format, *(f for _, f in self.policy.overrides)]
+        return list(dict.fromkeys(f for f in asked if f and is_micro(f)))
+
+    def micro_config(self, fmt: str):
+        """The :class:`mixprec.formats.MicroConfig` of micro format ``fmt`` with the mode's
+        ``micro_options``."""
+        from mixprec.formats import MicroConfig
+        return MicroConfig.from_recipe(fmt, **dict(self.policy.micro_options))
+
+    @property
     def matmul_format(self) -> str:
-        """The format the mode's GEMMs run in: ``fp8``, ``bf16``, ``fp16``, ``tf32`` or ``fp32``."""
+        """The format the mode's GEMMs run in: ``fp4`` (MXFP4, NVFP4), ``fp8`` (FP8, MXFP8),
+        ``bf16``, ``fp16``, ``tf32`` or ``fp32``."""
+        if self.policy.micro_format:
+            return "fp8" if self.policy.micro_format == "mxfp8" else "fp4"
         if self.policy.fp8_recipe:
             return "fp8"
         if self.autocasts or self.stores_low_precision:
@@ -209,7 +238,10 @@ class Precision:
 
     @property
     def default_format(self) -> str:
-        """What a Linear without an override asks for: ``fp8-<recipe>`` in ``fp8-*`` modes."""
+        """What a Linear without an override asks for: ``fp8-<recipe>`` in ``fp8-*`` modes, the
+        micro format in ``mxfp8`` / ``mxfp4`` / ``nvfp4`` modes."""
+        if self.policy.micro_format:
+            return self.policy.micro_format
         return f"fp8-{self.policy.fp8_recipe}" if self.policy.fp8_recipe else self.base_format
 
     @property
@@ -227,10 +259,12 @@ class Precision:
         """The format ``module`` computes in: after :meth:`setup`, what the layer actually runs
         (an ``Fp8Linear``'s recipe, a ``FormatLinear``'s format, else the surrounding
         :attr:`base_format`); for a Linear not yet set up, :meth:`requested_format`."""
-        from mixprec.formats import Fp8Conv1D, Fp8Linear
+        from mixprec.formats import Fp8Conv1D, Fp8Linear, MicroLinear
         from mixprec.nn import FormatLinear
         if isinstance(module, (Fp8Linear, Fp8Conv1D)):
             return f"fp8-{module.config.recipe}"
+        if isinstance(module, MicroLinear):
+            return module.config.recipe
         if isinstance(module, FormatLinear):
             return module.compute_format
         if isinstance(module, nn.Linear) and qualified_name not in self.layer_formats:
@@ -417,12 +451,26 @@ class Precision:
         return MasterWeights(type(optimizer), groups, **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
+                       split_masters: bool = True, moments: str = "fp32",
                        **adamw_options: Any) -> torch.optim.Optimizer:
-        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters) unless
-        FSDP2's FP32 shards are the masters already or the mode asks for no masters."""
+        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
+        into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
+        ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
+        masters (torch's AdamW, FP32 moments only)."""
+        from mixprec.optim.moments import MOMENTS
+        if moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
         if sharded or self.loses_small_updates:
+            if moments != "fp32":
+                why = "FSDP2 steps torch's AdamW on its FP32 shards" if sharded else \
+                    f"precision '{self.name}' keeps no masters and uses torch's AdamW"
+                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but {why}; use moments=fp32")
             return torch.optim.AdamW(param_groups, **adamw_options)
-        return AdamW(param_groups, **adamw_options)
+        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, **adamw_options)
+        if opt.split:
+            self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
+                              "remainder, no FP32 master gradients (bit-identical)")
+        return opt
 
     # ------------------------------------------------------------------ the step
 

@@ -224,16 +224,20 @@ def _plot_throughput(rows, out: Path) -> Path | None:
         return None
     fig, ax = _figure("throughput")
     if tps:
-        ax.plot(steps, tps, color="tab:blue", lw=1.2, label="tokens/s")
-        ax.set_ylabel("tokens/s", color="tab:blue")
+        ax.plot(steps, tps, color="tab:blue", lw=1.2)
+        ax.set_ylabel("tokens/s")
         ax.set_ylim(bottom=0)  # from zero, so timer noise does not look like a trend
-    if mfu:
-        ax2 = ax.twinx() if tps else ax
-        ax2.plot(msteps, [100 * m for m in mfu], color="tab:orange", lw=1.2, label="MFU")
-        ax2.set_ylabel("MFU (%)", color="tab:orange")
-        ax2.set_ylim(bottom=0)
-    handles = [h for a in fig.axes for h in a.get_lines()]
-    ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
+        by_step = dict(zip(steps, tps))
+        ratios = [100 * m / by_step[s] for s, m in zip(msteps, mfu) if by_step.get(s)]
+        if ratios:
+            # MFU is tokens/s times a constant (FLOPs per token / peak): one line, a second scale,
+            # instead of two lines drawn on top of each other.
+            k = statistics.median(ratios)
+            ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU (%)")
+    else:
+        ax.plot(msteps, [100 * m for m in mfu], color="tab:orange", lw=1.2)
+        ax.set_ylabel("MFU (%)")
+        ax.set_ylim(bottom=0)
     return _save(fig, out / "throughput.png")
 
 

@@ -100,6 +100,8 @@ class RunEvents:
                  f"run folder: {run_dir}"]
         if fp8_report is not None:
             lines.append(f"fp8: {fp8_report}")
+        if precision.micro_report is not None:
+            lines.append(f"micro: {precision.micro_report}")
         if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
             lines.append("layer formats:")
             lines += [f"  {row}" for row in precision.describe_layers()]

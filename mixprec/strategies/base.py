@@ -21,8 +21,11 @@ calls for you. Wrapping at construction time would need to intercept every
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
+import gc
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -293,6 +296,9 @@ class ProcessGroupStrategy:
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self.backend = backend or default_backend(device)
         self._owns_group = init_process_group(env, device, backend=self.backend, timeout=self.timeout)
+        if self._owns_group:
+            # Whoever holds this strategy, the group it created ends before interpreter shutdown.
+            atexit.register(self._teardown_at_exit)
         if dist.is_initialized():  # also when the caller created the group itself
             env = DistEnv(rank=dist.get_rank(), local_rank=env.local_rank,
                           world_size=dist.get_world_size(), master_addr=env.master_addr,
@@ -317,9 +323,31 @@ class ProcessGroupStrategy:
         """
         if not (getattr(self, "_owns_group", False) and dist.is_initialized()):
             return
-        import gc
         gc.collect()   # wrappers that only cycles keep alive release the group now, not at exit
         with self.guard():
             dist.barrier()   # nobody is still inside a collective when the group goes away
         dist.destroy_process_group()
         self._owns_group = False
+        atexit.unregister(self._teardown_at_exit)
+
+    def _teardown_at_exit(self) -> None:
+        """``atexit``: the group this strategy created is torn down while the interpreter still
+        runs, not during its shutdown.
+
+        A script that ends without :meth:`teardown` (the README's example: a strategy passed to
+        ``fit()``, then the end of the file) otherwise leaves the group to interpreter
+        finalization, where gloo's threads can abort the process (``terminate called without an
+        active exception``, exit -6 after a successful run: 3 of 70 two-rank launches) or block
+        it. Here the wrappers only cycles keep alive are collected, every rank meets at a
+        barrier bounded by the group's timeout, and the group is destroyed. A process that is
+        ending on an uncaught exception skips all of it: its peers may be inside another
+        collective, and a broken group can block its own destruction.
+        """
+        if getattr(sys, "last_value", None) is not None:   # set when Python printed a traceback
+            return
+        try:
+            self.teardown()
+        except Exception as exc:   # a peer died meanwhile: say so in one line, let the exit go on
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"mixprec: rank {self.rank}: could not end the process group at exit: {first}",
+                  file=sys.stderr)

@@ -45,6 +45,10 @@ class FitConfig:
     """Per-layer compute formats, first match wins: ``{"head": "bf16", "blocks.0.*": "fp32"}`` in
     Python, an ``[overrides]`` table in TOML, ``precision_overrides=head=bf16,blocks.0.*=fp32`` on
     the command line (see ``mixprec/policy/overrides.py``)."""
+    micro_options: str = ""
+    """Changes to the micro-format recipes (``mxfp8``, ``mxfp4``, ``nvfp4``), e.g.
+    ``micro_options=hadamard_wgrad=false,stochastic_grad=false,bf16_last=0`` (fields of
+    :class:`mixprec.formats.MicroConfig`; see docs/micro-formats.md)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps (skipped steps count). None: run ``epochs``."""
     epochs: int = 1
@@ -126,6 +130,19 @@ class FitConfig:
     overlap_optimizer: bool = False
     """Issue each taken optimizer step per module on a side CUDA stream so it overlaps the next
     forward (bit-identical; in order on CPU). See mixprec/optim/overlap.py."""
+    split_masters: bool = True
+    """Store the FP32 master of each BF16 parameter as the parameter plus a 16-bit remainder and
+    keep no FP32 master gradients (bit-identical updates, 2 bytes per parameter instead of 8;
+    mixprec/optim/split.py). false: full FP32 masters. No effect where there are no masters."""
+    moments: str = "fp32"
+    """Storage of Adam's two moments: ``fp32`` (8 bytes per parameter), ``bf16`` (4, FP32 math,
+    stochastic rounding), ``int8`` (2.03: block-wise, stochastic rounding) or ``fp8`` (2.06: E4M3
+    with per-block range expansion); mixprec/optim/moments.py. Needs mixprec's AdamW (not with
+    FSDP2 or a mode without masters)."""
+    fp8_activations: bool = False
+    """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
+    scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is
+    unchanged, weight gradients see E4M3 rounding of the inputs. mixprec/nn/fp8_activations.py."""
     profile: int = 0
     """Profile this many steps (after 2 warm-up steps) with torch.profiler: ``profile.txt`` (top
     operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""
@@ -164,6 +181,9 @@ class FitConfig:
             raise ConfigError(f"max_steps must be > 0, got {self.max_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        from mixprec.optim.moments import MOMENTS
+        if self.moments not in MOMENTS:
+            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{self.moments}'")
         if self.on_stuck_scale not in ("warn", "raise"):
             raise ConfigError(f"on_stuck_scale must be 'warn' or 'raise', got '{self.on_stuck_scale}'")
         if not 0 < self.min_scale <= self.init_scale:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
+from mixprec.nn.fp8_activations import store_activations_in_fp8
 from mixprec.optim.overlap import OverlappedUpdate
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.optim.schedule import warmup_cosine_scheduler
@@ -82,11 +84,15 @@ class Trainer:
         given = given_settings(config, overrides)
         if isinstance(choice, Precision):           # a ready Precision keeps its own settings
             refuse_changes_to_ready_precision(choice, cfg, given)
+            if cfg.micro_options:
+                raise ConfigError("micro_options with a ready Precision: pass them to it, "
+                                  "mixprec.Precision(mode, micro_options=...)")
         elif mixed_precision is not None and "precision" in given:
             refuse_two_modes(mixed_precision, cfg.precision, self.device)
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, overrides=cfg.precision_overrides, **cfg.scaler_options())
+            choice, device=self.device, overrides=cfg.precision_overrides,
+            micro_options=cfg.micro_options or None, **cfg.scaler_options())
         self.loss_fn = loss_fn
         self.raw_model = model
         self._user_optimizer = optimizer
@@ -99,6 +105,7 @@ class Trainer:
         self.monitor = None
         self.scale_watch = None
         self.overlap: OverlappedUpdate | None = None
+        self.fp8_store = None
         self.profiler: StepProfiler | None = None
         self.replanner = None
         self.guard = None
@@ -150,7 +157,9 @@ class Trainer:
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
-                                                      betas=(cfg.beta1, cfg.beta2))
+                                                      betas=(cfg.beta1, cfg.beta2),
+                                                      split_masters=cfg.split_masters,
+                                                      moments=cfg.moments)
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
@@ -167,7 +176,14 @@ class Trainer:
         self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
                                          per_module=False if cfg.compile else None)
                         if cfg.overlap_optimizer else None)
+        # What Linear layers save for backward, kept in FP8 (opt-in; mixprec/nn/fp8_activations.py).
+        if self.fp8_store is not None:
+            self.fp8_store.remove()
+        self.fp8_store = store_activations_in_fp8(unwrapped) if cfg.fp8_activations else None
         if cfg.replan_every:
+            if cfg.fp8_activations:
+                raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
+                                  "hooks on them; use fp8_activations=false or replan_every=0")
             if sharded:
                 raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
                                   "them: use strategy=ddp or single, or replan_every=0")
@@ -433,8 +449,9 @@ class Trainer:
                         self._save(train_loader)
                     events.advance()
                     # One process checks every step; ranks agree at log intervals (no extra sync).
-                    if self._stop_agreed(stop, logged) and self.step < total:
-                        self._stop_now(stop, train_loader, saved)
+                    signum = self._stop_agreed(stop, logged)
+                    if signum and self.step < total:
+                        self._stop_now(stop, signum, train_loader, saved)
             self.settle()
             if self.profiler is not None:
                 self.profiler.finish()                    # a run shorter than warm-up + steps
@@ -446,21 +463,25 @@ class Trainer:
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.name)
 
-    def _stop_agreed(self, stop: StopRequest, logged: bool) -> bool:
+    def _stop_agreed(self, stop: StopRequest, logged: bool) -> int:
+        """The signal that asks every rank to stop (0: none): ranks agree at log intervals, on the
+        largest signal number any of them got (SIGTERM over SIGINT)."""
         if self.strategy.world_size == 1:
-            return stop.requested
-        return logged and self.strategy.reduce_max(float(stop.requested)) > 0
+            return stop.signum or 0
+        return int(self.strategy.reduce_max(float(stop.signum or 0))) if logged else 0
 
-    def _stop_now(self, stop: StopRequest, loader: Any, saved: bool) -> None:
+    def _stop_now(self, stop: StopRequest, signum: int, loader: Any, saved: bool) -> None:
         """Save (unless this step just did), record the stop, and end the run."""
         path = self.checkpointer.run_dir
         if not saved:
             path = self._save(loader) or path
-        why = stop.name or "a stop request on another rank"
+        stop.end()                  # saved: a later signal changes nothing (no abort mid-exit)
+        why = signal.Signals(signum).name if stop.requested else \
+            f"{signal.Signals(signum).name} on another rank"
         message = (f"stopped by {why} at step {self.step}; checkpoint saved in {path}; continue "
                    f"with: mixprec train --resume {self.run_dir}")
         self.events.note(message, self.step, "interrupted", say=False)
-        raise RunInterrupted(message)
+        raise RunInterrupted(message, signum)
 
     def _stop_if_diverged(self, problem: str | None) -> None:
         if problem is None:

@@ -17,6 +17,9 @@ import torch
 
 from dist_harness import free_port
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from gated import GatedRun  # noqa: E402
+
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,22 +78,20 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 def test_sigkilled_worker_is_restarted_and_resumes_to_identical_weights(tmp_path, corpus):
     run = tmp_path / "elastic"
-    proc = _torchrun("--max-restarts=2", settings=_settings(corpus, run, 8))
+    # Rank 1 of the first attempt stops before step 5 (checkpoints at 2 and 4 are complete) and
+    # says so; it is killed there, by the event, so the run can neither end first nor race on.
+    job = GatedRun("step:5@1", *_settings(corpus, run, 8), env={"MIXPREC_DIST_TIMEOUT": "120"},
+                   launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "--max-restarts=2"))
     try:
-        # kill a worker once the step-2 checkpoint is complete and before the run ends
-        _wait_for(lambda: (run / "checkpoints" / "latest").exists() or proc.poll() is not None,
-                  120, "the first checkpoint")
-        workers = _children(proc.pid)
-        assert len(workers) == 2 and _steps_logged(run) < 8, "the run ended before the kill"
-        os.kill(workers[-1], signal.SIGKILL)
-        _, err = proc.communicate(timeout=150)
+        line = job.wait_for("GATE step:5")
+        os.kill(int(line.split("pid=")[1]), signal.SIGKILL)
+        code, out = job.finish()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
-    assert "continuing from the newest checkpoint" in err          # resume=auto took over
-    assert err.count("[mixprec] done: 8 steps") == 1
+        job.kill()
+    assert code == 0, out[-3000:]
+    assert "continuing from the newest checkpoint" in out          # resume=auto took over
+    assert out.count("[mixprec] done: 8 steps") == 1
 
     straight = tmp_path / "straight"
     ref = _torchrun(settings=_settings(corpus, straight, 8))

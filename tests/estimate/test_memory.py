@@ -28,16 +28,31 @@ def test_exact_state_bytes_of_tiny_model():
     e = estimate_memory(shape, "32-true", batch=1, seq=8)
     assert (e.parameters, e.gradients, e.master_weights, e.optimizer_moments) == (4 * P, 4 * P, 0, 8 * P)
     norms = (2 * 2 + 1) * 2 * 64                       # 5 LayerNorms (weight + bias) of width 64, FP32
-    t = estimate_memory(shape, "bf16-true", batch=1, seq=8)
+    t = estimate_memory(shape, "bf16-true", batch=1, seq=8, split_masters=False)
     assert t.parameters == 2 * (P - norms) + 4 * norms
     assert t.master_weights == 4 * (P - norms) and t.master_gradients == 4 * (P - norms)
+    s = estimate_memory(shape, "bf16-true", batch=1, seq=8)     # split masters: the default
+    assert s.master_weights == 2 * (P - norms) and s.master_gradients == 4 * (P - norms)  # one chunk
+    assert estimate_memory(shape, "16-true", batch=1, seq=8).master_weights == 4 * (P - norms)
+
+
+def test_split_masters_and_bf16_moments_cost_ten_bytes_per_parameter():
+    """The issue's target: an FP32-exact BF16 run at <= 10 bytes per parameter of states."""
+    big = estimate_memory(MOE_67B, "bf16-true", batch=1, seq=8, moments_dtype="bf16")
+    per = big.bytes_per_parameter
+    assert (per["params"], per["grads"], per["moments"]) == pytest.approx((2, 2, 4), abs=0.01)
+    assert per["masters"] == pytest.approx(2, abs=0.01)      # the remainder (norms keep FP32 params)
+    assert big.states / MOE_67B.num_parameters() <= 10.0 + 1e-3
+    assert per["mgrads"] < 0.01                               # one 4 Mi-element chunk at a time
+    full = estimate_memory(MOE_67B, "bf16-true", batch=1, seq=8, split_masters=False)
+    assert full.bytes_per_parameter["total"] == pytest.approx(20, abs=0.01)
 
 
 @pytest.mark.parametrize("mode", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
 def test_sixteen_bytes_per_parameter_with_fp32_masters_and_adam(mode):
-    e = estimate_memory(MOE_67B, mode, batch=1, seq=128)
+    e = estimate_memory(MOE_67B, mode, batch=1, seq=128, split_masters=False)
     assert e.states == pytest.approx(16 * MOE_67B.num_parameters(), rel=1e-12)
-    b = estimate_memory(MOE_67B, mode, batch=1, seq=128, moments_dtype="bf16")
+    b = estimate_memory(MOE_67B, mode, batch=1, seq=128, moments_dtype="bf16", split_masters=False)
     assert b.states == pytest.approx(12 * MOE_67B.num_parameters(), rel=1e-12)
 
 

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,9 @@ from mixprec.train.config import TrainConfig
 from mixprec.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from gated import GatedRun  # noqa: E402
 
 SMALL = dict(seq_len=16, batch_size=4, log_interval=1, eval_interval=0, eval_batches=2,
              warmup_steps=2, lr=3e-3, progress=False, audit=False)
@@ -75,16 +77,11 @@ def test_sigkill_and_resume_through_the_cli_reproduces_the_losses_bit_for_bit(tm
     reference = _losses(tmp_path / "straight")
     assert sorted(reference) == list(range(1, 41))
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([*cmd, f"run_dir={killed}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=ENV)
-    deadline = time.time() + 240
-    while time.time() < deadline:   # kill somewhere after the first checkpoint (step 4)
-        if (killed / "metrics.csv").exists() and max(_losses(killed), default=0) >= 6:
-            break
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert max(_losses(killed)) < 40, "the run finished before it could be killed"
+    run = GatedRun("step:7", *common, f"run_dir={killed}", env=ENV)
+    run.wait_for("GATE step:7")     # 6 steps done (a checkpoint at 4), the 7th about to start
+    run.signal(signal.SIGKILL)
+    run.finish()
+    assert max(_losses(killed)) == 6
     subprocess.run([sys.executable, "-m", "mixprec", "train", "--resume", str(killed)], check=True,
                    env=ENV, capture_output=True, timeout=300)
     assert _losses(killed) == reference

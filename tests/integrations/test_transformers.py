@@ -166,11 +166,15 @@ def test_an_optimizer_and_scheduler_passed_in_get_masters_and_keep_their_schedul
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 3)
 
 
-def test_plain_trainer_with_the_callback_is_refused(tmp_path):
-    trainer = transformers.Trainer(model=bert(), args=args(tmp_path), train_dataset=examples(),
+def test_plain_trainer_with_the_callback_is_refused_and_leaves_the_model_untouched(tmp_path):
+    model = bert()
+    before = {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
+    trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=examples(),
                                    callbacks=[MixprecCallback("bf16-true")])
     with pytest.raises(ConfigError, match="MixprecTrainer"):
         trainer.train()
+    for n, p in model.named_parameters():                  # no cast, no swap, no step
+        assert p.dtype == before[n][0] and torch.equal(p.detach(), before[n][1]), n
 
 
 def test_bf16_training_arguments_are_refused(tmp_path):

@@ -123,7 +123,13 @@ def test_memory_estimator_counts_each_layer_in_its_format():
     assert bf16.activations < mixed.activations < fp32.activations
     true_mixed = estimate_memory(shape, mp.Precision("bf16-true", overrides={"blocks.0": "fp32"}), **kw)
     true_all = estimate_memory(shape, "bf16-true", **kw)
-    assert true_mixed.master_weights == true_all.master_weights - 4 * (one_block_weights + 3 * d + d + r * d + d)
+    kept_fp32 = one_block_weights + 3 * d + d + r * d + d    # blocks.0's parameters are their own masters
+    # Split masters (the default) cost 2 extra bytes per BF16 parameter; full FP32 masters cost 4.
+    assert true_mixed.master_weights == true_all.master_weights - 2 * kept_fp32
+    full_mixed = estimate_memory(shape, mp.Precision("bf16-true", overrides={"blocks.0": "fp32"}),
+                                 split_masters=False, **kw)
+    full_all = estimate_memory(shape, "bf16-true", split_masters=False, **kw)
+    assert full_mixed.master_weights == full_all.master_weights - 4 * kept_fp32
 
 
 def test_toml_overrides_table_and_command_line(tmp_path):

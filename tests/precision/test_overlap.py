@@ -94,8 +94,12 @@ def test_overlapped_step_is_bit_identical_to_the_plain_step(mode, accum):
     n_parts = sum(1 for g in over.overlap.groups if g)
     assert n_parts > 1
     taken = STEPS - sum(over_skips)
-    assert len(plain_calls) == taken                  # one optimizer step per taken step
-    assert len(over_calls) == taken * n_parts         # one partial step per module group
+    # One optimizer step per taken step, one partial step (at least) per module group; split FP32
+    # masters issue the inner optimizer once per param group and chunk, so count distinct steps.
+    per_step = len(plain_calls) // taken
+    assert sorted(set(plain_calls)) == sorted(set(over_calls)) and len(set(plain_calls)) == taken
+    assert len(plain_calls) == taken * per_step
+    assert len(over_calls) >= taken * n_parts
     if overflow:
         assert OVERFLOW_AT not in over_calls          # the skipped step issued nothing
     assert plain.precision.num_skipped_steps == over.precision.num_skipped_steps

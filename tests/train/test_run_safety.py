@@ -5,9 +5,7 @@ OS errors are one line."""
 import errno
 import os
 import signal
-import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
 from mixprec.runs.run_dir import claim_run_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gated import GatedRun  # noqa: E402
 from test_train_cli import TINY, losses, mixprec  # noqa: E402
 
 
@@ -113,49 +112,93 @@ def test_max_skipped_fraction_one_lets_the_run_go_on(tmp_path):
 
 # --- 3. Ctrl-C and SIGTERM ----------------------------------------------------------------------
 
-def _start(run: Path, corpus: Path, *extra) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "mixprec", "train", *TINY, f"data={corpus}",
-                             "max_steps=100000", "ckpt_interval=0", f"run_dir={run}", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+def Gated(run: Path, corpus: Path, gates: str, *extra: str) -> GatedRun:
+    return GatedRun(gates, *TINY, f"data={corpus}", "max_steps=100000", "ckpt_interval=0",
+                    f"run_dir={run}", *extra)
 
 
-def _wait_for_step(run: Path, step: int, proc: subprocess.Popen) -> None:
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if (run / "metrics.csv").exists() and max(losses(run), default=0) >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the run did not get going")
+ANNOUNCED = "finishing this step and saving a checkpoint"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_first_signal_saves_a_checkpoint_prints_the_resume_command_and_exits(tmp_path, text_corpus, sig):
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_first_signal_saves_a_checkpoint_prints_the_resume_command_and_exits_128_plus_n(
+        tmp_path, text_corpus, sig, code):
     run = tmp_path / "run"
-    proc = _start(run, text_corpus)
-    _wait_for_step(run, 5, proc)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-2000:]
-    assert f"continue with: mixprec train --resume {run}" in err
+    worker = Gated(run, text_corpus, "step:6")
+    worker.wait_for("GATE step:6")               # 5 steps done, the 6th about to start
+    worker.signal(sig)
+    worker.wait_for(ANNOUNCED)
+    worker.release()
+    rc, out = worker.finish()
+    assert rc == code, out[-2000:]
+    assert f"stopped by {signal.Signals(sig).name} at step 6" in out
+    assert f"continue with: mixprec train --resume {run}" in out
     from mixprec.runs.checkpoint import list_checkpoints
-    saved = list_checkpoints(run)
-    assert saved and saved[-1][0] >= 5
-    assert "Traceback" not in err
-    resumed = mixprec("train", "--resume", run, "max_steps=" + str(saved[-1][0] + 2))
-    assert "done:" in resumed.stderr
+    assert [s for s, _ in list_checkpoints(run)] == [6]
+    assert "Traceback" not in out
+    if sig == signal.SIGTERM:                    # a preempted job continues where it stopped
+        resumed = mixprec("train", "--resume", run, "max_steps=8")
+        assert "steps: 6 -> 8" in resumed.stderr and "done:" in resumed.stderr
 
 
-def test_a_second_ctrl_c_aborts_at_once(tmp_path, text_corpus):
+def test_a_second_signal_during_a_step_aborts_at_once_with_128_plus_n(tmp_path, text_corpus):
+    sig, code = signal.SIGTERM, 143
     run = tmp_path / "run"
-    proc = _start(run, text_corpus, "model=small", "d_model=256", "seq_len=256", "batch_size=32")  # slow steps
-    _wait_for_step(run, 1, proc)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)                 # two signals at once would arrive as one
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "mixprec: interrupted" in err
-    assert not (run / "checkpoints").exists()      # aborted without finishing the step
+    worker = Gated(run, text_corpus, "step:2")
+    worker.wait_for("GATE step:2")
+    worker.signal(signal.SIGINT)
+    worker.wait_for(ANNOUNCED)                   # the first one is noted; the worker still waits
+    worker.signal(sig)                           # inside step 2: it never finishes
+    rc, out = worker.finish()
+    assert rc == code, out[-2000:]
+    assert f"mixprec: interrupted ({signal.Signals(sig).name})" in out
+    assert not (run / "checkpoints").exists()     # aborted without finishing the step
+    assert "Traceback" not in out
+
+
+def test_a_second_signal_during_the_save_aborts_and_leaves_no_partial_checkpoint(tmp_path, text_corpus):
+    run = tmp_path / "run"
+    worker = Gated(run, text_corpus, "step:3,save")
+    worker.wait_for("GATE step:3")
+    worker.signal(signal.SIGTERM)
+    worker.wait_for(ANNOUNCED)
+    worker.release()                             # step 3 runs, then the checkpoint is written...
+    worker.wait_for("GATE save")                 # ...and stops with its weights file on disk
+    worker.signal(signal.SIGINT)
+    rc, out = worker.finish()
+    assert rc == 130, out[-2000:]
+    assert "mixprec: interrupted (SIGINT)" in out
+    assert list((run / "checkpoints").iterdir()) == []   # the half-written folder was removed
+    from mixprec.runs.checkpoint import list_checkpoints
+    assert list_checkpoints(run) == []
+
+
+def test_a_signal_after_the_save_changes_nothing_and_the_run_exits_with_the_first_ones_code(
+        tmp_path, text_corpus):
+    run = tmp_path / "run"
+    worker = Gated(run, text_corpus, "step:3,exit")
+    worker.wait_for("GATE step:3")
+    worker.signal(signal.SIGTERM)
+    worker.wait_for(ANNOUNCED)
+    worker.release()
+    worker.wait_for("GATE exit")                 # saved, said so, about to exit
+    worker.signal(signal.SIGINT)                 # ignored: neither a kill nor a new exit code
+    worker.signal(signal.SIGTERM)
+    worker.release()
+    rc, out = worker.finish()
+    assert rc == 143, out[-2000:]
+    assert "stopped by SIGTERM at step 3; checkpoint saved" in out
+    from mixprec.runs.checkpoint import list_checkpoints
+    assert [s for s, _ in list_checkpoints(run)] == [3]
+
+
+def test_sigterm_before_training_starts_exits_143_in_one_line(tmp_path, text_corpus):
+    worker = Gated(tmp_path / "run", text_corpus, "setup")
+    worker.wait_for("GATE setup")
+    worker.signal(signal.SIGTERM)
+    rc, out = worker.finish()
+    assert rc == 143, out[-2000:]
+    assert out.strip().splitlines()[-1] == "mixprec: interrupted (SIGTERM)"
 
 
 def test_fit_raises_run_interrupted_after_saving(tmp_path):

@@ -5,10 +5,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gated import GatedRun  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "tiny_fp32_loss.json"
 TINY = ["model=tiny", "seq_len=32", "batch_size=4", "log_interval=1", "eval_interval=0",
@@ -37,17 +39,11 @@ def test_sigkill_and_resume_reproduces_the_losses_bit_for_bit(tmp_path, text_cor
     assert sorted(reference) == list(range(1, 15))
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mixprec", "train", *common, f"run_dir={killed}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 240
-    while time.time() < deadline:   # kill somewhere after the first checkpoint (step 4)
-        if (killed / "metrics.csv").exists() and max(losses(killed), default=0) >= 6:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert max(losses(killed)) < 14, "the run finished before it could be killed"
+    run = GatedRun("step:7", *common, f"run_dir={killed}")
+    run.wait_for("GATE step:7")     # 6 steps done (a checkpoint at 4), the 7th about to start
+    run.signal(signal.SIGKILL)
+    run.finish()
+    assert max(losses(killed)) == 6
     mixprec("train", "--resume", killed)
     assert losses(killed) == reference
 

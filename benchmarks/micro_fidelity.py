@@ -1,0 +1,107 @@
+"""Final validation loss of the micro formats (MXFP8, MXFP4, NVFP4 and NVFP4 without each of its
+recipe's options) against ``32-true`` and ``bf16-mixed``, per seed.
+
+Each run is a separate ``mixprec train`` process with parity.md's settings (built-in corpus,
+batch 8 x 64 tokens, AdamW, peak LR 3e-3, warm-up steps // 10, final validation over 40 batches,
+same seed and data order for every mode). The micro formats run with FP32 around their GEMMs
+(base ``32-true`` and the override ``*=FORMAT``): their GEMMs do not use the surrounding compute
+dtype, and BF16 is emulated, tens of times slower, on CPUs without BF16 instructions. The NVFP4
+recipe's "last blocks in BF16" is then written as an explicit ``fp32`` override of the last
+``ceil(16 %)`` of the blocks (an explicit ``nvfp4`` override is otherwise obeyed as written).
+
+    python benchmarks/micro_fidelity.py --model tiny --steps 1000 --seeds 0,1 \
+        --modes 32-true,mxfp8,mxfp4,nvfp4,nvfp4-plain
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mixprec.models import get_model_config
+from mixprec.runs.metrics import read_metrics
+
+_OFF = {"rht": "hadamard_wgrad=false", "2d": "weight_2d=false", "sr": "stochastic_grad=false"}
+
+
+def mode_args(mode: str, num_layers: int) -> list[str]:
+    """``mixprec train`` arguments of a mode: a preset, or FORMAT[-plain|-no-rht|-no-2d|-no-sr|-no-keep]."""
+    if mode in ("32-true", "bf16-mixed"):
+        return ["--precision", mode]
+    fmt, _, variant = mode.partition("-")
+    last = math.ceil(0.16 * num_layers)
+    keep = fmt == "nvfp4" and variant not in ("plain", "no-keep")
+    over = "".join(f"blocks.{i}.*=fp32," for i in range(num_layers - last, num_layers)) if keep else ""
+    out = ["--precision", "32-true", f"precision_overrides={over}*={fmt}"]
+    opts = list(_OFF.values()) if variant == "plain" else \
+        [_OFF[variant.removeprefix("no-")]] if variant.removeprefix("no-") in _OFF else []
+    if opts:
+        out.append("micro_options=" + ",".join(opts))
+    return out
+
+
+def train(mode: str, seed: int, args: argparse.Namespace, run_dir: str) -> dict:
+    layers = get_model_config(args.model).num_layers
+    cmd = [sys.executable, "-m", "mixprec", "train", *mode_args(mode, layers),
+           f"model={args.model}", f"max_steps={args.steps}", f"seq_len={args.seq}",
+           f"batch_size={args.batch}", "eval_interval=0", f"eval_batches={args.eval_batches}",
+           "ckpt_interval=0", "log_interval=10", f"lr={args.lr}", f"warmup_steps={args.steps // 10}",
+           "progress=false", "audit=false", f"seed={seed}", f"run_dir={run_dir}"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout + done.stderr)
+        return {"mode": mode, "seed": seed, "val": math.nan, "rc": done.returncode}
+    rows = read_metrics(run_dir)
+    vals = [float(r["val_loss"]) for r in rows if r.get("val_loss") not in (None, "")]
+    skipped = max((int(r.get("skipped_total") or 0) for r in rows), default=0)
+    return {"mode": mode, "seed": seed, "val": vals[-1] if vals else math.nan, "rc": 0,
+            "skipped": skipped, "wall_s": time.perf_counter() - start, "cmd": " ".join(cmd[1:])}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="32-true,mxfp8,mxfp4,nvfp4,nvfp4-plain")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-batches", type=int, default=40)
+    p.add_argument("--json", default=None, help="append one JSON line per run here")
+    args = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            for mode in args.modes.split(","):
+                r = train(mode, seed, args, str(Path(tmp) / f"{mode}-{seed}"))
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                if args.json:
+                    with open(args.json, "a") as fh:
+                        fh.write(json.dumps({**r, "model": args.model, "steps": args.steps}) + "\n")
+    by = {}
+    for r in results:
+        by.setdefault(r["mode"], {})[r["seed"]] = r["val"]
+    seeds = sorted({r["seed"] for r in results})
+    print(f"\n{args.model}, {args.steps} steps, batch {args.batch} x {args.seq}, lr {args.lr}")
+    print("| mode | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | vs 32-true (mean) |")
+    print("|---|" + "---|" * (len(seeds) + 2))
+    ref = by.get("32-true", {})
+    for mode, vals in by.items():
+        mean = statistics.fmean(vals.values())
+        rel = [100 * (vals[s] / ref[s] - 1) for s in vals if s in ref]
+        print(f"| {mode} | " + " | ".join(f"{vals.get(s, math.nan):.4f}" for s in seeds) +
+              f" | {mean:.4f} | {statistics.fmean(rel) if rel else math.nan:+.2f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""``mixprec whatif``: which format can each Linear take? One table, a CSV and a heat-map.
+
+Builds the model and data of ``mixprec train`` (same settings: ``--config``, ``key=value``;
+``model=hf:PATH`` for a Hugging Face model from a local ``config.json``), optionally loads the
+weights of a run (``--from RUN_DIR``), takes ``--batches`` batches of the training data and runs
+:func:`mixprec.plan.what_if`. Writes the CSV (``-o``, default ``whatif.csv``) and the heat-map
+PNG beside it; ``--plan FILE`` also writes the per-layer choice as a plan file
+(``mixprec train --precision plan:FILE``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mixprec.errors import ConfigError
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from mixprec.plan.whatif import WHATIF_FORMATS
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="training settings (model=small, model=hf:PATH, seq_len=128, "
+                             "batch_size=..., see `mixprec train --list`)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with training settings")
+    parser.add_argument("--formats", default=",".join(WHATIF_FORMATS),
+                        help="comma-separated formats, the table's column groups (default: all)")
+    parser.add_argument("--gpu", default="B200",
+                        help="GPU of the projected speed-ups (B200, GB200, H100, H200, H800, A100)")
+    parser.add_argument("--tolerance", type=float, default=0.5,
+                        help="a layer is safe in a format when its loss change alone is at most "
+                             "this, in percent of the loss (default 0.5)")
+    parser.add_argument("--batches", type=int, default=2,
+                        help="batches (of the batch_size x seq_len of the settings)")
+    parser.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                        help="load the model weights of this run's latest checkpoint")
+    parser.add_argument("-o", "--output", default="whatif.csv", help="CSV file")
+    parser.add_argument("--png", default=None, help="heat-map (default: the CSV's name, .png)")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="also write the choice as a plan file (.json or .toml)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mixprec.plan.whatif import what_if
+    from mixprec.cli.train import build_run
+    from mixprec.policy.overrides import write_plan
+    from mixprec.train.config import load_config, parse_overrides
+    if args.batches < 1:
+        raise ConfigError("--batches must be >= 1")
+    if not 0 < args.tolerance < 100:
+        raise ConfigError("--tolerance is in percent of the loss, between 0 and 100")
+    cfg, _ = load_config(args.config, parse_overrides(args.settings))
+    model, train_loader, _, strategy = build_run(cfg)
+    if args.from_run:
+        from mixprec.runs.checkpoint import load_checkpoint
+        state, _, _ = load_checkpoint(args.from_run)
+        model.load_state_dict(state)
+    batches = []
+    for batch in train_loader:
+        batches.append(batch)
+        if len(batches) == args.batches:
+            break
+    print(f"[mixprec] what-if for the Linear layers of model {cfg.model} on {len(batches)} batches "
+          f"of {cfg.batch_size}x{cfg.seq_len} tokens (weights: "
+          f"{args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
+    report = what_if(model, batches, formats=args.formats.split(","), gpu=args.gpu,
+                     tolerance=args.tolerance / 100, seed=cfg.seed,
+                     progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
+    print(report.table())
+    out = report.write_csv(args.output)
+    png = report.heatmap(args.png or Path(args.output).with_suffix(".png"))
+    print(f"[mixprec] csv: {out}  heat-map: {png}", file=sys.stderr)
+    if args.plan:
+        plan = write_plan(args.plan, "32-true", report.overrides)
+        print(f"[mixprec] plan: {plan} (train with it: mixprec train --precision plan:{plan})",
+              file=sys.stderr)
+    strategy.teardown()
+    return 0

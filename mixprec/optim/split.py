@@ -1,0 +1,220 @@
+"""Split FP32 masters: the BF16 parameter itself plus a 16-bit remainder, exact.
+
+A BF16 number is the top half of an FP32 bit pattern (same sign and exponent, 7 of the 23
+mantissa bits). So an FP32 master ``w`` is fully described by its rounding to BF16 (which is the
+model's parameter anyway) and the distance between the two bit patterns:
+
+    hi = bf16(w)                          round to nearest even: what today's copy-back stores
+    d  = bits(w) - bits(fp32(hi))         an integer in [-2**15, 2**15] (same sign on both sides)
+
+``d`` needs 16 bits plus one value: ``+2**15`` happens only at an exact tie that rounded *down*
+to an even ``hi``, and ``-2**15`` at a tie that rounded *up* to an even ``hi``, so for an even
+``hi`` there are 2**16 + 1 masters and no 16-bit code can tell them all apart. The remainder is
+stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the flat indices of the ties that rounded
+down are kept in a short ``int64`` list (about one element in 2**17 per step; finding them is one
+``nonzero``, a host sync per chunk on an accelerator). ``join`` reverses it bit for bit, infinities
+included; a NaN master stays NaN (its payload may change).
+
+Cost: 2 bytes per parameter instead of 4 (plus 8 per tie). The optimizer step widens one bounded
+chunk of masters and gradients to FP32 at a time (``_CHUNK_NUMEL`` elements), steps it with the
+unchanged inner optimizer and splits it back, so the update is today's FP32 update bit for bit
+(tests/optim/test_split_masters.py).
+
+``DeferredGrads`` is the other half of the saving: the step reads the BF16 model gradients
+directly, so the loss-scale division and the clip coefficient are not applied to FP32 copies in
+place; they are recorded and applied to the FP32 chunk inside the step, in the same order and
+with the same FP32 multiplications as today (unscale, then clip), so the values are identical.
+The gradient norm for clipping is computed chunk by chunk over the same FP32 values with the
+same kernel that ``torch.nn.utils.get_total_norm`` uses.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks"]
+
+CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
+_TIE = 1 << 15
+_WRAP = 1 << 16
+
+
+def splits(param_dtype: torch.dtype, master_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the master of a ``param_dtype`` parameter can be stored split: BF16 shares FP32's
+    sign and exponent bits, so only BF16 parameters of FP32 masters (FP16's narrower exponent
+    would need more than 16 remainder bits)."""
+    return param_dtype == torch.bfloat16 and master_dtype == torch.float32
+
+
+def chunks(numels: list[int], limit: int = CHUNK_NUMEL) -> Iterator[tuple[int, int]]:
+    """Split indices [0, n) into consecutive ranges whose element counts sum to at most ``limit``
+    (a single larger tensor is a range of its own)."""
+    start, total = 0, 0
+    for i, n in enumerate(numels):
+        if total and total + n > limit:
+            yield start, i
+            start, total = i, 0
+        total += n
+    if start < len(numels):
+        yield start, len(numels)
+
+
+def empty_ties(device: torch.device | str) -> Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
+
+
+@torch.no_grad()
+def join(hi: Tensor, lo: Tensor, ties: Tensor) -> Tensor:
+    """The exact FP32 master of BF16 ``hi`` with remainder ``lo`` (int16) and ``ties``."""
+    bits = hi.float().view(torch.int32)            # exact: BF16 -> FP32 appends 16 zero bits
+    bits.add_(lo)                                  # int16 promotes to int32
+    if ties.numel():
+        bits.view(-1).index_add_(0, ties, torch.full_like(ties, _WRAP, dtype=torch.int32))
+    return bits.view(torch.float32)
+
+
+@torch.no_grad()
+def split_(w: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
+    """Store FP32 ``w`` as ``hi`` (BF16, round to nearest even, written in place) and ``lo``
+    (int16, in place); return the new tie list (flat indices)."""
+    hi.copy_(w)
+    d = w.view(torch.int32) - hi.float().view(torch.int32)
+    ties = (d == _TIE).view(-1).nonzero().squeeze(1)    # the rare exact ties rounded down
+    lo.copy_(d)                                         # int32 -> int16 wraps +2**15 to -2**15
+    return ties
+
+
+def _flat_views(tensors: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
+    """One flat buffer of ``dtype`` for all ``tensors`` (one device), and its views shaped like them."""
+    numels = [t.numel() for t in tensors]
+    flat = torch.empty(sum(numels), dtype=dtype, device=tensors[0].device)
+    return flat, [v.view(t.shape) for v, t in zip(flat.split(numels), tensors)]
+
+
+@torch.no_grad()
+def join_many(his: list[Tensor], los: list[Tensor], ties: list[Tensor]) -> list[Tensor]:
+    """:func:`join` for a chunk (one device): the FP32 masters as views of one flat buffer,
+    built with foreach ops (a handful of launches, whatever the number of tensors)."""
+    flat, ws = _flat_views(his, torch.float32)
+    torch._foreach_copy_(ws, his)                               # exact BF16 -> FP32
+    bits = [w.view(torch.int32) for w in ws]
+    torch._foreach_add_(bits, los)                             # int16 promotes in place, no int32 copy
+    for b, t in zip(bits, ties):
+        if t.numel():
+            b.view(-1).index_add_(0, t, torch.full_like(t, _WRAP, dtype=torch.int32))
+    return ws
+
+
+@torch.no_grad()
+def split_many_(ws: list[Tensor], his: list[Tensor], los: list[Tensor]) -> list[Tensor]:
+    """:func:`split_` for a chunk (one device): round ``ws`` into ``his``, remainders into
+    ``los``; returns the tie lists (one ``nonzero`` for the whole chunk)."""
+    torch._foreach_copy_(his, ws)                               # round to nearest even
+    flat, back = _flat_views(his, torch.float32)
+    torch._foreach_copy_(back, his)
+    d = [b.view(torch.int32) for b in back]
+    torch._foreach_sub_(d, [w.view(torch.int32) for w in ws])   # hi - w
+    torch._foreach_neg_(d)                                      # w - hi, in [-2**15, 2**15]
+    flat_d = flat.view(torch.int32)
+    tied = (flat_d == _TIE).nonzero().squeeze(1)
+    torch._foreach_copy_(los, d)                                # wraps +2**15 to -2**15
+    empty = empty_ties(flat.device)
+    if not tied.numel():
+        return [empty] * len(ws)
+    numels = torch.tensor([w.numel() for w in ws], device=flat.device)
+    starts = torch.cumsum(numels, 0) - numels
+    owner = torch.bucketize(tied, starts, right=True) - 1
+    counts = torch.bincount(owner, minlength=len(ws)).tolist()
+    return list((tied - starts[owner]).split(counts))
+
+
+@torch.no_grad()
+def widen(grads: list[Tensor], factors: list[Tensor]) -> list[Tensor]:
+    """FP32 copies of ``grads`` multiplied by ``factors`` in order: the values today's FP32 master
+    gradients hold after unscaling (one FP32 multiply) and clipping (another)."""
+    out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
+    if out:
+        torch._foreach_copy_(out, grads)
+        for f in factors:
+            torch._foreach_mul_(out, f.to(out[0].device))
+    return out
+
+
+@dataclass(eq=False)
+class DeferredGrads:
+    """The gradients of one step of a split-master optimizer, for the scaler and clipping.
+
+    ``low``: the model-dtype gradients of split parameters, read in place by the step (check them
+    for inf/NaN; never scale them in place, that would round in BF16). ``own``: FP32 gradients of
+    the other parameters (their own masters, or separate masters of FP16 parameters), scaled in
+    place as usual. ``entries`` lists both in param-group order (``("own", grad)`` or
+    ``("low", grad)``), the order of ``master_grads()``.
+    """
+
+    low: list[Tensor]
+    own: list[Tensor]
+    entries: list[tuple[str, Tensor]]
+    factors: list[Tensor] = field(default_factory=list)
+    """Pending FP32 multipliers of the ``low`` gradients, applied in order inside the step."""
+    closed: bool = False
+    """Set when the step (or ``master_grads()``) has consumed the factors."""
+
+    @torch.no_grad()
+    def scale_(self, factor_for: Callable[[torch.device], Tensor | None]) -> None:
+        """Multiply every gradient by ``factor_for(device)`` (a 0-dim FP32 tensor; None: by 1):
+        ``own`` ones now, ``low`` ones inside the step."""
+        if self.closed:
+            raise RuntimeError("these deferred gradients were already used by the step or widened by "
+                               "master_grads(); scale the optimizer's current gradients instead")
+        groups = torch._C._group_tensors_by_device_and_dtype([self.own], False) if self.own else {}
+        for (device, _dtype), ([group], _) in groups.items():
+            f = factor_for(device)
+            if f is not None:
+                torch._foreach_mul_(group, f)
+        if self.low:
+            f = factor_for(self.low[0].device)
+            if f is not None:
+                self.factors.append(f)
+
+    @torch.no_grad()
+    def norms(self, norm_type: float, foreach: bool | None = None) -> list[Tensor]:
+        """Per-tensor ``norm_type``-norms of the FP32 gradients the step will use, in the order
+        ``torch.nn.utils.get_total_norm`` stacks them (grouped by device, first seen first).
+        ``low`` gradients are widened one bounded chunk at a time."""
+        out: list[tuple[torch.device, Tensor]] = []
+        pending: list[Tensor] = []
+
+        def flush() -> None:
+            if pending:
+                wide = widen(pending, self.factors)
+                out.extend((g.device, n) for g, n in zip(pending, _tensor_norms(wide, norm_type, foreach)))
+                pending.clear()
+
+        budget = 0
+        for kind, g in self.entries:
+            if kind == "own":
+                flush()
+                budget = 0
+                out.append((g.device, _tensor_norms([g], norm_type, foreach)[0]))
+                continue
+            if pending and budget + g.numel() > CHUNK_NUMEL:
+                flush()
+                budget = 0
+            pending.append(g)
+            budget += g.numel()
+        flush()
+        devices = list(dict.fromkeys(d for d, _ in out))
+        return [n for dev in devices for d, n in out if d == dev]
+
+
+def _tensor_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
+    """The per-tensor norms exactly as ``torch.nn.utils.get_total_norm`` computes them."""
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+    device = tensors[0].device
+    if (foreach is None and _has_foreach_support(tensors, device)) or (
+            foreach and _device_has_foreach_support(device)):
+        return list(torch._foreach_norm(tensors, norm_type))
+    return [torch.linalg.vector_norm(g, norm_type) for g in tensors]
