@@ -59,7 +59,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor
 
-from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleState, _to_f32
+from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
 from mixprec.amp.unscale import check_and_unscale, deferred_grads, optimizer_grads
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.policy.policy import Policy, get_policy
@@ -197,6 +197,12 @@ class GradScaler:
     def is_enabled(self) -> bool:
         """Whether loss *scaling* is on (the non-finite check may run either way)."""
         return self._scaling
+
+    @property
+    def config(self) -> LossScaleConfig:
+        """The loss scale's settings (``init_scale``, ``scale_window`` = growth interval,
+        ``hysteresis``, ``min_scale``, ``max_scale``, ``on_min_scale``, ...); frozen, read-only."""
+        return self._loss_scaler.config
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when scaling is off). No host sync."""

@@ -31,11 +31,10 @@ def run(args: argparse.Namespace) -> int:
     model, train_loader, _, strategy = build_run(cfg)
     trainer = Trainer(model, config=cfg, strategy=strategy)
     trainer.prepare(total_steps=1)
-    batch = next(iter(train_loader))
-    inputs, targets = strategy.to_device(batch)
+    batch = strategy.to_device(next(iter(train_loader)))
 
-    def probe() -> torch.Tensor:
-        return trainer.objective(trainer.model, inputs, targets)
+    def probe() -> torch.Tensor:   # the loss exactly as fit() computes it
+        return trainer.objective(trainer.model, batch)
 
     findings = audit(strategy.unwrap(trainer.model), precision=trainer.precision,
                      optimizer=trainer.optimizer, loss_fn=probe, device=trainer.device)

@@ -103,7 +103,8 @@ def _causal_lm_class(config: Any, spec: str) -> Any:
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"model={spec}: model_type '{config.model_type}' has no causal-LM head in "
                           "transformers (it is not a decoder-only language model); mixprec train "
-                          "trains causal LMs; train other models with fit(model, ..., loss_fn=...)")
+                          "trains causal LMs; train other models with fit() on dict batches with "
+                          "labels (docs/hf.md)")
     return transformers.AutoModelForCausalLM
 
 

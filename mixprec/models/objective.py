@@ -1,26 +1,48 @@
-"""How a batch becomes a loss: the model's own loss, a Hugging Face causal LM's logits, or the
-user's ``loss_fn``. Decided once, when training starts, from what the model *is*; never guessed
-from how many arguments ``forward`` happens to take.
+"""How a batch becomes a loss, decided once from what the model and the first batch *are*.
 
-Three kinds, in this order:
+``fit()``, the planner, ``mixprec audit`` and the non-finite trace replay all call the one
+:class:`Objective` that :func:`make_objective` builds, so they cannot disagree about the loss. The
+first batch decides the path; every later batch must have the same shape (one line if not).
 
-1. ``loss_fn`` given: ``loss_fn(model(inputs), targets)`` (a floating output tensor is first
-   cast to the precision's output dtype).
-2. A causal language model written like Hugging Face's (``forward`` takes ``input_ids`` and
-   ``labels``; e.g. ``GPT2LMHeadModel``, ``LlamaForCausalLM``): ``model(input_ids=inputs)``, and
-   the loss is the next-token cross-entropy of ``out.logits`` **in FP32** against mixprec's
-   targets. mixprec's loader already shifts the targets by one token; passing them as ``labels=``
-   would make the model shift them again (predicting two tokens ahead), so ``labels`` is not
-   passed. The windows are packed, unpadded token streams: every token is real, so no
-   ``attention_mask`` is passed (the model's default attends to every earlier token) and
-   positions are ``0 .. T-1`` (the model's default ``position_ids``).
-3. Otherwise the model returns its own loss when called as ``model(inputs, targets)``: a scalar,
-   ``(logits, loss)``, ``{"loss": ...}`` or an object with ``.loss`` (mixprec's ``Transformer``).
+=====================================  ===========================================================
+batch                                  loss
+=====================================  ===========================================================
+anything, with ``loss_fn``             ``loss_fn(outputs, targets)``: ``outputs = model(inputs)``,
+                                       or ``model(**inputs)`` for dict inputs; a dict batch's
+                                       targets are its ``"labels"`` (not passed to the model); an
+                                       object batch is passed whole (``targets`` is the batch). A
+                                       floating output tensor is first cast to the output dtype.
+a dict (``{"input_ids", ...,           ``model(**batch).loss``: any Hugging Face model that
+"attention_mask", "labels"}``)         computes its own loss from ``labels`` (causal LM, masked
+                                       LM, sequence classification, seq2seq, vision); also any
+                                       model whose ``forward(**batch)`` returns a loss
+``(inputs_dict, labels)``              ``model(**inputs_dict, labels=labels).loss``
+``(tokens, next_tokens)`` for a        ``model(input_ids=tokens)`` and the FP32 next-token
+causal LM (Hugging Face style)         cross-entropy of ``out.logits`` against the targets, which
+                                       mixprec's loader has already shifted (so they are not
+                                       passed as ``labels``, which the model would shift again)
+``(inputs, targets)``, other models    ``model(inputs, targets)`` returning its own loss (a scalar,
+                                       ``(logits, loss)``, ``{"loss": ...}`` or ``.loss``:
+                                       mixprec's ``Transformer``); a Hugging Face model:
+                                       ``model(inputs, labels=targets).loss`` (images and
+                                       labels, token ids and class labels)
+an object with ``.to()``               ``model(batch)`` returning its own loss
+=====================================  ===========================================================
+
+Token ids with targets of the same shape, for a Hugging Face model that is *not* a causal LM
+(BERT, T5), are refused without ``loss_fn``: they are what mixprec's token loaders yield
+(next-token windows), and handing them to an encoder as ``labels`` would train it to read the
+answer.
+
+**Tokens.** :meth:`Objective.tokens` counts the real tokens of a batch for tokens/s and MFU: the
+``attention_mask``'s ones when there is a mask (padding is not work), else every input id; a
+device tensor, so counting adds no host sync. Batches without token ids (images) have no token
+count (``None``; tokens/s and MFU are then not logged).
 """
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,28 +52,82 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 
-__all__ = ["Objective", "make_objective", "extract_loss", "is_causal_lm"]
+__all__ = ["Objective", "make_objective", "extract_loss", "is_causal_lm", "describe_batch",
+           "add_tokens"]
 
-Objective = Callable[[nn.Module, Any, torch.Tensor], torch.Tensor]
-"""``objective(model, inputs, targets) -> loss`` (called inside the precision's autocast)."""
+LossFn = Callable[[Any, Any], torch.Tensor]
+_MISSING = object()
+_SHAPES = ("(inputs, targets) with tensor or dict inputs, a dict with 'labels' (Hugging Face "
+           "style), or an object with .to()")
 
-_LOSS_FN_HINT = ("pass loss_fn=lambda out, targets: ... to fit() (e.g. "
-                 "F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten()))")
 
+# --- what a batch is -------------------------------------------------------------------------------
+
+def _shape(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, Mapping):
+        return f"dict with keys {sorted(map(str, x))}"
+    return type(x).__name__
+
+
+def describe_batch(batch: Any) -> str:
+    """A short description of a batch for error messages: ``"a tuple of 3 (int64 tensor ...)"``."""
+    if isinstance(batch, (tuple, list)):
+        parts = ", ".join(_shape(x) for x in batch[:3]) + (", ..." if len(batch) > 3 else "")
+        return f"a {type(batch).__name__} of {len(batch)} ({parts})"
+    shape = _shape(batch)
+    return ("an " if shape[0] in "aeiou" else "a ") + shape
+
+
+def _is_pair(batch: Any) -> bool:
+    return isinstance(batch, (tuple, list)) and len(batch) == 2
+
+
+def _has_to(batch: Any) -> bool:
+    return not isinstance(batch, (torch.Tensor, Mapping, tuple, list)) and callable(
+        getattr(batch, "to", None))
+
+
+def _signature(batch: Any) -> tuple:
+    """What must stay the same from batch to batch (cheap: types and keys, no tensor reads)."""
+    if isinstance(batch, Mapping):
+        return ("dict", frozenset(batch))
+    if _is_pair(batch):
+        x = batch[0]
+        return ("pair", ("dict", frozenset(x)) if isinstance(x, Mapping) else type(x))
+    return (type(batch),)
+
+
+def _count_tokens(x: Any) -> torch.Tensor | int | None:
+    """Non-padding tokens of a dict / object with ``attention_mask`` / ``input_ids``, or of an
+    integer tensor of token ids; None when the inputs are not tokens."""
+    get = x.get if isinstance(x, Mapping) else (lambda k: getattr(x, k, None))
+    mask = get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return mask.sum()                       # stays on the device: no host sync
+    ids = get("input_ids") if not isinstance(x, torch.Tensor) else x
+    if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+        return ids.numel()
+    return None
+
+
+# --- what a model is ----------------------------------------------------------------------------
 
 def extract_loss(out: Any) -> torch.Tensor:
     """Find the loss in a model's output: a scalar tensor, ``(logits, loss)``, ``{"loss": ...}``
-    or an object with ``.loss``."""
+    or an object with ``.loss``; raises :class:`ConfigError` (caught by the objective, which says
+    what to pass) when there is none."""
     if isinstance(out, torch.Tensor) and out.dim() == 0:
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[-1], torch.Tensor) and out[-1].dim() == 0:
         return out[-1]
-    if isinstance(out, dict) and out.get("loss") is not None:
+    if isinstance(out, Mapping) and out.get("loss") is not None:
         return out["loss"]
-    if getattr(out, "loss", None) is not None:
+    if not isinstance(out, Mapping) and getattr(out, "loss", None) is not None:
         return out.loss
-    raise ConfigError("the model's forward(inputs, targets) did not return a loss (a scalar "
-                      "tensor, (logits, loss), {'loss': ...} or .loss); " + _LOSS_FN_HINT)
+    raise ConfigError(f"the model returned {_shape(out)}, not a loss (a scalar tensor, "
+                      "(logits, loss), {'loss': ...} or .loss)")
 
 
 def _forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -61,13 +137,21 @@ def _forward_params(model: nn.Module) -> dict[str, inspect.Parameter]:
         return {}
 
 
+def _takes(model: nn.Module, name: str) -> bool:
+    params = _forward_params(model)
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and type(model).__module__.startswith("transformers.")
+
+
 def _hf_head_kind(model: nn.Module) -> str | None:
     """For a Hugging Face ``PreTrainedModel``: ``"causal"`` when its class is a causal-LM head
     (per transformers' own auto mapping), else a short description of what it is."""
-    config = getattr(model, "config", None)
-    if config is None or not type(model).__module__.startswith("transformers."):
+    if not _is_hf(model):
         return None
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         return "an encoder-decoder (seq2seq) model"
     try:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -83,47 +167,166 @@ def _hf_head_kind(model: nn.Module) -> str | None:
 
 def is_causal_lm(model: nn.Module) -> bool:
     """A model written like a Hugging Face causal LM: ``forward(input_ids=..., labels=...)``."""
-    params = _forward_params(model)
     kind = _hf_head_kind(model)
     if kind is not None:
         return kind == "causal"
+    params = _forward_params(model)
     return "input_ids" in params and "labels" in params
 
 
-def _causal_lm_objective(model: nn.Module) -> Objective:
-    params = _forward_params(model)
-    extra = {"use_cache": False} if "use_cache" in params else {}  # no KV cache while training
+def _loss_fn_hint(hf: bool, targets: Any) -> str:
+    """``loss_fn=...`` shaped for what the targets look like (class ids, token ids, values)."""
+    logits = "out.logits" if hf else "out"
+    if isinstance(targets, torch.Tensor) and targets.is_floating_point():
+        fn = f"F.mse_loss({logits}.float(), targets)"
+    elif isinstance(targets, torch.Tensor) and targets.dim() >= 2:      # (B, T) token ids
+        fn = f"F.cross_entropy({logits}.float().flatten(0, 1), targets.flatten())"
+    else:                                                              # (B,) class ids
+        fn = f"F.cross_entropy({logits}.float(), targets)"
+    return f"loss_fn=lambda out, targets: {fn}"
 
-    def objective(m: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        out = m(input_ids=inputs, **extra)
-        logits = out.logits if hasattr(out, "logits") else out["logits"]   # (B, T, V)
-        # FP32 loss from the (maybe 16-bit) logits; targets are already the next tokens.
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    return objective
+
+# --- the objective ------------------------------------------------------------------------------
+
+class Objective:
+    """``objective(model, batch) -> loss`` (call it inside the precision's autocast; the caller
+    casts the loss to FP32). The path is decided from the first batch (module docstring) and kept;
+    ``describe`` names it, :meth:`tokens` counts a batch's real tokens.
+
+    ``objective(model, inputs, targets)`` (the form before dict batches) still works."""
+
+    def __init__(self, model: nn.Module, precision: Precision, loss_fn: LossFn | None = None) -> None:
+        self.model_name = type(model).__name__
+        self.precision = precision
+        self.loss_fn = loss_fn
+        self._kind = _hf_head_kind(model)
+        self._causal = is_causal_lm(model)
+        self._cache_off = {"use_cache": False} if "use_cache" in _forward_params(model) else {}
+        self._loss: Callable[[nn.Module, Any], torch.Tensor] | None = None
+        self._first: tuple | None = None
+        self._first_text = ""
+        self.describe = "(not decided: no batch seen yet)"
+
+    def __call__(self, model: nn.Module, batch: Any, targets: Any = _MISSING) -> torch.Tensor:
+        if targets is not _MISSING:
+            batch = (batch, targets)
+        if self._loss is None:
+            self._decide(model, batch)
+        elif _signature(batch) != self._first:
+            raise ConfigError(f"a batch is {describe_batch(batch)} but the first was "
+                              f"{self._first_text}; every batch must have the same shape")
+        try:
+            return self._loss(model, batch)
+        except ConfigError as e:   # extract_loss found no loss: say what to pass instead
+            raise ConfigError(f"{self.describe} failed: {e}; {self._fix(batch)}") from None
+
+    def tokens(self, batch: Any) -> torch.Tensor | int | None:
+        """Real (non-padding) tokens in ``batch`` (a device tensor when counted from a mask), or
+        None when its inputs are not token ids."""
+        if isinstance(batch, Mapping) or _has_to(batch):
+            return _count_tokens(batch)
+        if _is_pair(batch):
+            return _count_tokens(batch[0])
+        return None
+
+    def _fix(self, batch: Any) -> str:
+        targets = batch[1] if _is_pair(batch) else (batch.get("labels") if isinstance(batch, Mapping) else None)
+        return "pass " + _loss_fn_hint(self._kind is not None, targets) + " to fit()"
+
+    def _refuse(self, batch: Any, why: str, instead: str = "") -> None:
+        raise ConfigError(f"{self.model_name} got {describe_batch(batch)}: {why}; "
+                          f"{instead}{self._fix(batch)}")
+
+    def _decide(self, model: nn.Module, batch: Any) -> None:
+        if isinstance(batch, Mapping):
+            loss, self.describe = self._dict_objective(batch)
+        elif _is_pair(batch):
+            loss, self.describe = self._pair_objective(model, batch)
+        elif _has_to(batch):
+            loss, self.describe = self._object_objective()
+        else:
+            raise ConfigError(f"fit() cannot train on {describe_batch(batch)}; yield {_SHAPES} "
+                              "from the data loader (a DataLoader collates (x, y) samples into "
+                              "[inputs, targets])")
+        self._loss = loss
+        self._first, self._first_text = _signature(batch), describe_batch(batch)
+
+    def _dict_objective(self, batch: Mapping) -> tuple[Callable, str]:
+        loss_fn, convert, extra = self.loss_fn, self.precision.convert_output, self._cache_off
+        keys = sorted(map(str, batch))
+        if loss_fn is not None:
+            if "labels" not in batch:
+                raise ConfigError(f"loss_fn(outputs, targets) needs targets, but the dict batch "
+                                  f"(keys {keys}) has no 'labels'; add them to the batch, or "
+                                  "yield (inputs, targets)")
+
+            def with_loss_fn(m, b):
+                inputs = {**extra, **{k: v for k, v in b.items() if k != "labels"}}
+                return loss_fn(convert(m(**inputs)), b["labels"])
+            return with_loss_fn, "loss_fn(model(**batch without 'labels'), batch['labels'])"
+        if self._kind is not None and "labels" not in batch:
+            raise ConfigError(f"{self.model_name} got a dict batch with keys {keys} and no "
+                              "'labels', so it computes no loss; add 'labels' to each batch (as "
+                              "a transformers DataCollator does), or pass loss_fn=... to fit()")
+        return (lambda m, b: extract_loss(m(**{**extra, **b}))), "model(**batch).loss"
+
+    def _pair_objective(self, model: nn.Module, batch: Any) -> tuple[Callable, str]:
+        loss_fn, convert, extra = self.loss_fn, self.precision.convert_output, self._cache_off
+        inputs = batch[0]
+        if loss_fn is not None:
+            if isinstance(inputs, Mapping):
+                return ((lambda m, b: loss_fn(convert(m(**{**extra, **b[0]})), b[1])),
+                        "loss_fn(model(**inputs), targets)")
+            return (lambda m, b: loss_fn(convert(m(b[0])), b[1])), "loss_fn(model(inputs), targets)"
+        if isinstance(inputs, Mapping):
+            if not _takes(model, "labels"):
+                self._refuse(batch, "its forward takes no labels, so (inputs_dict, labels) gives "
+                                    "it no loss")
+            return ((lambda m, b: extract_loss(m(**{**extra, **b[0]}, labels=b[1]))),
+                    "model(**inputs, labels=targets).loss")
+        if not isinstance(inputs, torch.Tensor):
+            self._refuse(batch, "inputs must be a tensor or a dict of tensors")
+        if self._causal:
+            if inputs.is_floating_point():
+                self._refuse(batch, "a causal language model takes integer token ids")
+
+            def next_token(m, b):
+                out = m(input_ids=b[0], **extra)
+                logits = out.logits if hasattr(out, "logits") else out["logits"]   # (B, T, V)
+                # FP32 loss from the (maybe 16-bit) logits; targets are already the next tokens.
+                return F.cross_entropy(logits.float().flatten(0, 1), b[1].flatten())
+            return next_token, "next-token cross-entropy of model(input_ids=inputs).logits (FP32)"
+        if self._kind is not None:                 # a Hugging Face model that is no causal LM
+            targets = batch[1]
+            if not inputs.is_floating_point() and getattr(targets, "shape", None) == inputs.shape:
+                self._refuse(batch, f"it is {self._kind}, and token ids with targets of the same "
+                                    "shape are next-token windows (what mixprec's token loaders "
+                                    "yield), which as labels it would learn to copy",
+                             "yield dicts {'input_ids', 'attention_mask', 'labels'} (it computes "
+                             "its own loss from labels), or ")
+            return (lambda m, b: extract_loss(m(b[0], labels=b[1]))), "model(inputs, labels=targets).loss"
+        try:
+            inspect.signature(model.forward).bind(object(), object())
+        except TypeError:
+            params = ", ".join(_forward_params(model))
+            self._refuse(batch, f"its forward({params}) takes no targets, so it cannot return a loss")
+        except ValueError:  # no signature (a C extension): trust the call
+            pass
+        return (lambda m, b: extract_loss(m(b[0], b[1]))), "model(inputs, targets) returning its own loss"
+
+    def _object_objective(self) -> tuple[Callable, str]:
+        loss_fn, convert = self.loss_fn, self.precision.convert_output
+        if loss_fn is not None:
+            return (lambda m, b: loss_fn(convert(m(b)), b)), "loss_fn(model(batch), batch)"
+        return (lambda m, b: extract_loss(m(b))), "model(batch) returning its own loss"
 
 
-def make_objective(model: nn.Module, precision: Precision,
-                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None) -> Objective:
-    """The objective for ``model`` (see the module docstring); a clear error when there is none."""
-    if loss_fn is not None:
-        def with_loss_fn(m: nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-            return loss_fn(precision.convert_output(m(inputs)), targets)
-        return with_loss_fn
-    kind = _hf_head_kind(model)
-    if kind is not None and kind != "causal":
-        raise ConfigError(f"{type(model).__name__} is {kind}, so mixprec cannot compute its "
-                          "next-token loss; " + _LOSS_FN_HINT)
-    if is_causal_lm(model):
-        return _causal_lm_objective(model)
-    params = _forward_params(model)
-    try:
-        inspect.signature(model.forward).bind(object(), object())
-    except TypeError:
-        raise ConfigError(f"{type(model).__name__}.forward({', '.join(params)}) takes no targets, "
-                          "so it cannot return a loss; " + _LOSS_FN_HINT) from None
-    except ValueError:  # no signature (a C extension): trust the call
-        pass
+def add_tokens(total: torch.Tensor | int | None, more: torch.Tensor | int | None
+               ) -> torch.Tensor | int | None:
+    """Token counts add up (on the device when counted from a mask); None stays None."""
+    return None if total is None or more is None else total + more
 
-    def own_loss(m: nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        return extract_loss(m(inputs, targets))
-    return own_loss
+
+def make_objective(model: nn.Module, precision: Precision, loss_fn: LossFn | None = None) -> Objective:
+    """The :class:`Objective` for ``model`` (module docstring); decided at its first batch."""
+    return Objective(model, precision, loss_fn)

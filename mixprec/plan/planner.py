@@ -96,8 +96,8 @@ def _reference(model: nn.Module, batches: Sequence[Any], objective: Callable, na
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for inputs, targets in batches:
-                loss = objective(model, inputs, targets).float()
+            for batch in batches:
+                loss = objective(model, batch).float()
                 (loss / len(batches)).backward()
                 losses.append(float(loss.detach()))
     finally:
@@ -206,8 +206,9 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     whole plan and move layers back until it keeps its budget (module doc).
 
     ``model``: an FP32 model (left untouched: the planner works on copies). ``batches``:
-    calibration batches ``(inputs, targets)``; the loss comes from the model as in ``fit()``
-    (``loss_fn(outputs, targets)`` if given). ``heldout``: batches only the whole-plan check sees;
+    calibration batches of any shape ``fit()`` takes (``(inputs, targets)``, a dict with
+    ``labels``, ...), on the model's device; the loss is ``fit()``'s, from the same
+    :class:`~mixprec.models.objective.Objective` (``loss_fn(outputs, targets)`` if given). ``heldout``: batches only the whole-plan check sees;
     default: the last third of ``batches`` is set aside (none with a single batch, said in the
     notes). ``budget``: the allowed relative change of the loss of the *whole plan*, as a fraction
     of the FP32 loss, on the calibration and the held-out batches. ``base``: the mode outside the

@@ -53,7 +53,7 @@ def forward_losses(model: nn.Module, batches: Sequence[Any], objective: Callable
     """The model's forward loss on each batch (the RNG seeded once, as the planner's FP32 reference pass is)."""
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return [float(objective(model, x, y).float()) for x, y in batches]
+        return [float(objective(model, batch).float()) for batch in batches]
 
 
 def relative_change(losses: Sequence[float], reference: Sequence[float]) -> float:

@@ -369,7 +369,7 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     chosen.train()
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        losses = [float(objective(chosen, x, y).float()) for x, y in batches]
+        losses = [float(objective(chosen, batch).float()) for batch in batches]
     report.choice_loss_change = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
     fp32_ratio = float(spec.fp32_tflops) / bf16_peak
     time_bf16 = sum(r.flops_per_token for r in rows)

@@ -62,7 +62,7 @@ class RunEvents:
             self._bar.update(1)
 
     def interval(self, step: int, total: int, *, loss: float, val_loss: float | None, lr: float,
-                 tokens_per_s: float) -> None:
+                 tokens_per_s: float | None) -> None:
         """One log interval: the bar's numbers, or one plain line."""
         scale = self.precision.scale
         if self._bar is not None:
@@ -72,7 +72,9 @@ class RunEvents:
         parts = [f"step {step}/{total}", f"loss {loss:.4f}"]
         if val_loss is not None:
             parts.append(f"val {val_loss:.4f}")
-        parts += [f"lr {lr:.3g}", f"{tokens_per_s:,.0f} tok/s"]
+        parts.append(f"lr {lr:.3g}")
+        if tokens_per_s is not None:             # None: the batches hold no token ids (images)
+            parts.append(f"{tokens_per_s:,.0f} tok/s")
         if self.precision.scales_loss:
             parts.append(f"scale {scale:g}")
         if self.precision.num_skipped_steps:
@@ -154,6 +156,13 @@ class RunEvents:
         (an error that ends the run says it itself)."""
         self.logger.event({"kind": kind, "step": step, "message": message})
         if say:
+            self._say(message)
+
+    def data_position(self, message: str | None, step: int) -> None:
+        """The training data's position cannot be restored: said on the terminal and recorded
+        (``{"kind": "data", "exact": false}``) so a resumed run's data order is not a surprise."""
+        if message is not None:
+            self.logger.event({"kind": "data", "step": step, "exact": False, "message": message})
             self._say(message)
 
     def findings(self, findings: list, step: int) -> None:

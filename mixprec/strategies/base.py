@@ -154,7 +154,8 @@ class Strategy:
     # --- the training step's questions --------------------------------------------------------
 
     def to_device(self, batch: Any) -> Any:
-        """Move every tensor in a (nested tuple/list/dict) batch to ``device``.
+        """Move every tensor in a (nested tuple/list/dict) batch to ``device``; an object with a
+        ``.to()`` method moves itself.
 
         Copies are ``non_blocking`` on CUDA: with pinned host memory the copy overlaps compute,
         and the first kernel reading the tensor orders itself after the copy on the same stream.
@@ -168,6 +169,8 @@ class Strategy:
             return type(batch)(*(self.to_device(v) for v in batch))
         if isinstance(batch, (list, tuple)):
             return type(batch)(self.to_device(v) for v in batch)
+        if callable(getattr(batch, "to", None)):   # a batch object of the user's own: its .to()
+            return batch.to(self.device)
         return batch
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:

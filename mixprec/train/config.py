@@ -25,6 +25,15 @@ else:  # pragma: no cover
 __all__ = ["FitConfig", "TrainConfig", "load_config", "parse_overrides", "config_to_toml"]
 
 
+_SCALER_OPTIONS = {"init_scale": "init_scale", "growth_interval": "growth_interval",
+                   "hysteresis": "hysteresis", "min_scale": "min_scale",
+                   "on_stuck_scale": "on_min_scale"}
+"""FitConfig field -> the ``Precision(**scaler_options)`` / ``GradScaler`` argument it sets."""
+_SCALER_CONFIG = {"init_scale": "init_scale", "growth_interval": "scale_window",
+                  "hysteresis": "hysteresis", "min_scale": "min_scale", "on_min_scale": "on_min_scale"}
+"""``GradScaler`` argument -> the field of its ``LossScaleConfig`` that holds it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FitConfig:
     """Knobs of the training loop (:class:`mixprec.Trainer`)."""
@@ -146,6 +155,10 @@ class FitConfig:
     def __post_init__(self) -> None:
         from mixprec.policy.overrides import normalize_overrides
         object.__setattr__(self, "precision_overrides", normalize_overrides(self.precision_overrides))
+
+    def scaler_options(self) -> dict[str, Any]:
+        """The loss-scaler settings as :class:`mixprec.Precision` / ``GradScaler`` arguments."""
+        return {fit: getattr(self, name) for name, fit in _SCALER_OPTIONS.items()}
 
     def guard_config(self):
         """The :class:`mixprec.plan.guard.GuardConfig` of the ``guard_*`` fields."""
@@ -387,6 +400,46 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     config = cls(**values)
     config.validate()
     return config, source
+
+
+def given_settings(config: FitConfig | None, overrides: dict[str, Any]) -> set[str]:
+    """The FitConfig fields a caller set: passed as arguments, or differing from the defaults in
+    the ``config`` it passed."""
+    given = set(overrides)
+    if config is not None:
+        default = FitConfig()
+        given |= {f.name for f in dataclasses.fields(FitConfig)
+                  if getattr(config, f.name) != getattr(default, f.name)}
+    return given
+
+
+def refuse_changes_to_ready_precision(precision: Any, cfg: FitConfig, given: set[str]) -> None:
+    """A ready :class:`mixprec.Precision` keeps its own settings: a fit() setting that would change
+    them is refused in one line (the same value is fine)."""
+    from mixprec.precision import get_policy
+    mode = precision.name
+    if "precision" in given and (get_policy(cfg.precision, device=precision.device).spec()
+                                 != precision.policy.spec()):
+        raise ConfigError(f"precision={cfg.precision!r} with a ready Precision({mode!r}): it keeps "
+                          "its own mode; pass one of them")
+    if "precision_overrides" in given and tuple(cfg.precision_overrides) != tuple(precision.policy.overrides):
+        raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
+                          f"mixprec.Precision({mode!r}, overrides=...)")
+    have = precision.scaler.config
+    for name, option in _SCALER_OPTIONS.items():
+        value, own = getattr(cfg, name), getattr(have, _SCALER_CONFIG[option])
+        if name in given and value != own:
+            raise ConfigError(f"{name}={value!r} would change the ready Precision({mode!r}), whose "
+                              f"{option} is {own!r}; pass it to the Precision: "
+                              f"mixprec.Precision({mode!r}, {option}={value!r})")
+
+
+def refuse_two_modes(mixed_precision: Any, precision: str, device: Any) -> None:
+    """``fit(mixed_precision=A, precision=B)``: fine when A and B name the same mode."""
+    from mixprec.precision import get_policy
+    if get_policy(mixed_precision, device=device).spec() != get_policy(precision, device=device).spec():
+        raise ConfigError(f"mixed_precision={mixed_precision!r} and precision={precision!r} "
+                          "disagree; pass one of them")
 
 
 def config_to_toml(config: FitConfig) -> str:

@@ -7,6 +7,7 @@ import time
 import torch
 from torch import nn
 
+from mixprec.models.objective import add_tokens
 from mixprec.precision import Precision
 from mixprec.policy.peak import format_peak_flops
 from mixprec.strategies import Strategy
@@ -40,22 +41,30 @@ class IntervalMeter:
 
     def _reset(self) -> None:
         self.losses: list[torch.Tensor] = []
-        self.tokens = 0
+        self.tokens: torch.Tensor | int | None = 0   # real tokens; None when batches have none
         self.t0 = time.perf_counter()
 
     def add(self, out: StepOutput) -> None:
         self.losses.append(out.loss)
-        self.tokens += out.tokens
+        self.tokens = add_tokens(self.tokens, out.tokens)
 
     def log(self, out: StepOutput, *, step: int, epoch: int, lr: float, val_loss: float | None) -> float:
         """Write the interval's metrics row; return its mean loss (agreed across ranks)."""
         strategy, precision = self.strategy, self.precision
         # One host sync per logged interval: the losses of the interval come back together.
-        losses = torch.stack(self.losses).tolist()
-        loss = strategy.reduce_mean(sum(losses) / len(losses))
+        # Tokens counted from attention masks are device tensors: they come back in the same sync.
+        counted = isinstance(self.tokens, torch.Tensor)
+        values = torch.stack(self.losses).double()
+        values = torch.cat([values, self.tokens.double().reshape(1)]) if counted else values
+        values = values.tolist()
+        tokens = values.pop() if counted else self.tokens
+        loss = strategy.reduce_mean(sum(values) / len(values))
         elapsed = time.perf_counter() - self.t0
-        tps = self.tokens * strategy.world_size / elapsed
-        mfu = tps / strategy.world_size * self.flops_per_token / self.peak if self.peak else None
+        tps = mfu = None
+        if tokens is not None:                    # None: inputs without token ids (images)
+            tps = tokens * strategy.world_size / elapsed
+            if self.peak:                         # no peak: no FP8/FP4 GEMM rule for this mode
+                mfu = tps / strategy.world_size * self.flops_per_token / self.peak
         if mfu is not None and mfu > 1.0 and not self.refreshed:
             # The cached peak was measured on a busy machine: measure it again.
             self.refreshed = True

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = ["Batch", "StepOutput"]
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""``(inputs, targets)``, both ``int64`` of shape ``(B, T)``; ``targets`` are the inputs shifted
-by one token (the data loader does the shift)."""
+Batch = Any
+"""What a loader yields: ``(inputs, targets)`` (mixprec's token loaders: both ``int64`` of shape
+``(B, T)``, the targets already shifted by one token), a dict with ``labels``, or an object with
+``.to()``; :mod:`mixprec.models.objective` turns it into a loss."""
 
 
 @dataclass
@@ -20,4 +22,4 @@ class StepOutput:
     grad_norm: torch.Tensor | None  # unscaled global gradient norm (None when not computed)
     skipped: bool               # the optimizer step was skipped (non-finite gradients)
     scale_before: float         # loss scale used for this step
-    tokens: int                 # tokens processed on this rank
+    tokens: torch.Tensor | int | None  # real (non-padding) tokens on this rank; None: not tokens

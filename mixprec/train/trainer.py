@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from mixprec.data.position import resumable
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
-from mixprec.models.objective import make_objective
+from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
@@ -36,7 +37,8 @@ from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.runs.run_dir import claim_run_dir
 from mixprec.strategies import Strategy, get_strategy
-from mixprec.train.config import FitConfig, config_to_toml
+from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
+                                   refuse_changes_to_ready_precision, refuse_two_modes)
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.hooks import NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook, StepHook
 from mixprec.train.meter import IntervalMeter
@@ -80,18 +82,18 @@ class Trainer:
         self.device = self.strategy.device
         cfg = self.config
         choice = mixed_precision if mixed_precision is not None else cfg.precision
-        if isinstance(choice, Precision) and cfg.precision_overrides:
-            raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
-                              "mixprec.Precision(mode, overrides=...)")
-        if isinstance(choice, Precision) and cfg.micro_options:
-            raise ConfigError("micro_options with a ready Precision: pass them to it, "
-                              "mixprec.Precision(mode, micro_options=...)")
+        given = given_settings(config, overrides)
+        if isinstance(choice, Precision):           # a ready Precision keeps its own settings
+            refuse_changes_to_ready_precision(choice, cfg, given)
+            if cfg.micro_options:
+                raise ConfigError("micro_options with a ready Precision: pass them to it, "
+                                  "mixprec.Precision(mode, micro_options=...)")
+        elif mixed_precision is not None and "precision" in given:
+            refuse_two_modes(mixed_precision, cfg.precision, self.device)
         # Scaling only when the mode needs it (FP16); the non-finite check is always on.
         self.precision = choice if isinstance(choice, Precision) else Precision(
             choice, device=self.device, overrides=cfg.precision_overrides,
-            micro_options=cfg.micro_options or None, init_scale=cfg.init_scale,
-            growth_interval=cfg.growth_interval, hysteresis=cfg.hysteresis,
-            min_scale=cfg.min_scale, on_min_scale=cfg.on_stuck_scale)
+            micro_options=cfg.micro_options or None, **cfg.scaler_options())
         self.loss_fn = loss_fn
         self.raw_model = model
         self._user_optimizer = optimizer
@@ -179,7 +181,8 @@ class Trainer:
         unwrapped = strategy.unwrap(self.model)
         self.monitor = (NumericsMonitor(unwrapped, every=cfg.monitor_every, compute_dtype=precision)
                         if cfg.monitor_every else None)
-        self.scale_watch = (ScaleWatch(cfg.min_scale, on_stuck=cfg.on_stuck_scale)
+        floor = precision.scaler.config        # the Precision's own floor (fit()'s, or a ready one's)
+        self.scale_watch = (ScaleWatch(floor.min_scale, on_stuck=floor.on_min_scale)
                             if precision.scales_loss else None)
         # The update of a taken step issued per module, overlapping the next forward (CUDA).
         if self.overlap is not None:
@@ -221,7 +224,7 @@ class Trainer:
         n = len(micro_batches)
         scale_before = precision.scale
         loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
+        tokens: torch.Tensor | int | None = 0
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
         if self.overlap is not None:
             self.overlap.begin_step()                     # FSDP2/compiled: wait for the update
@@ -235,7 +238,7 @@ class Trainer:
                     with record_function("mixprec.backward"):
                         precision.backward(loss)          # x loss scale (FP16) or x 1 (BF16/FP32)
                 loss_sum += loss.detach()
-                tokens += count
+                tokens = add_tokens(tokens, count)                    # non-padding tokens
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
             with self._around("around_update", step):
                 # Unscale once (fused inf/NaN check, agreed across ranks) -> clip the unscaled
@@ -246,14 +249,16 @@ class Trainer:
             self.scheduler.step()  # a skipped step must not advance the LR schedule
         return StepOutput(loss_sum, precision.last_grad_norm, not taken, scale_before, tokens)
 
-    def batch_loss(self, model: nn.Module, batch: Batch, n: int = 1) -> tuple[torch.Tensor, int]:
-        """One batch -> ``(FP32 loss / n, tokens)``: to the device, the objective under the mode's
-        autocast (matmuls in the compute dtype), the loss in FP32. The step, the non-finite
-        replay and evaluation all go through here."""
-        inputs, targets = self.strategy.to_device(batch)
+    def batch_loss(self, model: nn.Module, batch: Batch, n: int = 1) -> tuple[torch.Tensor, Any]:
+        """One batch -> ``(FP32 loss / n, tokens)``: to the device, the objective (decided once
+        from model + batch, models/objective.py) under the mode's autocast (matmuls in the compute
+        dtype), the loss in FP32. The step, the non-finite replay and evaluation all go through
+        here. ``tokens``: the non-padding tokens (a device tensor when counted from an attention
+        mask, None for inputs without token ids)."""
+        batch = self.strategy.to_device(batch)
         with self.precision.autocast(), record_function("mixprec.forward"):
-            loss = self.objective(model, inputs, targets)
-        return loss.float() / n, targets.numel()
+            loss = self.objective(model, batch)
+        return loss.float() / n, self.objective.tokens(batch)
 
     def settle(self) -> None:
         """Wait (on the device, not the host) for an overlapped update still in flight; before
@@ -376,6 +381,8 @@ class Trainer:
         """Train for ``max_steps`` (or ``epochs``); ``resume``: True (the run folder's newest
         checkpoint), or a run folder / checkpoint folder to continue from."""
         cfg = self.config
+        # A loader without its own position gets one (DataLoader, list), or fit() says it cannot.
+        train_loader = resumable(train_loader, seed=cfg.seed)
         total = self._total_steps(train_loader)
         seed_everything(cfg.seed)                  # dropout, data order of plain loaders
         self.prepare(total)
@@ -404,6 +411,8 @@ class Trainer:
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
                      fp8_report=self.fp8_report)
+        if hasattr(train_loader, "notice"):
+            events.data_position(train_loader.notice(resumed_at=self.step if resume else None), self.step)
         meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger)
         health = RunHealth(cfg, start_step=self.step)
         last_val = None
@@ -547,14 +556,13 @@ class Trainer:
         self.settle()
         model = self.strategy.unwrap(self.model)
         for batch in micro_batches:
-            inputs, targets = self.strategy.to_device(batch)
-            with self.precision.autocast():
-                self.objective(model, inputs, targets)
+            self.batch_loss(model, batch)
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,
         epochs: int | None = None, strategy: Strategy | str | None = None,
-        mixed_precision: str | Policy | Precision | bool = True, optimizer: torch.optim.Optimizer | None = None,
+        mixed_precision: str | Policy | Precision | bool | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None, loss_fn: Callable | None = None,
         resume: str | Path | bool | None = None, config: FitConfig | None = None,
         **kwargs: Any) -> FitResult:
@@ -563,11 +571,18 @@ def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable
     arguments are :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``,
     ``clip_grad_norm``, ``run_dir``, ...).
 
+    ``mixed_precision`` (or the ``precision`` field; default ``auto``, the best safe mode) is a
+    mode name, a ``Policy``, or a ready :class:`~mixprec.Precision`, which keeps its own settings:
+    ``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_stuck_scale``,
+    ``precision`` and ``precision_overrides`` that would change them are refused in one line
+    (pass them to the ``Precision``).
+
     A process group that ``fit()`` itself created (``strategy`` given by name, or chosen under
     ``torchrun``) for data parallelism is destroyed when training ends, after a barrier: nothing
     else can end it, and a group still alive at interpreter exit can abort or hang the process
-    (:meth:`Strategy.teardown`). A group you created, or one held by a strategy object you pass,
-    is left to you; so is an FSDP group, which your sharded model still needs."""
+    (:meth:`Strategy.teardown`). A group held by a strategy object you pass is torn down by an exit
+    hook when the script ends (or earlier by your ``strategy.teardown()``); a group you created
+    yourself is left to you, and so is an FSDP group, which your sharded model still needs."""
     if epochs is not None:
         kwargs["epochs"] = epochs
     trainer = Trainer(model, config=config, mixed_precision=mixed_precision, optimizer=optimizer,

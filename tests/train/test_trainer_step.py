@@ -112,8 +112,12 @@ def test_model_without_loss_needs_loss_fn(tmp_path):
     from mixprec.errors import ConfigError
     model = nn.Linear(8, 1)
     trainer = make_trainer(model, tmp_path, max_steps=1)
-    with pytest.raises(ConfigError, match="takes no targets.*loss_fn"):  # told before any step
-        trainer.prepare(1)
+    trainer.prepare(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    # Decided at the first batch (what the batch is matters), told before any update.
+    with pytest.raises(ConfigError, match="takes no targets.*loss_fn=lambda out, targets: F.mse_loss"):
+        trainer.train_step(batches(1))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     trainer = make_trainer(model, tmp_path, max_steps=1,
                            loss_fn=lambda out, y: nn.functional.mse_loss(out.squeeze(-1), y))
     trainer.prepare(1)
