@@ -95,7 +95,7 @@ class RunEvents:
         lines = [f"precision: {precision.describe()}", *precision.notes,
                  f"device: {self.strategy.device} x {self.strategy.world_size} "
                  f"({type(self.strategy).__name__})",
-                 f"model: {params / 1e6:.2f}M parameters; steps: {step} -> {total}; "
+                 f"model: {_count(params)} parameters; steps: {step} -> {total}; "
                  f"peak-FLOPs format for MFU: {precision.peak_format}",
                  f"run folder: {run_dir}"]
         if fp8_report is not None:
@@ -172,3 +172,8 @@ class RunEvents:
         for f in findings:
             self.logger.event({"kind": "audit", "step": step, "code": f.code,
                                "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})
+
+
+def _count(n: int) -> str:
+    """``0.86M`` from 100k parameters up; the exact count below (``0.00M`` said nothing)."""
+    return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
