@@ -10,6 +10,7 @@ CPU per format, most of it the emulated quantization and the emulated BF16 aroun
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -17,8 +18,14 @@ from mixprec.cli import main
 from mixprec.runs.metrics import read_events, read_metrics
 
 
+# The suite trains NVFP4 (the format with the most machinery: 2-D weight blocks, Hadamard
+# transforms, stochastic rounding, BF16 last blocks); MIXPREC_ALL_MICRO_FORMATS=1 adds MXFP8 and
+# MXFP4 (about 50 s of CPU each on an AVX2 machine), as run for issue 25's done-when.
+FORMATS = ["mxfp8", "mxfp4", "nvfp4"] if os.environ.get("MIXPREC_ALL_MICRO_FORMATS") else ["nvfp4"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", FORMATS)
 def test_small_model_trains_300_steps_finite(name, tmp_path):
     run_dir = tmp_path / name
     rc = main(["train", "model=small", "--precision", name, "max_steps=300", "batch_size=1",
