@@ -160,6 +160,19 @@ def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tenso
 
 
 @torch.no_grad()
+def linear_names(model: nn.Module, layers: Sequence[str] | None = None) -> list[str]:
+    """The model's ``nn.Linear`` names, limited to ``layers`` when given (an unknown name is
+    refused in one line, with the closest match)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if layers is not None:
+        unknown = [n for n in layers if n not in names]
+        if unknown:
+            from mixprec.errors import closest
+            raise ConfigError(f"no Linear named '{unknown[0]}'{closest(unknown[0], names)}")
+        names = [n for n in names if n in layers]
+    return names
+
+
 def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Sequence[Any],
                  objective: Callable, seed: int) -> list[float]:
     """Forward losses of ``model`` with the Linear ``name`` temporarily replaced by ``variant``."""
@@ -253,13 +266,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
-    names = [n for n, m in ref_model.named_modules() if isinstance(m, nn.Linear)]
-    if layers is not None:
-        unknown = [n for n in layers if n not in names]
-        if unknown:
-            from mixprec.errors import closest
-            raise ConfigError(f"no Linear named '{unknown[0]}'{closest(unknown[0], names)}")
-        names = [n for n in names if n in layers]
+    names = linear_names(ref_model, layers)
     ref_losses, records = _reference(ref_model, calib, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
     # One copy per format with every eligible Linear in that format (the FP8 rules refuse some):

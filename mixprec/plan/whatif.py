@@ -43,7 +43,7 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
-from mixprec.plan.planner import _local, _losses_with, _reference
+from mixprec.plan.planner import _local, _losses_with, _reference, linear_names
 from mixprec.policy.overrides import is_micro, parse_format
 
 __all__ = ["what_if", "WhatIfReport", "WhatIfRow", "FormatCell", "WHATIF_FORMATS"]
@@ -311,15 +311,9 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
-    names = [n for n, m in ref_model.named_modules() if isinstance(m, nn.Linear)]
-    if not names:
+    if not linear_names(ref_model):
         raise ConfigError("the model has no nn.Linear layer to ask about")
-    if layers is not None:
-        unknown = [n for n in layers if n not in names]
-        if unknown:
-            from mixprec.errors import closest
-            raise ConfigError(f"no Linear named '{unknown[0]}'{closest(unknown[0], names)}")
-        names = [n for n in names if n in layers]
+    names = linear_names(ref_model, layers)
     ref_losses, records = _reference(ref_model, batches, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
 
