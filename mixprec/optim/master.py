@@ -91,6 +91,14 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
             elementwise ``mixprec.optim.parts.SEPARABLE`` ones, or a class declaring
             ``mixprec_chunk_exact = True``). ``True`` refuses other optimizers; ``False`` keeps
             full FP32 masters.
+        master_params: the parameters that get a separate FP32 master, exactly these: the per-layer
+            table's ``master`` column (``Precision.master_params(model)``; ``Precision.setup``
+            passes it). Listed FP32 params are converted to ``param_dtype`` when it is given;
+            unlisted params are their own master (stepped in place, in their dtype). ``None``
+            (a hand-built optimizer): every floating param not in ``master_dtype`` gets one, and
+            with ``param_dtype`` every FP32 param except those the decider recorded as kept FP32
+            (``mixprec.optim.registry.kept_fp32``: ``Precision.setup``/``cast_module`` and
+            ``mark_fp32_params`` record the table's FP32 islands there).
 
     It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
     ``state`` are the inner optimizer's own objects, holding the masters, so editing
@@ -107,6 +115,7 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
         master_dtype: torch.dtype = torch.float32,
         param_dtype: torch.dtype | None = None,
         split: bool | None = None,
+        master_params: Iterable[Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -137,6 +146,7 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
         self._model_of: dict[int, Tensor] = {}  # id(separate master) -> model param
         self._pending: set[int] = set()   # split masters with a grad, not yet widened this step
         self._wide: set[int] = set()      # split masters holding FP32 values right now
+        self._wanted: set[int] | None = None if master_params is None else {id(p) for p in master_params}
 
         master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
@@ -161,8 +171,7 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
         if not p.is_leaf:
             raise ConfigError("can't optimize a non-leaf tensor; pass the model's parameters")
         self._all_model_params.append(p)
-        keep = getattr(p, "keep_in_fp32", False)  # tagged by mixprec.precision.mark_fp32_params
-        if not p.is_floating_point() or (p.dtype == self.master_dtype and (self.param_dtype is None or keep)):
+        if not p.is_floating_point() or not self._needs_master(p):
             self._master_of[id(p)] = p  # its own master
             return p
         master = p.detach().to(self.master_dtype, copy=True).requires_grad_(p.requires_grad)
@@ -176,6 +185,15 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
         self._model_of[id(master)] = p
         self._master_of[id(p)] = master
         return master
+
+    def _needs_master(self, p: Tensor) -> bool:
+        """A separate master for ``p``: the given set decides; without one, its dtype does (and,
+        when converting, the decider's record of FP32 islands)."""
+        if self._wanted is not None:
+            return id(p) in self._wanted and (p.dtype != self.master_dtype or self.param_dtype is not None)
+        if p.dtype != self.master_dtype:
+            return True
+        return self.param_dtype is not None and not registry.kept_fp32(p)
 
     def _alias_inner(self) -> None:
         """Share the inner optimizer's ``param_groups`` list and ``state`` dict (not copies)."""

@@ -173,7 +173,8 @@ class Trainer:
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
                                                       betas=(cfg.beta1, cfg.beta2),
                                                       split_masters=cfg.split_masters,
-                                                      moments=cfg.moments)
+                                                      moments=cfg.moments,
+                                                      model=strategy.unwrap(self.model))
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
