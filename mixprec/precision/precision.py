@@ -118,6 +118,9 @@ class Precision:
         self.fp8_report = None
         self.micro_report = None
         """What the micro-format conversion did (:class:`mixprec.formats.MicroConversionReport`)."""
+        self.table: LayerTable | None = None
+        """The per-layer table of the model :meth:`setup` set up (:meth:`resolve` at the end of
+        it, refreshed when a layer's format changes); what FSDP2's islands are read from."""
         self.layer_formats: dict[str, str] = {}
         """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
         self.last_grad_norm: torch.Tensor | None = None
@@ -322,6 +325,8 @@ class Precision:
         from mixprec.precision.layer_formats import swap_layer
         got = swap_layer(self, model, qualified_name, fmt)
         self.layer_formats[qualified_name] = got
+        if self.table is not None:
+            self.table = self.resolve(model)
         return got
 
     def apply_layer_formats(self, model: nn.Module, formats: dict[str, str]) -> None:
@@ -495,6 +500,7 @@ class Precision:
                         master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
         self.apply_formats(model)
         setattr(model, _SETUP_TAG, self._identity())
+        self.table = self.resolve(model)
         return model
 
     @property

@@ -40,7 +40,8 @@ from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
                                    refuse_changes_to_ready_precision, refuse_two_modes)
 from mixprec.train.health import RunHealth, seed_everything
-from mixprec.train.hooks import NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook, StepHook
+from mixprec.train.hooks import (GuardHook, NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook,
+                                 StepHook)
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput
@@ -119,6 +120,10 @@ class Trainer:
         self.hooks: list[StepHook] = []
         """The optional per-step helpers, in call order (mixprec.train.hooks)."""
         self.guard = None
+        self.step_batches: list[Batch] = []
+        """The micro-batches of the step just taken (for hooks that re-run its forward)."""
+        self.step_event: Any = None
+        """The traced inf/NaN origin of the step just taken (a ``NonFiniteEvent``), or None."""
 
     @property
     def policy(self) -> Policy:
@@ -216,6 +221,9 @@ class Trainer:
             from mixprec.plan.guard import TrainingGuard
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
                                        config=cfg.guard_config())
+
+        if self.guard is not None:
+            self.hooks.append(GuardHook(self.guard))   # last: it may restore what others measured
 
     # ------------------------------------------------------------------ the step
 
@@ -459,7 +467,7 @@ class Trainer:
                                          val_loss=last_val if do_eval else None)
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
                                         lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps)
-                        self._stop_if_diverged(health.verdict(last_val if do_eval else None))
+                        self.stop_if_diverged(health.verdict(last_val if do_eval else None))
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
                         self._save(train_loader)
@@ -499,7 +507,7 @@ class Trainer:
         self.events.note(message, self.step, "interrupted", say=False)
         raise RunInterrupted(message, signum)
 
-    def _stop_if_diverged(self, problem: str | None) -> None:
+    def stop_if_diverged(self, problem: str | None) -> None:
         if problem is None:
             return
         from mixprec.runs import checkpoint as ckpt
@@ -536,27 +544,17 @@ class Trainer:
             self.events.skip(self.step, out, event)
             if event is not None:
                 origin = f"{event.module} (rank {event.rank})" if event.rank is not None else event.module
+        self.step_batches, self.step_event = batches, event
         for hook in self.hooks:
             hook.after_step(self, self.step, out, origin)
-        if self.guard is not None:
-            self._run_guard(batches, out, event)
-
-    def _run_guard(self, batches: list[Batch], out: StepOutput, event: Any) -> None:
-        """Guarded training (mixprec/plan/guard.py): promote a bad layer, restore on a spike."""
-        from mixprec.plan.guard import StepOutcome
-        outcome = StepOutcome(self.step, float(out.loss), out.skipped,      # host sync: the loss
-                              event.module if event is not None else None)
-        for action in self.guard.after_step(outcome, probe=lambda: self._forward(batches)):
-            self.events.guard(action)
-            if action.kind == "give-up":
-                self._stop_if_diverged(action.message)
 
     @torch.no_grad()
-    def _forward(self, micro_batches: list[Batch]) -> None:
-        """The forward of a step again, without backward (the guard's hooks measure it)."""
+    def replay_forward(self) -> None:
+        """The forward of the step just taken again, without backward (the guard's probe: its
+        hooks measure it)."""
         self.settle()
         model = self.strategy.unwrap(self.model)
-        for batch in micro_batches:
+        for batch in self.step_batches:
             self.batch_loss(model, batch)
 
 
