@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import torch
 
-from mixprec.errors import ConfigError, DataError, RunInterrupted
+from mixprec.errors import ConfigError, DataError, RunInterrupted, excerpt
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 from mixprec.train.signals import exit_code
 
@@ -248,7 +248,7 @@ def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
             traceback.print_exception(exc)
         text = str(exc).strip() or type(exc).__name__
         if not user_error:
-            text = f"{type(exc).__name__}: {text.splitlines()[0]}"
+            text = f"{type(exc).__name__}: {excerpt(exc, 300)}"
         prefix = "" if text.startswith(f"rank {rank}:") else f"rank {rank}: "
         print(f"mixprec: error: {prefix}{text}", file=sys.stderr)
         code = getattr(exc, "exit_code", 2) if user_error else 1

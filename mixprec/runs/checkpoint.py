@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, excerpt
 
 __all__ = [
     "save_checkpoint",
@@ -458,14 +458,15 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
                 model_state[key] = f.get_tensor(key)
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {model_path} cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); {_earlier_hint(step_dir)}") from exc
+                              f"{excerpt(exc, 160)}); {_earlier_hint(step_dir)}") from exc
     for alias, canonical in aliases.items():
         model_state[alias] = model_state[canonical]
     state_path = step_dir / STATE_FILE
     try:
         train_state = torch.load(state_path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # torch names the refused global on a line of its own, after its advice: that line first
+        lines = [line for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line]
         raise CheckpointError(f"checkpoint file {state_path} cannot be read ({type(exc).__name__}: "
-                              f"{first[:160]}); {_earlier_hint(step_dir)}") from exc
+                              f"{excerpt(lines[0] if lines else exc, 160)}); {_earlier_hint(step_dir)}") from exc
     return model_state, train_state, meta

@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from mixprec.data.position import resumable
-from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
+from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged, excerpt
 from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
@@ -520,7 +520,7 @@ class Trainer:
                 raise
             # The compile failed in the first forward, before any gradient or update: undo it.
             self.strategy.unwrap(self.model)._compiled_call_impl = None
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            first = excerpt(e, 300)
             self.events.note(f"compile=true failed ({type(e).__name__}: {first}); training eager",
                              self.step, kind="compile")
             return self.train_step(batches)
