@@ -14,7 +14,7 @@ from mixprec.strategies import FSDPStrategy, MirroredStrategy, SingleDeviceStrat
 from mixprec.train import FitConfig, Trainer, TrainConfig, fit
 from mixprec.plan import plan_precision, what_if
 
-__version__ = "0.1.0"
+from mixprec._version import __version__
 
 __all__ = [
     # precision: the policy (data) and the Precision object (every decision)

@@ -183,10 +183,55 @@ def _build_hf_model(cfg: TrainConfig, vocab_size: int):
                           gradient_checkpointing=cfg.gradient_checkpointing)
 
 
+def _field_docs() -> dict[str, str]:
+    """Each setting's description: the first sentence of its docstring in train/config.py."""
+    import ast
+    import inspect
+    import re
+    from mixprec.train import config as module
+    docs: dict[str, str] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for field, doc in zip(body, body[1:]):
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and \
+                        isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                        isinstance(doc.value.value, str):
+                    text = " ".join(doc.value.value.split()).replace("``", "")
+                    first = re.split(r"(?<=[a-z0-9)])\. (?=[A-Z`(])", text)[0].rstrip(".")
+                    docs[field.target.id] = first if len(first) <= 90 else first[:87].rsplit(" ", 1)[0] + " ..."
+    return docs
+
+
+def _default_text(value: object) -> str:
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_table() -> str:
+    """``mixprec train --list``: every setting, its default and what it does, as aligned columns."""
+    from mixprec.train.config import FitConfig
+    docs = _field_docs()
+    loop = {f.name for f in dataclasses.fields(FitConfig)}
+    rows = [(f.name, _default_text(f.default), docs.get(f.name, "")) for f in dataclasses.fields(TrainConfig)]
+    width = max(len("setting"), *(len(r[0]) for r in rows)), max(len("default"), *(len(r[1]) for r in rows))
+    lines = ["Settings: key=value on the command line, or in a TOML file (--config FILE).", ""]
+    for title, names in (("training loop (also fit() and Trainer)", loop),
+                         ("model, data and launch (mixprec train)", {r[0] for r in rows} - loop)):
+        lines += [title, f"  {'setting':<{width[0]}}  {'default':<{width[1]}}  description"]
+        lines += [f"  {n:<{width[0]}}  {d:<{width[1]}}  {doc}".rstrip() for n, d, doc in rows if n in names]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        for f in dataclasses.fields(TrainConfig):
-            print(f"{f.name} = {f.default!r}")
+        print(settings_table())
         return 0
     cfg, source, resume_from = _resolve(args)
     from mixprec.train.trainer import Trainer

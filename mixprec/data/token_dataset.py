@@ -202,8 +202,9 @@ class TokenDataset(torch.utils.data.Dataset):
     def _check_length(self) -> None:
         need, have = self.max_length + 1, self._end - self._begin
         if have < need:
-            raise DataError(f"max_length={self.max_length} needs {need} tokens per sample but {self.root} holds "
-                            f"only {have}; lower max_length or add data")
+            raise DataError(f"a sequence length of {self.max_length} (seq_len, the dataset's max_length) needs "
+                            f"{need} tokens per sample but {self.root} holds only {have}; lower seq_len "
+                            "or add data")
 
     def _maps_open(self) -> list[np.ndarray]:
         if self._maps is None:
@@ -314,7 +315,7 @@ class TokenDataset(torch.utils.data.Dataset):
         for begin, end, name in ((self._begin, cut, "training"), (cut, self._end, "validation")):
             if end - begin < self.max_length + 1:
                 raise DataError(f"val_fraction={val_fraction} leaves {end - begin} {name} tokens, fewer than one "
-                                f"sample of max_length+1={self.max_length + 1}; change val_fraction or add data")
+                                f"sample of seq_len+1={self.max_length + 1} tokens; change val_fraction or add data")
             part = object.__new__(TokenDataset)
             part.__dict__.update(self.__getstate__())
             part._begin, part._end = begin, end

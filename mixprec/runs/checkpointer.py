@@ -78,7 +78,7 @@ class Checkpointer:
         path = None
         if strategy.is_main and self.run_dir is not None:
             path = ckpt.save_checkpoint(self.run_dir, step, model_state=model_state,
-                                        train_state=state, keep_last=self.keep_last)
+                                        train_state=state, keep_last=self.keep_last or None)
             if self.export_hf:
                 self._export(model, path / "hf", model_state)
         strategy.barrier()
