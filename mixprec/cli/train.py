@@ -99,6 +99,14 @@ def _check_vocabulary(ds, say: bool) -> None:
         print(f"[mixprec] vocabulary: {ds.vocab_size} ids ({how})", file=sys.stderr)
 
 
+def _warn_binary(ds, say: bool) -> None:
+    """One line per text file that looks binary (random bytes, an executable named .txt)."""
+    if say:
+        for path, share in ds.binary_text_files():
+            print(f"[mixprec] warning: data looks binary: {share:.0%} non-text bytes in the first 64 KiB "
+                  f"of {path}; it trains as bytes anyway (check the file)", file=sys.stderr)
+
+
 def _available_memory_bytes() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -142,8 +150,10 @@ def build_run(cfg: TrainConfig):
     else:
         train_ds = TokenDataset(cfg.data, cfg.seq_len, vocab_size=vocab)
         _check_vocabulary(train_ds, strategy.is_main)
+        _warn_binary(train_ds, strategy.is_main)
         if cfg.val_data is not None:
             val_ds = TokenDataset(cfg.val_data, cfg.seq_len, vocab_size=train_ds.vocab_size)
+            _warn_binary(val_ds, strategy.is_main)
         else:
             train_ds, val_ds = train_ds.split(cfg.val_fraction)
     overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
