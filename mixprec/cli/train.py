@@ -118,18 +118,63 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _check_fits_in_memory(build, vocab_size: int) -> None:
-    """Refuse, before allocating, a model (``build()`` makes it) whose weights, gradients and Adam
-    state alone (16 bytes per parameter in every precision mode) exceed the memory free here."""
+def _step_memory(model, cfg: TrainConfig, on_cpu: bool):
+    """The memory estimator's answer (mixprec.estimate.memory) for one training step of ``model``
+    at the config's batch_size x seq_len: states by precision, activations with the attention the
+    model runs (fused SDPA: no seq_len^2 score matrix is kept)."""
+    from mixprec.estimate.memory import ModelShape, estimate_memory
+    shape = ModelShape.from_config(model.config)
+    kwargs = dict(batch=cfg.batch_size, seq=cfg.seq_len, checkpointing=cfg.gradient_checkpointing,
+                  split_masters=cfg.split_masters, moments_dtype=cfg.moments,
+                  device="cpu" if on_cpu else None)
+    try:
+        return shape, estimate_memory(shape, cfg.precision, **kwargs)
+    except (ConfigError, ValueError):     # a plan file or a mode the estimator does not model
+        return shape, estimate_memory(shape, "32-true", **kwargs)
+
+
+def _check_fits_in_memory(build, vocab_size: int, cfg: TrainConfig | None = None, *,
+                          say: bool = False) -> None:
+    """Before allocating, ask the memory estimator what one step of the model (``build()`` makes
+    it) needs at ``batch_size x seq_len`` and refuse it when that exceeds the memory free here. With
+    ``say``, one warning line when the sequence is long: the position table grows with seq_len and
+    attention's FLOPs grow with seq_len^2 (the numbers and the fix)."""
+    cfg = cfg or TrainConfig()
     with torch.device("meta"):   # shapes only: nothing is allocated
-        n = build().num_parameters()
-    free = _available_memory_bytes()
+        model = build()
+    n = model.num_parameters()
     on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory
-    if free is not None and on_cpu and 16 * n > free:
-        raise ConfigError(f"the model has {n / 1e6:.0f}M parameters (vocab_size {vocab_size}): weights, "
-                          f"gradients and Adam state need at least {16 * n / 2**30:.1f} GiB but "
-                          f"{free / 2**30:.1f} GiB are free; pick a smaller model or vocabulary "
-                          "(`mixprec memory` shows where the bytes go)")
+    shape, mem = _step_memory(model, cfg, on_cpu)
+    free = _available_memory_bytes()
+    gib = 2**30
+    if free is not None and on_cpu and mem.peak > free:
+        raise ConfigError(f"the model has {n / 1e6:.1f}M parameters (vocab_size {vocab_size}) and a step of "
+                          f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} needs ~{mem.peak / gib:.1f} GiB "
+                          f"({mem.states / gib:.1f} GiB weights, gradients and optimizer state, "
+                          f"{mem.activations / gib:.1f} GiB activations) but {free / gib:.1f} GiB are free; lower "
+                          "seq_len or batch_size, set gradient_checkpointing=true, or pick a smaller model or "
+                          "vocabulary (`mixprec memory` shows where the bytes go)")
+    if not say:
+        return
+    from mixprec.models.config import MODEL_PRESETS
+    preset = MODEL_PRESETS.get(cfg.model)
+    positions = preset.max_seq_len if preset is not None else cfg.seq_len
+    per_token = model.flops_per_token(cfg.seq_len)
+    attention = 6.0 * model.config.num_layers * model.config.d_model * cfg.seq_len / per_token
+    if cfg.seq_len <= positions and attention < 0.5:
+        return
+    step_flops = per_token * cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+    grown = ""
+    if cfg.seq_len > positions:
+        import dataclasses as dc
+        base = dc.replace(shape, max_seq_len=positions).num_parameters()
+        grown = (f"seq_len={cfg.seq_len} is longer than model {cfg.model}'s {positions} positions: its "
+                 f"position table grows to {cfg.seq_len} rows, so the model has {n / 1e6:.2f}M parameters "
+                 f"({base / 1e6:.2f}M at {positions}); ")
+    print(f"[mixprec] warning: {grown}a step is {step_flops / 1e12:.2f} TFLOP, {attention:.0%} of it "
+          f"attention (which grows with seq_len^2), and needs ~{mem.peak / gib:.2f} GiB (fused attention: "
+          f"no seq_len^2 score matrix is kept); lower seq_len, or pick a model made for long "
+          f"sequences", file=sys.stderr)
 
 
 def build_run(cfg: TrainConfig):
@@ -165,7 +210,7 @@ def build_run(cfg: TrainConfig):
         torch.manual_seed(cfg.seed)
         model = _build_hf_model(cfg, train_ds.vocab_size)
     else:
-        _check_fits_in_memory(build_transformer, train_ds.vocab_size)
+        _check_fits_in_memory(build_transformer, train_ds.vocab_size, cfg, say=strategy.is_main)
         torch.manual_seed(cfg.seed)
         model = build_transformer()
     train_loader = DistributedDataLoader(train_ds, cfg.batch_size, num_workers=cfg.num_workers,
