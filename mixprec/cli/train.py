@@ -254,7 +254,7 @@ def _field_docs() -> dict[str, str]:
                         isinstance(doc.value.value, str):
                     text = " ".join(doc.value.value.split()).replace("``", "")
                     first = re.split(r"(?<=[a-z0-9)])\. (?=[A-Z`(])", text)[0].rstrip(".")
-                    docs[field.target.id] = first if len(first) <= 90 else first[:87].rsplit(" ", 1)[0] + " ..."
+                    docs[field.target.id] = excerpt(first, 90)
     return docs
 
 
