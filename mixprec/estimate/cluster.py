@@ -238,7 +238,7 @@ def estimate(model: str | ModelSpec, *, tokens: float | str, gpu: str = "H800", 
                           f"valid: {', '.join(PARALLELISMS)}")
     if num_gpus < 1 or tp < 1 or pp < 1 or micro_batch < 1 or num_gpus % (tp * pp):
         raise ConfigError(f"--gpus ({num_gpus}) must be a positive multiple of --tp x --pp ({tp} x {pp}), "
-                          "and --micro-batch >= 1")
+                          "and --batch-size >= 1")
     if pue < 1 or usd_per_gpu_hour < 0 or (power_w is not None and power_w <= 0):
         raise ConfigError("--pue must be >= 1, --usd-per-gpu-hour >= 0 and --power-w > 0")
     seq = seq or spec.default_seq
