@@ -135,4 +135,4 @@ class GuardHook(StepHook):
         for action in self.guard.after_step(outcome, probe=trainer.replay_forward):
             trainer.events.guard(action)
             if action.kind == "give-up":
-                trainer.stop_if_diverged(action.message)
+                trainer._stop_if_diverged(action.message)   # exit 3, as a diverged run
