@@ -24,13 +24,17 @@ from mixprec.models.hf import export_pretrained, is_hf_model
 __all__ = ["Checkpointer", "Restored"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=False)
 class Restored:
     """Where a restored run stands."""
 
     step: int
     epoch: int
     loader_resumed: bool   # the loader knows its epoch and position (do not call set_epoch)
+    saved_lr: list[float] = dataclasses.field(default_factory=list)
+    """The LR of each optimizer group as the checkpoint left it."""
+    notes: tuple[str, ...] = ()
+    """What the run should say and record (a checkpoint skipped, and why)."""
 
 
 class Checkpointer:
@@ -105,7 +109,8 @@ class Checkpointer:
              precision: Precision, scheduler: Any, loader: Any, replanner: Any = None) -> Restored:
         """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
         strategy = self.strategy
-        model_state, state, _meta = ckpt.load_checkpoint(path)
+        step_dir, note = ckpt.resolve_checkpoint(Path(path))
+        model_state, state, _meta = ckpt.load_checkpoint(step_dir)
         if state.get("policy") != precision.policy.spec():
             saved = state.get("precision") or state.get("policy")
             raise CheckpointError(
@@ -130,14 +135,19 @@ class Checkpointer:
         strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         precision.scaler.load_state_dict(state["scaler"])
         scheduler.load_state_dict(state["scheduler"])
+        saved_lr = [float(g["lr"]) for g in optimizer.param_groups]
         step, epoch = int(state["step"]), int(state["epoch"])
         loader_resumed = False
         if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["loader"])
             loader_resumed = True
+            if getattr(loader, "resume_note", None):
+                note = f"{note}; {loader.resume_note}" if note else loader.resume_note
             # The loader moves to the next epoch as soon as it hands out an epoch's last batch.
             epoch = int(state["loader"].get("epoch", epoch))
+            if getattr(loader, "resume_note", None) and hasattr(loader, "epoch"):
+                epoch = int(loader.epoch)        # the position moved (to the next epoch's start)
         if state.get("strategy") is not None and hasattr(strategy, "load_state_dict"):
             strategy.load_state_dict(state["strategy"])
         ckpt.restore_rng_state(state["rng"])
-        return Restored(step, epoch, loader_resumed)
+        return Restored(step, epoch, loader_resumed, saved_lr, (note,) if note else ())
