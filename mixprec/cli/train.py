@@ -62,6 +62,10 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
         raise ConfigError(f"cannot resume: {saved} not found; pass the folder of an earlier "
                           "`mixprec train` run")
     base_cfg, _ = load_config(saved)
+    if base_cfg.model.startswith("fit: "):
+        raise ConfigError(f"cannot resume {resume_dir} with mixprec train: fit() trained it on "
+                          f"{base_cfg.model[5:]}, which the command line cannot build; continue it "
+                          f"from Python with fit(..., run_dir={str(resume_dir)!r}, resume=True)")
     base: dict[str, object] = dict(dataclasses.asdict(base_cfg))
     base["run_dir"] = str(resume_dir)
     # The resumed run's settings replace the defaults; the file and the command line still win.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -455,7 +456,8 @@ class Trainer:
             logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
             if main:  # the resolved precision ("auto" means something else on another machine)
                 resolved = dataclasses.replace(cfg, precision=self.precision.name)
-                (self.run_dir / "config.toml").write_text(config_to_toml(resolved))
+                (self.run_dir / "config.toml").write_text(
+                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader))
         except OSError as e:
             fix = ("copy the run folder somewhere writable and resume from the copy" if resume else
                    "free some space or choose another run_dir=PATH")
@@ -639,6 +641,24 @@ class Trainer:
         model = self.strategy.unwrap(self.model)
         for batch in micro_batches:
             self.batch_loss(model, batch)
+
+
+def _what_fit_trained(cfg: FitConfig, model: nn.Module, loader: Any) -> str:
+    """For a ``fit()`` run (a config without ``model``): the model and, where the loader says, the
+    batch shape, as ``config.toml`` lines, so a reader (and ``mixprec train --resume``) learns them."""
+    if hasattr(cfg, "model"):
+        return ""
+    from mixprec.models.hf import is_hf_model
+    kind = type(model)
+    name = (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
+            else f"{kind.__module__}.{kind.__qualname__}")
+    lines = [f"model = {json.dumps('fit: ' + name)}"]
+    inner = getattr(loader, "loader", loader)
+    seq_len = getattr(getattr(inner, "dataset", None), "max_length", None)
+    for key, value in (("seq_len", seq_len), ("batch_size", getattr(inner, "batch_size", None))):
+        if isinstance(value, int) and not isinstance(value, bool):
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,
