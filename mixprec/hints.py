@@ -79,8 +79,11 @@ def resume(path: str | os.PathLike | None = None, *, checkpoint: bool = False,
     where = path if path is not None else (run_dir() or "RUN_DIR")
     if is_command_line():
         return command("train", "--resume", where, *(f"{k}={_cli_value(v)}" for k, v in settings.items()))
-    args = ([f"resume={str(where)!r}"] if checkpoint else
-            [f"run_dir={str(where)!r}", "resume=True"])
+    if checkpoint:      # RUN/checkpoints/step-N: continue in RUN, from that step
+        folder = Path(where).parent.parent if Path(where).parent.name == "checkpoints" else None
+        args = ([f"run_dir={str(folder)!r}"] if folder is not None else []) + [f"resume={str(where)!r}"]
+    else:
+        args = [f"run_dir={str(where)!r}", "resume=True"]
     args += [f"{k}={_python_value(v)}" for k, v in settings.items()]
     return f"fit(..., {', '.join(args)})"
 

@@ -24,7 +24,7 @@ from mixprec.models.hf import export_pretrained, is_hf_model
 __all__ = ["Checkpointer", "Restored"]
 
 
-@dataclass(frozen=True, kw_only=False)
+@dataclass(frozen=True)
 class Restored:
     """Where a restored run stands."""
 
