@@ -3,6 +3,7 @@ checkpoint it uses and why, starts over a folder with no checkpoint, and tells a
 Python way out; the position of the data follows a batch_size/seq_len change honestly."""
 import csv
 import json
+import sys
 import tomllib
 from pathlib import Path
 
@@ -14,6 +15,9 @@ import mixprec as mp
 from mixprec.errors import ConfigError
 from mixprec.optim.schedule import WarmupCosine
 from mixprec.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_run_safety import InfAfter, _regressor_batches  # noqa: E402
 
 
 class Regressor(nn.Module):
@@ -170,3 +174,20 @@ def test_a_changed_sample_count_goes_on_from_the_next_epoch_and_says_so():
     b = _loader(n=80)                                          # seq_len halved: twice the samples
     b.load_state_dict(state)
     assert b.epoch == 1 and "from the start of epoch 1" in b.resume_note
+
+
+def test_the_divergence_message_names_a_resume_with_a_lower_lr_that_takes_effect(tmp_path):
+    from mixprec.errors import TrainingDiverged
+    run = tmp_path / "r"
+    with pytest.raises(TrainingDiverged) as err:
+        mp.fit(InfAfter(good=15), _regressor_batches(60), mixed_precision="32-true", max_steps=60,
+               warmup_steps=5, lr=1e-3, log_interval=10, run_dir=str(run), progress=False,
+               audit=False, trace_nonfinite=False, ckpt_interval=10)
+    ckpt = run / "checkpoints" / "step-00000010"
+    hint = f"fit(..., run_dir={str(run)!r}, resume={str(ckpt)!r}, lr=0.0005)"
+    assert str(err.value).endswith(hint) and "mixprec train" not in str(err.value)
+    # Followed as printed, the lower lr is the one the schedule now uses.
+    trainer = Trainer(InfAfter(good=10**6), mixed_precision="32-true", max_steps=12, warmup_steps=5,
+                      lr=5e-4, log_interval=1, run_dir=str(run), progress=False, audit=False)
+    trainer.fit(_regressor_batches(60), resume=str(ckpt))
+    assert metrics_lr(run)[11] == pytest.approx(5e-4 * WarmupCosine(5, 12, 0.1)(11), rel=1e-12)
