@@ -413,7 +413,11 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
         raise CheckpointError(f"no checkpoint at {path}; pass a run folder, its checkpoints/ folder "
                               "or a checkpoints/step-XXXXXXXX folder")
     if (path / META_FILE).is_file() or _parse_step(path.name) is not None:
-        return path, None
+        step = _parse_step(path.name)
+        newer = [p.name for s, p in list_checkpoints(path.parent) if step is not None and s > step]
+        return path, (f"resuming from {path.name}; the newer checkpoints {', '.join(newer)} are from "
+                      "the run's earlier course: each is replaced when this run saves its step"
+                      if newer else None)
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     latest = _read_latest(ckpt_dir)
     complete = list_checkpoints(ckpt_dir)

@@ -79,6 +79,10 @@ def test_resume_with_unchanged_settings_keeps_the_lr_bit_for_bit(tmp_path):
            **QUIET, resume=str(split / "checkpoints" / "step-00000003"))
     assert metrics_lr(split) == metrics_lr(straight)
     assert not [e for e in events(split) if e["kind"] == "schedule"]
+    # Resuming from an earlier checkpoint says the newer ones (steps 6, 8) will be replaced.
+    said = [e["message"] for e in events(split) if e["kind"] == "checkpoint"]
+    assert said == ["resuming from step-00000003; the newer checkpoints step-00000006, step-00000008 are from the "
+                    "run's earlier course: each is replaced when this run saves its step"]
 
 
 def test_max_steps_below_the_checkpoint_is_refused_in_one_line(tmp_path):
