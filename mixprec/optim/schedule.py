@@ -34,22 +34,24 @@ def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: i
         optimizer, WarmupCosine(warmup_steps, total_steps, min_ratio))
 
 
-def restretch(scheduler: torch.optim.lr_scheduler.LambdaLR, *, lr: float, warmup_steps: int,
-              total_steps: int, min_ratio: float) -> list[float]:
+def restretch(scheduler: torch.optim.lr_scheduler.LambdaLR, *, base_lrs: list[float],
+              warmup_steps: int, total_steps: int, min_ratio: float) -> list[float]:
     """Give a (restored) warm-up + cosine scheduler new settings, in place, keeping its count of
-    steps taken: the peak ``lr`` and each group's ``initial_lr`` become ``lr``, the curve becomes
-    ``WarmupCosine(warmup_steps, total_steps, min_ratio)``, and every group's current LR is the new
-    curve's value at the steps taken. Returns those LRs. The same settings change nothing (the LR
-    is computed as ``LambdaLR`` computes it)."""
+    steps taken: each group's peak LR (and ``initial_lr``) becomes ``base_lrs[i]``, the curve
+    becomes ``WarmupCosine(warmup_steps, total_steps, min_ratio)``, and every group's current LR is
+    the new curve's value at the steps taken. Returns those LRs. The same settings change nothing
+    (the LR is computed as ``LambdaLR`` computes it)."""
     curve = WarmupCosine(warmup_steps, total_steps, min_ratio)
     state = scheduler.state_dict()
-    n = len(scheduler.optimizer.param_groups)
-    state["base_lrs"] = [float(lr)] * n
-    state["lr_lambdas"] = [dict(vars(curve)) for _ in range(n)]
+    groups = scheduler.optimizer.param_groups
+    if len(base_lrs) != len(groups):
+        raise ValueError(f"{len(base_lrs)} peak LRs for {len(groups)} parameter groups")
+    state["base_lrs"] = [float(lr) for lr in base_lrs]
+    state["lr_lambdas"] = [dict(vars(curve)) for _ in groups]
     lrs = [base * curve(state["last_epoch"]) for base in state["base_lrs"]]
     state["_last_lr"] = lrs
     scheduler.load_state_dict(state)
-    for group, value in zip(scheduler.optimizer.param_groups, lrs):
-        group["initial_lr"] = float(lr)
+    for group, base, value in zip(groups, state["base_lrs"], lrs):
+        group["initial_lr"] = base
         group["lr"] = value
     return lrs

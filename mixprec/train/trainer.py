@@ -440,6 +440,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last,
                                          export_hf=cfg.export_hf, model=self.model)
         if resume:
+            # This run's peak LR per group, as prepare() built the schedule (cfg.lr for mixprec's
+            # optimizer; your optimizer's own LRs for one you passed).
+            peaks = list(self.scheduler.base_lrs) if self._user_scheduler is None else []
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
                 optimizer=self.optimizer, precision=self.precision, scheduler=self.scheduler,
@@ -451,7 +454,7 @@ class Trainer:
                 raise ConfigError(f"the checkpoint is at step {self.step}, past max_steps={total}; "
                                   f"resume with max_steps={self.step} or more")
             if self._user_scheduler is None:
-                self._reschedule(total, restored.saved_lr)
+                self._reschedule(total, peaks, restored.saved_lr)
         try:
             logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
             if main:  # the resolved precision ("auto" means something else on another machine)
@@ -537,26 +540,27 @@ class Trainer:
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.name)
 
-    def _reschedule(self, total: int, saved_lr: list[float]) -> None:
+    def _reschedule(self, total: int, peaks: list[float], saved_lr: list[float]) -> None:
         """After a restore, this run's settings set the learning rate, not the checkpoint's.
 
         The schedule is a function of the optimizer steps taken: the checkpoint gives their count,
-        this run's ``lr``, ``warmup_steps``, ``min_lr_ratio`` and ``max_steps`` give the rest. The
-        next step trains at the LR the new schedule has at the steps already taken, and the cosine
-        ends at ``lr * min_lr_ratio`` at the new ``max_steps`` (a finished run extended with a
-        larger ``max_steps`` goes back up the cosine to where the longer run would be). Unchanged
-        settings give the checkpoint's LR bit for bit."""
+        this run's peak LR (``lr``, or the LRs of an optimizer you passed), ``warmup_steps``,
+        ``min_lr_ratio`` and ``max_steps`` give the rest. The next step trains at the LR the new
+        schedule has at the steps already taken, and the cosine ends at ``peak * min_lr_ratio`` at
+        the new ``max_steps`` (a finished run extended with a larger ``max_steps`` goes back up the
+        cosine to where the longer run would be). Unchanged settings give the checkpoint's LR bit
+        for bit."""
         from mixprec.optim.schedule import restretch
         cfg = self.config
-        lrs = restretch(self.scheduler, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=total,
-                        min_ratio=cfg.min_lr_ratio)
+        lrs = restretch(self.scheduler, base_lrs=peaks, warmup_steps=cfg.warmup_steps,
+                        total_steps=total, min_ratio=cfg.min_lr_ratio)
         # The optimizer's other settings come from this run's config too (they are not a state).
         if len(self._group_settings) == len(self.optimizer.param_groups):
             for group, settings in zip(self.optimizer.param_groups, self._group_settings):
                 group.update(settings)
         if saved_lr and abs(lrs[0] - saved_lr[0]) > 1e-12 * max(abs(saved_lr[0]), 1e-30):
             self._notes.append((f"resumed schedule: lr {saved_lr[0]:.4g} -> {lrs[0]:.4g} at step "
-                                f"{self.step} (lr={cfg.lr:g}, warmup_steps={cfg.warmup_steps}, "
+                                f"{self.step} (lr={peaks[0]:g}, warmup_steps={cfg.warmup_steps}, "
                                 f"min_lr_ratio={cfg.min_lr_ratio:g}, cosine to step {total})",
                                 "schedule"))
 

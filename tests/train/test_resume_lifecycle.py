@@ -195,3 +195,20 @@ def test_the_divergence_message_names_a_resume_with_a_lower_lr_that_takes_effect
                       lr=5e-4, log_interval=1, run_dir=str(run), progress=False, audit=False)
     trainer.fit(_regressor_batches(60), resume=str(ckpt))
     assert metrics_lr(run)[11] == pytest.approx(5e-4 * WarmupCosine(5, 12, 0.1)(11), rel=1e-12)
+
+
+def test_a_resume_with_your_own_optimizer_keeps_its_learning_rates(tmp_path):
+    run = tmp_path / "run"
+
+    def model_and_adam():
+        model = Regressor()
+        return model, torch.optim.AdamW([{"params": [model.lin.weight], "lr": 3e-3},
+                                         {"params": [model.lin.bias], "lr": 1e-2}])
+    model, opt = model_and_adam()
+    mp.fit(model, batches(), optimizer=opt, max_steps=4, warmup_steps=0, min_lr_ratio=1.0,
+           ckpt_interval=2, run_dir=str(run), **QUIET)
+    model, opt = model_and_adam()
+    mp.fit(model, batches(), optimizer=opt, max_steps=6, warmup_steps=0, min_lr_ratio=1.0,
+           run_dir=str(run), resume=True, **QUIET)
+    assert [g["lr"] for g in opt.param_groups] == [3e-3, 1e-2]     # not fit()'s default lr
+    assert set(metrics_lr(run).values()) == {3e-3}
