@@ -39,20 +39,22 @@ def holds_a_run(path: Path) -> bool:
 
 
 def claim_run_dir(run_dir: str | Path | None, *, precision: str, resume: bool,
-                  overwrite: bool, root: Path = Path("runs")) -> Path:
+                  overwrite: bool, root: Path = Path("runs"), ways_out: str | None = None) -> Path:
     """:func:`claim_locked_run_dir` for a caller that does not keep the lock."""
     path, lock = claim_locked_run_dir(run_dir, precision=precision, resume=resume,
-                                      overwrite=overwrite, root=root)
+                                      overwrite=overwrite, root=root, ways_out=ways_out)
     lock.release()
     return path
 
 
 def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: bool,
-                         overwrite: bool, root: Path = Path("runs")) -> tuple[Path, RunLock]:
+                         overwrite: bool, root: Path = Path("runs"),
+                         ways_out: str | None = None) -> tuple[Path, RunLock]:
     """Create (or check) the run folder for a run and take its lock; called on the main rank only.
 
     The lock comes before anything is deleted (``overwrite``) or continued (``resume``): a live
-    run's folder is refused, naming the process that writes it."""
+    run's folder is refused, naming the process that writes it. ``ways_out``: what a caller that
+    is neither ``fit()`` nor the command line (a framework's callback) tells its user instead."""
     if run_dir is None:
         root = _writable(root)
         base = default_run_dir_name(precision)
@@ -72,9 +74,9 @@ def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: 
     if holds_a_run(path) and not overwrite:
         lock = RunLock.acquire(path)          # a live run's folder: say whose it is
         lock.release()
-        raise ConfigError(
-            f"run folder {path} already holds a run; continue it with `{hints.resume(path)}`, "
-            f"choose another run_dir, or pass {hints.overwrite()} to delete it and start over")
+        raise ConfigError(f"run folder {path} already holds a run; " + (ways_out or (
+            f"continue it with `{hints.resume(path)}`, choose another run_dir, or pass "
+            f"{hints.overwrite()} to delete it and start over")))
     lock = RunLock.acquire(_writable(path))
     if overwrite:
         for child in path.iterdir():   # the user asked for it: remove the old run's files
