@@ -65,7 +65,10 @@ def inject_outliers(model: nn.Module, layer: str, channels: Sequence[int] = OUTL
 
 def _config(args, mode: str, seed: int, run_dir: str, guard: bool = False):
     from mixprec.train.config import TrainConfig
-    return TrainConfig(model=args.model, precision=mode, max_steps=args.steps, seq_len=args.seq,
+    overrides: tuple[tuple[str, str], ...] = ()
+    if mode in KEPT:                 # what the guard ends with, from step 1
+        mode, overrides = KEPT[mode], ((args.layer, "bf16"),)
+    return TrainConfig(model=args.model, precision=mode, precision_overrides=overrides, max_steps=args.steps, seq_len=args.seq,
                        batch_size=args.batch, eval_interval=0, eval_batches=args.eval_batches,
                        ckpt_interval=0, log_interval=10, lr=args.lr,
                        warmup_steps=args.steps // 10, progress=False, seed=seed, run_dir=run_dir,
@@ -74,6 +77,10 @@ def _config(args, mode: str, seed: int, run_dir: str, guard: bool = False):
 
 GUARDED = {"guard-fp8-tensorwise": "fp8-tensorwise", "guard-fp8-blockwise": "fp8-blockwise"}
 """Uniform FP8 with ``guard=true`` (mixprec/plan/guard.py)."""
+
+KEPT = {"keep-fp8-tensorwise": "fp8-tensorwise", "keep-fp8-blockwise": "fp8-blockwise"}
+"""Uniform FP8 with the outlier layer in bf16 from step 1 (a precision override): the formats a
+guarded run ends with, without its first steps in FP8."""
 
 
 PLANS = {
