@@ -247,14 +247,15 @@ class TrainingGuard:
         finally:
             for h in handles:
                 h.remove()
-        if self.agree is None and not energy:
-            return {}
+        if not watched or (self.agree is None and not energy):
+            return {}                        # (the watched set is the same on every rank)
         # One row per watched layer in the same order on every rank: (-SQNR, flushed, seen).
         names = list(watched)
+        device = next(iter(energy.values()))[0].device if energy else torch.device("cpu")
         rows = []
         for n in names:
             if n not in energy:
-                rows.append(torch.tensor([-math.inf, 0.0, 0.0], dtype=torch.float64))
+                rows.append(torch.tensor([-math.inf, 0.0, 0.0], dtype=torch.float64, device=device))
                 continue
             sig, err, flush = (v.double() for v in energy[n])
             db = torch.where(err == 0, math.inf, torch.where(
