@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import torch
 
+from mixprec import hints
 from mixprec.errors import ConfigError, DataError, RunInterrupted, excerpt
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 from mixprec.train.signals import exit_code
@@ -49,23 +50,56 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     if resume_dir is None and cfg.resume == "auto":
         from mixprec.runs.checkpoint import list_checkpoints
         # Every rank looks at the same (shared) folder, so every rank takes the same decision.
-        if list_checkpoints(Path(cfg.run_dir) / "checkpoints"):
+        # A folder with a run but no complete checkpoint (stopped before its first save) is
+        # resumed too: the trainer starts it over from step 0 and says so.
+        if list_checkpoints(Path(cfg.run_dir) / "checkpoints") or (Path(cfg.run_dir) / "config.toml").is_file():
             resume_dir = resume_from = Path(cfg.run_dir)
     if resume_dir is None:
-        return cfg, source, None
+        _refuse_unused(cfg, source)
+        return _with_max_seq_len(cfg, None), source, None
     saved = resume_dir / "config.toml"
     if not saved.is_file():
         raise ConfigError(f"cannot resume: {saved} not found; pass the folder of an earlier "
                           "`mixprec train` run")
     base_cfg, _ = load_config(saved)
+    if base_cfg.model.startswith("fit: "):
+        raise ConfigError(f"cannot resume {resume_dir} with mixprec train: fit() trained it on "
+                          f"{base_cfg.model[5:]}, which the command line cannot build; continue it "
+                          f"from Python with fit(..., run_dir={str(resume_dir)!r}, resume=True)")
     base: dict[str, object] = dict(dataclasses.asdict(base_cfg))
     base["run_dir"] = str(resume_dir)
     # The resumed run's settings replace the defaults; the file and the command line still win.
     merged = {**base, **{k: getattr(cfg, k) for k, s in source.items() if s != "default"}}
     cfg = TrainConfig(**merged)
     cfg.validate()
+    _refuse_unused(cfg, source)
     source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
-    return cfg, source, resume_from
+    return _with_max_seq_len(cfg, base_cfg), source, resume_from
+
+
+def _refuse_unused(cfg: TrainConfig, source: dict[str, str]) -> None:
+    """A validation setting that this run would not use is refused, not ignored."""
+    if source.get("val_fraction", "default") != "default" and (cfg.val_data is not None or cfg.data is None):
+        why = ("val_data= names the validation data" if cfg.val_data is not None else
+               "the built-in corpus has its own validation split")
+        raise ConfigError(f"val_fraction={cfg.val_fraction:g} splits data= into training and validation, "
+                          f"but {why}; drop val_fraction")
+
+
+def _with_max_seq_len(cfg: TrainConfig, base: TrainConfig | None) -> TrainConfig:
+    """The model's position table length, resolved: given, the resumed run's (``max_seq_len``, or
+    its ``seq_len`` for a run saved before the setting existed), else ``seq_len``. A resumed run
+    may train at a shorter ``seq_len``, never a longer one."""
+    length = cfg.max_seq_len
+    if length is None and base is not None:
+        length = base.max_seq_len or base.seq_len
+    length = length or cfg.seq_len
+    if cfg.seq_len > length:
+        raise ConfigError(f"seq_len={cfg.seq_len} is longer than the model's max_seq_len={length} (its "
+                          f"position table{', from the resumed run' if base is not None else ''}); use "
+                          f"seq_len<={length}" + (", or start a new run for longer sequences"
+                                                 if base is not None else ""))
+    return dataclasses.replace(cfg, max_seq_len=length)
 
 
 def _run_folder_of(path: Path) -> tuple[Path, Path]:
@@ -191,7 +225,9 @@ def build_run(cfg: TrainConfig):
     if cfg.data is None:
         corpus = builtin_corpus()
         train_ds = TokenDataset(corpus.train_path, cfg.seq_len, vocab_size=vocab)
-        val_ds = TokenDataset(corpus.val_path, cfg.seq_len, vocab_size=vocab)
+        # val_data= alone: your validation data against the built-in training corpus.
+        val_ds = TokenDataset(cfg.val_data or corpus.val_path, cfg.seq_len,
+                              vocab_size=vocab if cfg.val_data is None else train_ds.vocab_size)
     else:
         train_ds = TokenDataset(cfg.data, cfg.seq_len, vocab_size=vocab)
         _check_vocabulary(train_ds, strategy.is_main)
@@ -204,7 +240,7 @@ def build_run(cfg: TrainConfig):
     overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
 
     def build_transformer():
-        return Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.seq_len,
+        return Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.max_seq_len or cfg.seq_len,
                                        gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
     if cfg.model.startswith("hf:"):
         torch.manual_seed(cfg.seed)
@@ -288,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         print(settings_table())
         return 0
+    hints.from_command_line()          # every hint from here on is a shell command for this launch
     cfg, source, resume_from = _resolve(args)
     from mixprec.train.trainer import Trainer
 
@@ -299,9 +336,10 @@ def run(args: argparse.Namespace) -> int:
             if s != "default" and getattr(cfg, k) != getattr(defaults, k):
                 print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
+            from mixprec.runs.checkpoint import list_checkpoints
             print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
-                  if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
-                  file=sys.stderr)
+                  if resume_from and list_checkpoints(resume_from) else
+                  f"no complete checkpoint in {cfg.run_dir}, starting fresh"), file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
     try:
         result = trainer.fit(train_loader, val_loader, resume=resume_from)
@@ -313,9 +351,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
                   f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
             print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
-            print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
+            more = 2 * result.steps
+            print(f"[mixprec] resume:  {hints.resume(result.run_dir, max_steps=more)}  (train on to "
+                  f"step {more}: the LR schedule is re-stretched to the new end, docs/checkpoints.md)",
                   file=sys.stderr)
-            print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
+            print(f"[mixprec] report:  {hints.report(result.run_dir)}", file=sys.stderr)
         strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
     except BaseException as exc:
         if strategy.is_distributed:
@@ -342,6 +382,11 @@ def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
     elif isinstance(exc, RunInterrupted):   # stopped after saving: said once, by rank 0
         if rank == 0:
             print(f"mixprec: {exc}", file=sys.stderr)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                print(f"mixprec: every rank saved and exits {exc.exit_code}; torchrun's own report "
+                      "may follow (a SignalException or ChildFailedError traceback, exit status 1): "
+                      "it is about this same stop, and the run resumes with the command above "
+                      "(docs/distributed.md)", file=sys.stderr)
         code = exc.exit_code
     else:
         if debug or not user_error:

@@ -38,12 +38,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mixprec import hints
 from mixprec.errors import CheckpointError, excerpt
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "list_checkpoints",
+    "resolve_checkpoint",
     "capture_rng_state",
     "restore_rng_state",
     "FORMAT_VERSION",
@@ -365,6 +367,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        if final.exists() and not (final / META_FILE).is_file():
+            # An incomplete folder of this step (the resume said so): kept, under another name.
+            os.replace(final, _free_name(ckpt_dir / f"incomplete-{name}"))
         if final.exists():
             # Saving a step that already exists (re-run after a resume): move the old one aside
             # first; if we die in between, load falls back to the newest complete folder.
@@ -387,6 +392,15 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     if keep_last is not None:
         _prune(ckpt_dir, keep_last, newest=step)
     return final
+
+
+def _free_name(path: Path) -> Path:
+    n = 1
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def _prune(ckpt_dir: Path, keep_last: int, *, newest: int) -> None:
@@ -428,27 +442,51 @@ def _read_latest(ckpt_dir: Path) -> str | None:
 
 def _resolve(path: Path) -> Path:
     """Turn a run folder, a checkpoints folder or a step folder into a step folder."""
+    return resolve_checkpoint(path)[0]
+
+
+def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
+    """The step folder a run folder, checkpoints folder or step folder stands for, and, when
+    newer ``step-*`` folders are incomplete (no ``meta.json``: a save that did not finish, or a
+    folder someone emptied), one line saying which checkpoint is used instead and why (None when
+    nothing was passed over). Incomplete folders are left as they are: a later save of the same
+    step moves one aside to ``incomplete-step-N`` instead of deleting it."""
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; pass a run folder, its checkpoints/ folder "
                               "or a checkpoints/step-XXXXXXXX folder")
     if (path / META_FILE).is_file() or _parse_step(path.name) is not None:
-        return path
+        step = _parse_step(path.name)
+        newer = [p.name for s, p in list_checkpoints(path.parent) if step is not None and s > step]
+        return path, (f"resuming from {path.name}; the newer checkpoints {', '.join(newer)} are from "
+                      "the run's earlier course: each is replaced when this run saves its step"
+                      if newer else None)
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     latest = _read_latest(ckpt_dir)
-    if latest and (ckpt_dir / latest / META_FILE).is_file():
-        return ckpt_dir / latest
     complete = list_checkpoints(ckpt_dir)
+    if latest and (ckpt_dir / latest / META_FILE).is_file():
+        return ckpt_dir / latest, None          # the newest save of this run's timeline
     if not complete:
         raise CheckpointError(f"no complete checkpoint under {ckpt_dir}; train with checkpointing "
                               "enabled first, or pass the folder that holds checkpoints/")
-    return complete[-1][1]
+    chosen_step, chosen = complete[-1]
+    skipped = sorted(e.name for e in ckpt_dir.iterdir() if e.is_dir() and not (e / META_FILE).is_file()
+                     and (_parse_step(e.name) or -1) > chosen_step)
+    named = (f"; `latest` names {latest}" if latest and latest != chosen.name else "")
+    if not skipped and not named:
+        return chosen, None
+    why = (f"{', '.join(skipped)} {'has' if len(skipped) == 1 else 'have'} no {META_FILE} (a save "
+           "that did not finish)" if skipped else f"`latest` names {latest}, which is not a "
+           "complete checkpoint")
+    return chosen, (f"resuming from {chosen.name}, the newest complete checkpoint: {why}"
+                    f"{named if skipped else ''}; the incomplete folder is kept (moved to "
+                    f"incomplete-<name> if this run saves that step again)")
 
 
 def _earlier_hint(step_dir: Path) -> str:
     step = _parse_step(step_dir.name)
     earlier = [p for s, p in list_checkpoints(step_dir.parent) if step is None or s < step]
     if earlier:
-        return (f"resume from the previous checkpoint: mixprec train --resume {earlier[-1]}")
+        return f"resume from the previous checkpoint: {hints.resume(earlier[-1], checkpoint=True)}"
     return "no earlier checkpoint exists; restart the run"
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mixprec import hints
 from mixprec.errors import ConfigError, MixprecError, closest, excerpt
 
 __all__ = ["DistEnv", "RankFailureError", "read_env", "default_timeout", "init_process_group",
@@ -178,8 +179,7 @@ def rank_failure_guard(rank: int, timeout: float | None = None, *,
         raise RankFailureError(
             f"rank {rank}: a collective failed because {_peers(rank, world_size)} crashed, hung or lost the "
             f"network (waited at most {limit}; backend said: {text}); fix the failed rank "
-            "and resume from the last checkpoint (mixprec train --resume RUN_DIR, or "
-            "run_dir=RUN_DIR resume=auto)") from exc
+            f"and resume from the last checkpoint: {hints.resume()}") from exc
 
 
 def _peers(rank: int, world_size: int | None) -> str:

@@ -251,6 +251,9 @@ class TrainConfig(FitConfig):
     val_fraction: float = 0.05
     seq_len: int = 128
     """Tokens per sample."""
+    max_seq_len: int | None = None
+    """Longest sequence the model takes (the size of its position table); None: ``seq_len``. A
+    resumed run keeps its model's and may train at any ``seq_len`` up to it."""
     batch_size: int = 16
     """Samples per micro-batch per rank."""
     num_workers: int = 0
@@ -271,6 +274,9 @@ class TrainConfig(FitConfig):
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
+            raise ConfigError(f"seq_len={self.seq_len} is longer than max_seq_len={self.max_seq_len} "
+                              f"(the model's position table); use seq_len<={self.max_seq_len}")
         if self.num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if not 0.0 < self.val_fraction < 1.0:
