@@ -308,6 +308,8 @@ class MemoryEstimate:
     optimizer_scratch: float
     num_parameters: float = 0.0
     """Parameters per device (for :meth:`bytes_per_parameter`)."""
+    moments: str = "fp32"
+    """Storage format of Adam's moments (mixprec.optim.moments), for the arithmetic line."""
 
     @property
     def bytes_per_parameter(self) -> dict[str, float]:
@@ -375,7 +377,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError("--batch, --seq and --gpus must be >= 1")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
-    from mixprec.optim.moments import MOMENTS, state_bytes
+    from mixprec.optim.moments import MOMENTS, is_quantized, state_bytes
     if moments_dtype not in MOMENTS:
         try:
             mdt = parse_dtype(moments_dtype)
@@ -414,7 +416,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     elif moments_dtype == "fp32":
         scratch = 4 * (c if split else P)
     else:
-        scratch = (12 + (16 if moments_dtype in ("int8", "fp8") else 0)) * c
+        scratch = (12 + (16 if is_quantized(moments_dtype) else 0)) * c
     if split:
         scratch += 4 * min(low_p, CHUNK_NUMEL)
     if shape is None:
@@ -464,7 +466,8 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
                           loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
-                          optimizer_scratch=scratch / s, num_parameters=P / s)
+                          optimizer_scratch=scratch / s, num_parameters=P / s,
+                          moments=moments_dtype if optimizer == "adamw" else "fp32")
 
 
 def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str = "GB") -> str:
@@ -489,5 +492,15 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
             "params", "grads", "masters", "mgrads", "moments", "total")) + "   (mgrads: FP32 master "
             "gradients at the step)")
         for r in rows:
-            out.append(f"{r.mode:<12} " + " ".join(f"{v:>10.2f}" for v in r.bytes_per_parameter.values()))
+            out.append(f"{r.mode:<12} " + " ".join(f"{v:>10.3f}" for v in r.bytes_per_parameter.values()))
+        out.append("")
+        out.append("kept between steps (params + grads + masters + moments; the master-gradient chunk lives "
+                   "only during the step):")
+        for r in rows:
+            b = r.bytes_per_parameter
+            kept = [b["params"], b["grads"], b["masters"], b["moments"]]
+            out.append(f"  {r.mode:<12} " + " + ".join(f"{v:.3f}" for v in kept) + f" = {sum(kept):.3f}")
+        from mixprec.optim.moments import arithmetic
+        for name in dict.fromkeys(r.moments for r in rows):
+            out.append(f"  moments {name}: {arithmetic(name)}")
     return "\n".join(out)

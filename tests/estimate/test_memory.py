@@ -48,6 +48,23 @@ def test_split_masters_and_bf16_moments_cost_ten_bytes_per_parameter():
     assert full.bytes_per_parameter["total"] == pytest.approx(20, abs=0.01)
 
 
+def test_split_masters_and_int8_moments_keep_8_00_bytes_per_parameter(capsys):
+    """The issue's <= 8 target: 2 + 2 + 2 + 2 bytes plus one BF16 scale per 1024-value block and
+    moment (0.004); strictly 8 would leave no room for any block scale."""
+    big = estimate_memory(MOE_67B, "bf16-true", batch=1, seq=8, moments_dtype="int8")
+    assert big.states / MOE_67B.num_parameters() == pytest.approx(8.0, abs=0.005)
+    assert big.bytes_per_parameter["moments"] == pytest.approx(2 + 4 / 1024)
+    p = argparse.ArgumentParser()
+    memory_cmd.configure(p)
+    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch", "1", "--seq", "8", "--precision", "bf16-true",
+                                 "--moments", "int8"]))
+    out = capsys.readouterr().out
+    assert "moments int8: 2 x (1-byte code + 1 x 2-byte bfloat16 scale / 1024 values)" in out
+    assert "= 2.0039 bytes per parameter" in out
+    kept = next(line for line in out.splitlines() if line.strip().startswith("bf16-true") and "=" in line)
+    assert kept.split("=")[-1].strip() == "8.004"
+
+
 @pytest.mark.parametrize("mode", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
 def test_sixteen_bytes_per_parameter_with_fp32_masters_and_adam(mode):
     e = estimate_memory(MOE_67B, mode, batch=1, seq=128, split_masters=False)
