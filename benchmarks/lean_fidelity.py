@@ -29,12 +29,15 @@ VARIANTS = {
     "bf16-true+int8moments+fp8acts": dict(precision="bf16-true", moments="int8", fp8_activations=True),
     "torchao-adamw8bit": dict(precision="32-true", peer="torchao"),
     "bnb-adamw8bit": dict(precision="32-true", peer="bnb"),
+    "bnb-adamw32bit": dict(precision="32-true", peer="bnb32"),   # bitsandbytes' update with 32-bit states
+    "torch-adamw": dict(precision="32-true", peer="torch"),      # the control for the peers' path
 }
 
 
 from mixprec.optim import moments as _M  # noqa: E402
 
 DEFAULT_INT8 = _M.LAYOUTS["int8"]
+BETAS = (FitConfig.beta1, FitConfig.beta2)   # the trainer's own AdamW betas: peers get the same
 
 
 def _groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -66,12 +69,17 @@ def run(model_name: str, variant: str, seed: int, steps: int, batch: int, seq: i
     opt = None
     if peer == "torchao":
         from torchao.optim import AdamW8bit
-        opt = AdamW8bit(_groups(model, 0.1), lr=2e-3)
+        opt = AdamW8bit(_groups(model, 0.1), lr=2e-3, betas=BETAS)
     elif peer == "bnb":
         import bitsandbytes as bnb
         # like for like: the trainer's groups, and 8-bit states for every tensor of >= 256 elements
         # (bitsandbytes' default keeps 32-bit states below 4096 elements: most of the tiny model)
-        opt = bnb.optim.AdamW8bit(_groups(model, 0.1), lr=2e-3, min_8bit_size=256)
+        opt = bnb.optim.AdamW8bit(_groups(model, 0.1), lr=2e-3, betas=BETAS, min_8bit_size=256)
+    elif peer == "bnb32":
+        import bitsandbytes as bnb
+        opt = bnb.optim.AdamW(_groups(model, 0.1), lr=2e-3, betas=BETAS, optim_bits=32)
+    elif peer == "torch":
+        opt = torch.optim.AdamW(_groups(model, 0.1), lr=2e-3, betas=BETAS)
     trainer = Trainer(model, config=cfg, strategy="single", optimizer=opt)
     trainer.prepare(total_steps=steps)
     t0 = time.time()

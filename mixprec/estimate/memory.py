@@ -337,6 +337,12 @@ class MemoryEstimate:
         return resident + max(forward_end, step)
 
 
+def _largest_param(shape: ModelShape) -> int:
+    """Elements of the largest single parameter tensor (the embedding, or an MLP matrix)."""
+    d = shape.d_model
+    return max(shape.vocab_size * d, d * shape._hidden, d * shape._ehidden, 3 * d * d)
+
+
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
                     pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
@@ -413,6 +419,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     c = min(P, CHUNK_NUMEL)
     if optimizer != "adamw":
         scratch = 0.0
+    elif moments_dtype == "fp32" and device == "cpu" and shape is not None:
+        # torch's AdamW runs its per-tensor loop on a CPU (foreach kernels are for accelerators):
+        # two temporaries the size of the largest tensor (sqrt(v), then its division).
+        scratch = 8 * _largest_param(shape)
     elif moments_dtype == "fp32":
         scratch = 4 * (c if split else P)
     else:
