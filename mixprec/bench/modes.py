@@ -40,11 +40,11 @@ The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torch
 FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
-                             "fp8acts")
+                             "fp8e5m2moments", "fp8acts")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
-(moments=bf16; ``+int8moments``, ``+fp8moments`` likewise), ``+fp8acts``
+(moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
 (fp8_activations=true), or several
 (``bf16-mixed+overlap+compile``)."""
 
@@ -160,7 +160,8 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
 
 
 def _moments_of(variants: frozenset[str]) -> str:
-    return next((m for m in ("bf16", "int8", "fp8") if f"{m}moments" in variants), "fp32")
+    names = {"bf16": "bf16", "int8": "int8", "fp8": "fp8", "fp8e5m2": "fp8-e5m2"}
+    return next((m for key, m in names.items() if f"{key}moments" in variants), "fp32")
 
 
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:
