@@ -31,7 +31,6 @@ same kernel that ``torch.nn.utils.get_total_norm`` uses.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -108,7 +107,7 @@ def split_(w: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
     return _ties_of(low, high)
 
 
-_LITTLE = sys.byteorder == "little"
+_LITTLE = torch.ones(1, dtype=torch.int16).view(torch.int8)[0].item() == 1   # byte order
 
 
 def _flat_views(tensors: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
