@@ -469,7 +469,16 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
-        backward_buffers = tokens * (recompute or biggest + upcast) / tp
+        # Without recompute, a block's backward frees its saved tensors as it goes: what is in
+        # flight at once is about the gradients of the MLP's hidden and output (measured on a
+        # CPU with glibc's mmap threshold fixed: docs/performance.md). With recompute, the
+        # recomputed block's saved tensors are alive during its backward.
+        in_flight = (max(shape._hidden, shape._ehidden if shape.moe_layers else 0) + d) * cb + upcast
+        if fp8_activations and not checkpointing:
+            # unpacking the widest saved input (the MLP's hidden) widens its codes to FP32 and
+            # multiplies by the scales: two FP32 temporaries (mixprec.nn.fp8_activations._unpack)
+            in_flight += 8 * max(shape._hidden, shape._ehidden if shape.moe_layers else 0)
+        backward_buffers = tokens * (recompute or in_flight) / tp
     s = float(shards * tp * pp)
     name = policy.name + ("+overrides" if layers is not None else "")
     return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,

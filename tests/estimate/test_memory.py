@@ -155,15 +155,16 @@ def test_unknown_optimizer_is_a_config_error():
         estimate_memory(MOE_67B, "32-true", batch=1, seq=8, optimizer="lion")
 
 
-def test_estimate_agrees_with_measured_peak_within_10_percent():
+def test_estimate_agrees_with_measured_peak_within_5_percent():
     from mixprec.bench.modes import TrainBenchConfig, measure_peak_memory
-    B, T = 16, 128           # ~90 MiB of activations: far above allocator noise (~5 MiB)
+    B, T = 16, 128           # ~70 MiB of activations: far above allocator noise
     cfg = TrainBenchConfig(model="small", modes=("32-true",), batch=B, seq=T, threads=1)
-    # Peak RSS only ever over-counts (pages the allocator keeps, fragmentation): 96-107 MiB over
-    # repeated probes of the same step. The smallest of three is the measurement.
-    measured = min(measure_peak_memory("32-true", cfg, steps=2) for _ in range(3))
-    est = estimate_memory(ModelShape.from_config(get_model_config("small")), "32-true", batch=B, seq=T).peak
-    assert est == pytest.approx(measured, rel=0.10), (est / 2**20, measured / 2**20)
+    # Peak RSS only ever over-counts (pages the allocator keeps); the probe fixes glibc's mmap
+    # threshold so freed tensors go back to the OS. The smallest of two is the measurement.
+    measured = min(measure_peak_memory("32-true", cfg, steps=2) for _ in range(2))
+    est = estimate_memory(ModelShape.from_config(get_model_config("small")), "32-true", batch=B, seq=T,
+                          device="cpu").peak
+    assert est == pytest.approx(measured, rel=0.05), (est / 2**20, measured / 2**20)
 
 
 @pytest.mark.parametrize("mode", ["bf16-mixed", "bf16-true"])
