@@ -476,8 +476,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         in_flight = (max(shape._hidden, shape._ehidden if shape.moe_layers else 0) + d) * cb + upcast
         if fp8_activations and not checkpointing:
             # unpacking the widest saved input (the MLP's hidden) widens its codes to FP32 and
-            # multiplies by the scales: two FP32 temporaries (mixprec.nn.fp8_activations._unpack)
-            in_flight += 8 * max(shape._hidden, shape._ehidden if shape.moe_layers else 0)
+            # multiplies by the scales (mixprec.nn.fp8_activations._unpack): about one FP32
+            # temporary of it at the backward's peak (fitted to the two CPU probes in
+            # docs/performance.md; two temporaries over-counted the BF16 row by 8 %)
+            in_flight += 4 * max(shape._hidden, shape._ehidden if shape.moe_layers else 0)
         backward_buffers = tokens * (recompute or in_flight) / tp
     s = float(shards * tp * pp)
     name = policy.name + ("+overrides" if layers is not None else "")
