@@ -56,7 +56,7 @@ def test_split_masters_and_int8_moments_keep_8_00_bytes_per_parameter(capsys):
     assert big.bytes_per_parameter["moments"] == pytest.approx(2 + 4 / 1024)
     p = argparse.ArgumentParser()
     memory_cmd.configure(p)
-    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch", "1", "--seq", "8", "--precision", "bf16-true",
+    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch-size", "1", "--seq-len", "8", "--precision", "bf16-true",
                                  "--moments", "int8"]))
     out = capsys.readouterr().out
     assert "moments int8: 2 x (1-byte code + 1 x 2-byte bfloat16 scale / 1024 values)" in out
@@ -136,7 +136,7 @@ def test_bf16_activations_shrink_by_less_than_half():
 def test_67b_table_has_seed_002_structure(capsys):
     p = argparse.ArgumentParser()
     memory_cmd.configure(p)
-    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch", "1", "--seq", "4096", "--gpus", "16",
+    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch-size", "1", "--seq-len", "4096", "--gpus", "16",
                              "--precision", "32-true,bf16-mixed"]))
     out = capsys.readouterr().out
     assert "67.30B parameters" in out
