@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.errors import ConfigError
 from mixprec.optim import moments as _moments
 from mixprec.optim.master import MasterWeights, _normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
@@ -144,6 +144,7 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             for k, w in wide.items():
                 _moments.encode_([st], k, [w], self.moments, gen)
             return
+        from mixprec.errors import CheckpointError
         _moments.upgrade_(st, self.moments, gen)
         want = _moments.LAYOUTS[self.moments].codes
         got = (st["exp_avg"].dtype, st["exp_avg_sq"].dtype)
