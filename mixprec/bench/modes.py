@@ -40,11 +40,11 @@ The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torch
 FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
-                             "fp8acts")
+                             "fp8e5m2moments", "fp8acts")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
-(moments=bf16; ``+int8moments``, ``+fp8moments`` likewise), ``+fp8acts``
+(moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
 (fp8_activations=true), or several
 (``bf16-mixed+overlap+compile``)."""
 
@@ -160,7 +160,8 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
 
 
 def _moments_of(variants: frozenset[str]) -> str:
-    return next((m for m in ("bf16", "int8", "fp8") if f"{m}moments" in variants), "fp32")
+    names = {"bf16": "bf16", "int8": "int8", "fp8": "fp8", "fp8e5m2": "fp8-e5m2"}
+    return next((m for key, m in names.items() if f"{key}moments" in variants), "fp32")
 
 
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:
@@ -262,11 +263,19 @@ def measure_peak_memory(name: str, cfg: TrainBenchConfig, steps: int = 3, timeou
 
     CPU: peak RSS (``VmHWM``, reset after imports) minus the RSS after imports, so the ~300 MB of
     torch itself is not counted. CUDA: ``torch.cuda.max_memory_allocated``.
+
+    On a CPU the child runs with glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``,
+    unless the caller's environment sets it): by default glibc raises the threshold after the
+    first large tensor is freed and serves later tensors from a heap that never shrinks, so the
+    RSS peak would count memory already freed (up to +100 MiB on ``gpt-ref``, and enough to put
+    every ``bf16-true`` row above ``32-true``; docs/performance.md). With it fixed, freed tensors
+    return to the OS and the peak is the tensors' peak, which is what the estimator models.
     """
     spec = json.dumps({"name": name, "cfg": {k: (list(v) if isinstance(v, tuple) else v)
                                              for k, v in vars(cfg).items()}, "steps": steps})
     code = "import sys; from mixprec.bench.modes import _memory_probe; _memory_probe(sys.argv[1])"
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads or torch.get_num_threads()))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     out = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True,
                          timeout=timeout, env=env)
     if out.returncode != 0:
