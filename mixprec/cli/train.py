@@ -183,6 +183,15 @@ def _build_hf_model(cfg: TrainConfig, vocab_size: int):
                           gradient_checkpointing=cfg.gradient_checkpointing)
 
 
+def settings_lines(cfg: TrainConfig, source: dict[str, str]) -> list[str]:
+    """The settings that differ from the defaults and where each came from, under one header;
+    nothing at all (no bare header) when every setting is the default."""
+    defaults = TrainConfig()
+    changed = [f"  {k} = {getattr(cfg, k)!r}  ({s})" for k, s in source.items()
+               if s != "default" and getattr(cfg, k) != getattr(defaults, k)]
+    return ["settings (non-default):", *changed] if changed else []
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         for f in dataclasses.fields(TrainConfig):
@@ -193,11 +202,8 @@ def run(args: argparse.Namespace) -> int:
 
     model, train_loader, val_loader, strategy = build_run(cfg)
     if strategy.is_main:
-        print("[mixprec] settings (non-default):", file=sys.stderr)
-        defaults = TrainConfig()
-        for k, s in source.items():
-            if s != "default" and getattr(cfg, k) != getattr(defaults, k):
-                print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
+        for line in settings_lines(cfg, source):
+            print(f"[mixprec] {line}", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
             print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
                   if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
