@@ -228,6 +228,10 @@ class PrecisionPlan:
         ax.set_ylabel("output SQNR vs fp32 (dB)")
         ax2.set_ylabel("loss change (% of loss)")
         ax2.set_yscale("symlog", linthresh=1e-3)
+        # The plan keeps the summed loss change of its choices within this budget.
+        ax2.axhline(100 * self.budget, color="tab:red", ls="--", lw=1.0,
+                    label=f"budget {100 * self.budget:.3g}% (sum over layers)")
+        ax2.legend(fontsize=8)
         ax.legend(fontsize=8)
         ax2.set_xticks(range(len(names)))
         ax2.set_xticklabels([f"{n}\n[{m.chosen}]" for n, m in zip(names, self.layers)], rotation=90,
