@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, excerpt
 
 __all__ = ["bench_figure", "TrainBenchConfig", "Contender", "build_contender", "bench_train", "PEERS",
            "bench_device", "format_table", "write_csv", "write_png", "profile_contender"]
@@ -374,7 +374,7 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
             except Exception as e:       # a mode torch.compile cannot compile: report, go on
                 if not compiles or not _is_compile_error(e):
                     raise
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                reason = f"{type(e).__name__}: {excerpt(e, 300)}"
                 log(f"skipped {c.name}: torch.compile failed ({reason}); the eager mode stays")
                 failed.append(c)
                 break

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 import torch
 
-from mixprec.errors import ConfigError, DataError, RunInterrupted
+from mixprec.errors import ConfigError, DataError, RunInterrupted, excerpt
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 from mixprec.train.signals import exit_code
 
@@ -99,6 +99,14 @@ def _check_vocabulary(ds, say: bool) -> None:
         print(f"[mixprec] vocabulary: {ds.vocab_size} ids ({how})", file=sys.stderr)
 
 
+def _warn_binary(ds, say: bool) -> None:
+    """One line per text file that looks binary (random bytes, an executable named .txt)."""
+    if say:
+        for path, share in ds.binary_text_files():
+            print(f"[mixprec] warning: data looks binary: {share:.0%} non-text bytes in the first 64 KiB "
+                  f"of {path}; it trains as bytes anyway (check the file)", file=sys.stderr)
+
+
 def _available_memory_bytes() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -110,18 +118,63 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _check_fits_in_memory(build, vocab_size: int) -> None:
-    """Refuse, before allocating, a model (``build()`` makes it) whose weights, gradients and Adam
-    state alone (16 bytes per parameter in every precision mode) exceed the memory free here."""
+def _step_memory(model, cfg: TrainConfig, on_cpu: bool):
+    """The memory estimator's answer (mixprec.estimate.memory) for one training step of ``model``
+    at the config's batch_size x seq_len: states by precision, activations with the attention the
+    model runs (fused SDPA: no seq_len^2 score matrix is kept)."""
+    from mixprec.estimate.memory import ModelShape, estimate_memory
+    shape = ModelShape.from_config(model.config)
+    kwargs = dict(batch=cfg.batch_size, seq=cfg.seq_len, checkpointing=cfg.gradient_checkpointing,
+                  split_masters=cfg.split_masters, moments_dtype=cfg.moments,
+                  device="cpu" if on_cpu else None)
+    try:
+        return shape, estimate_memory(shape, cfg.precision, **kwargs)
+    except (ConfigError, ValueError):     # a plan file or a mode the estimator does not model
+        return shape, estimate_memory(shape, "32-true", **kwargs)
+
+
+def _check_fits_in_memory(build, vocab_size: int, cfg: TrainConfig | None = None, *,
+                          say: bool = False) -> None:
+    """Before allocating, ask the memory estimator what one step of the model (``build()`` makes
+    it) needs at ``batch_size x seq_len`` and refuse it when that exceeds the memory free here. With
+    ``say``, one warning line when the sequence is long: the position table grows with seq_len and
+    attention's FLOPs grow with seq_len^2 (the numbers and the fix)."""
+    cfg = cfg or TrainConfig()
     with torch.device("meta"):   # shapes only: nothing is allocated
-        n = build().num_parameters()
-    free = _available_memory_bytes()
+        model = build()
+    n = model.num_parameters()
     on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory
-    if free is not None and on_cpu and 16 * n > free:
-        raise ConfigError(f"the model has {n / 1e6:.0f}M parameters (vocab_size {vocab_size}): weights, "
-                          f"gradients and Adam state need at least {16 * n / 2**30:.1f} GiB but "
-                          f"{free / 2**30:.1f} GiB are free; pick a smaller model or vocabulary "
-                          "(`mixprec memory` shows where the bytes go)")
+    shape, mem = _step_memory(model, cfg, on_cpu)
+    free = _available_memory_bytes()
+    gib = 2**30
+    if free is not None and on_cpu and mem.peak > free:
+        raise ConfigError(f"the model has {n / 1e6:.1f}M parameters (vocab_size {vocab_size}) and a step of "
+                          f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} needs ~{mem.peak / gib:.1f} GiB "
+                          f"({mem.states / gib:.1f} GiB weights, gradients and optimizer state, "
+                          f"{mem.activations / gib:.1f} GiB activations) but {free / gib:.1f} GiB are free; lower "
+                          "seq_len or batch_size, set gradient_checkpointing=true, or pick a smaller model or "
+                          "vocabulary (`mixprec memory` shows where the bytes go)")
+    if not say:
+        return
+    from mixprec.models.config import MODEL_PRESETS
+    preset = MODEL_PRESETS.get(cfg.model)
+    positions = preset.max_seq_len if preset is not None else cfg.seq_len
+    per_token = model.flops_per_token(cfg.seq_len)
+    attention = 6.0 * model.config.num_layers * model.config.d_model * cfg.seq_len / per_token
+    if cfg.seq_len <= positions and attention < 0.5:
+        return
+    step_flops = per_token * cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+    grown = ""
+    if cfg.seq_len > positions:
+        import dataclasses as dc
+        base = dc.replace(shape, max_seq_len=positions).num_parameters()
+        grown = (f"seq_len={cfg.seq_len} is longer than model {cfg.model}'s {positions} positions: its "
+                 f"position table grows to {cfg.seq_len} rows, so the model has {n / 1e6:.2f}M parameters "
+                 f"({base / 1e6:.2f}M at {positions}); ")
+    print(f"[mixprec] warning: {grown}a step is {step_flops / 1e12:.2f} TFLOP, {attention:.0%} of it "
+          f"attention (which grows with seq_len^2), and needs ~{mem.peak / gib:.2f} GiB (fused attention: "
+          f"no seq_len^2 score matrix is kept); lower seq_len, or pick a model made for long "
+          f"sequences", file=sys.stderr)
 
 
 def build_run(cfg: TrainConfig):
@@ -142,8 +195,10 @@ def build_run(cfg: TrainConfig):
     else:
         train_ds = TokenDataset(cfg.data, cfg.seq_len, vocab_size=vocab)
         _check_vocabulary(train_ds, strategy.is_main)
+        _warn_binary(train_ds, strategy.is_main)
         if cfg.val_data is not None:
             val_ds = TokenDataset(cfg.val_data, cfg.seq_len, vocab_size=train_ds.vocab_size)
+            _warn_binary(val_ds, strategy.is_main)
         else:
             train_ds, val_ds = train_ds.split(cfg.val_fraction)
     overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
@@ -155,7 +210,7 @@ def build_run(cfg: TrainConfig):
         torch.manual_seed(cfg.seed)
         model = _build_hf_model(cfg, train_ds.vocab_size)
     else:
-        _check_fits_in_memory(build_transformer, train_ds.vocab_size)
+        _check_fits_in_memory(build_transformer, train_ds.vocab_size, cfg, say=strategy.is_main)
         torch.manual_seed(cfg.seed)
         model = build_transformer()
     train_loader = DistributedDataLoader(train_ds, cfg.batch_size, num_workers=cfg.num_workers,
@@ -192,10 +247,55 @@ def settings_lines(cfg: TrainConfig, source: dict[str, str]) -> list[str]:
     return ["settings (non-default):", *changed] if changed else []
 
 
+def _field_docs() -> dict[str, str]:
+    """Each setting's description: the first sentence of its docstring in train/config.py."""
+    import ast
+    import inspect
+    import re
+    from mixprec.train import config as module
+    docs: dict[str, str] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for field, doc in zip(body, body[1:]):
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and \
+                        isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                        isinstance(doc.value.value, str):
+                    text = " ".join(doc.value.value.split()).replace("``", "")
+                    first = re.split(r"(?<=[a-z0-9)])\. (?=[A-Z`(])", text)[0].rstrip(".")
+                    docs[field.target.id] = excerpt(first, 90)
+    return docs
+
+
+def _default_text(value: object) -> str:
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_table() -> str:
+    """``mixprec train --list``: every setting, its default and what it does, as aligned columns."""
+    from mixprec.train.config import FitConfig
+    docs = _field_docs()
+    loop = {f.name for f in dataclasses.fields(FitConfig)}
+    rows = [(f.name, _default_text(f.default), docs.get(f.name, "")) for f in dataclasses.fields(TrainConfig)]
+    width = max(len("setting"), *(len(r[0]) for r in rows)), max(len("default"), *(len(r[1]) for r in rows))
+    lines = ["Settings: key=value on the command line, or in a TOML file (--config FILE).", ""]
+    for title, names in (("training loop (also fit() and Trainer)", loop),
+                         ("model, data and launch (mixprec train)", {r[0] for r in rows} - loop)):
+        lines += [title, f"  {'setting':<{width[0]}}  {'default':<{width[1]}}  description"]
+        lines += [f"  {n:<{width[0]}}  {d:<{width[1]}}  {doc}".rstrip() for n, d, doc in rows if n in names]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        for f in dataclasses.fields(TrainConfig):
-            print(f"{f.name} = {f.default!r}")
+        print(settings_table())
         return 0
     cfg, source, resume_from = _resolve(args)
     from mixprec.train.trainer import Trainer
@@ -254,7 +354,7 @@ def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
             traceback.print_exception(exc)
         text = str(exc).strip() or type(exc).__name__
         if not user_error:
-            text = f"{type(exc).__name__}: {text.splitlines()[0]}"
+            text = f"{type(exc).__name__}: {excerpt(exc, 300)}"
         prefix = "" if text.startswith(f"rank {rank}:") else f"rank {rank}: "
         print(f"mixprec: error: {prefix}{text}", file=sys.stderr)
         code = getattr(exc, "exit_code", 2) if user_error else 1

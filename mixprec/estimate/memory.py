@@ -372,7 +372,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:
-        raise ConfigError("--batch, --seq and --gpus must be >= 1")
+        raise ConfigError("--batch-size, --seq-len and --gpus must be >= 1")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
     from mixprec.optim.moments import MOMENTS, state_bytes

@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mixprec.errors import CheckpointError
+from mixprec.errors import CheckpointError, excerpt
 
 __all__ = [
     "save_checkpoint",
@@ -268,14 +268,52 @@ def _write_latest(ckpt_dir: Path, name: str) -> None:
     _fsync_dir(ckpt_dir)
 
 
-def _describe_failure(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return "no space left on device; free space or set keep_last lower"
+_MiB = 2**20
+_FULL_DISK_TEXT = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
+"""torch.save's own words when a write came up short (its zip writer does not raise OSError):
+``[enforce fail at inline_container.cc:672] . unexpected pos 78912 vs 78864``."""
+
+
+def _state_bytes(obj: Any) -> int:
+    """The tensor bytes in a (nested) state: about what a checkpoint of it takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of ``path`` (its nearest existing parent); None if unknown."""
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def _no_space(where: Path, needed: int) -> str:
+    free = _free_bytes(where)
+    free_text = f", free {free / _MiB:.0f} MiB" if free is not None else ""
+    return (f"no space left on device writing {where} (needed ~{needed / _MiB:.0f} MiB{free_text}): "
+            "free space, write the run elsewhere (run_dir=PATH) or keep fewer checkpoints (keep_last=1)")
+
+
+def _describe_failure(exc: BaseException, where: Path, needed: int) -> str:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return _no_space(where, needed) + ("" if exc.errno == errno.ENOSPC else " (disk quota full)")
+    if isinstance(exc, RuntimeError) and any(t in str(exc) for t in _FULL_DISK_TEXT):
+        return _no_space(where, needed)
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{exc.strerror or 'permission denied'}; choose a writable run folder"
+        return (f"{exc.strerror or 'permission denied'} writing {where}; choose a writable run folder "
+                "(run_dir=PATH)")
     if isinstance(exc, CheckpointError):
         return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {excerpt(exc)}"
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[str, torch.Tensor],
@@ -298,6 +336,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     final = ckpt_dir / name
     tmp = ckpt_dir / f".tmp-{name}-{os.getpid()}"
     previous = _read_latest(ckpt_dir)
+    needed = _state_bytes(model_state) + _state_bytes(train_state)
+    free = _free_bytes(ckpt_dir)
+    if free is not None and needed > free:   # refuse before writing a byte
+        raise CheckpointError(f"could not save checkpoint {name}: {_no_space(ckpt_dir, needed)}")
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(ckpt_dir)
@@ -341,7 +383,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
         intact = (f"the previous checkpoint {previous} is intact" if previous and (ckpt_dir / previous).is_dir()
                   else "no earlier checkpoint was touched")
         raise CheckpointError(
-            f"could not save checkpoint {name} to {ckpt_dir}: {_describe_failure(exc)} — {intact}") from exc
+            f"could not save checkpoint {name}: {_describe_failure(exc, ckpt_dir, needed)} — {intact}") from exc
     if keep_last is not None:
         _prune(ckpt_dir, keep_last, newest=step)
     return final
@@ -458,14 +500,15 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
                 model_state[key] = f.get_tensor(key)
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {model_path} cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); {_earlier_hint(step_dir)}") from exc
+                              f"{excerpt(exc, 160)}); {_earlier_hint(step_dir)}") from exc
     for alias, canonical in aliases.items():
         model_state[alias] = model_state[canonical]
     state_path = step_dir / STATE_FILE
     try:
         train_state = torch.load(state_path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # torch names the refused global on a line of its own, after its advice: that line first
+        lines = [line for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line]
         raise CheckpointError(f"checkpoint file {state_path} cannot be read ({type(exc).__name__}: "
-                              f"{first[:160]}); {_earlier_hint(step_dir)}") from exc
+                              f"{excerpt(lines[0] if lines else exc, 160)}); {_earlier_hint(step_dir)}") from exc
     return model_state, train_state, meta

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec.precision import Precision
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.errors import CheckpointError, ConfigError, excerpt
 from mixprec.strategies import Strategy
 from mixprec.runs import checkpoint as ckpt
 from mixprec.models.hf import export_pretrained, is_hf_model
@@ -78,7 +78,7 @@ class Checkpointer:
         path = None
         if strategy.is_main and self.run_dir is not None:
             path = ckpt.save_checkpoint(self.run_dir, step, model_state=model_state,
-                                        train_state=state, keep_last=self.keep_last)
+                                        train_state=state, keep_last=self.keep_last or None)
             if self.export_hf:
                 self._export(model, path / "hf", model_state)
         strategy.barrier()
@@ -119,9 +119,7 @@ class Checkpointer:
         try:
             strategy.load_model_state_dict(model, model_state)
         except (RuntimeError, KeyError) as e:
-            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-            first = " ".join(lines[:2])[:240]
-            raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
+            raise CheckpointError(f"checkpoint {path} does not fit this model ({excerpt(e, 240)}); resume with "
                                   "the model settings it was saved with") from None
         # Same Parameters whatever the formats: restore the plan, then the optimizer.
         precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.errors import excerpt
 from mixprec.precision import Precision
 from mixprec.precision import Policy
 from mixprec.strategies.env import (DistEnv, default_backend, default_timeout, init_process_group,
@@ -350,6 +351,6 @@ class ProcessGroupStrategy:
         try:
             self.teardown()
         except Exception as exc:   # a peer died meanwhile: say so in one line, let the exit go on
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = excerpt(exc)
             print(f"mixprec: rank {self.rank}: could not end the process group at exit: {first}",
                   file=sys.stderr)

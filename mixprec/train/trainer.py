@@ -21,7 +21,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from mixprec.data.position import resumable
-from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
+from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged, excerpt
 from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
@@ -459,7 +459,7 @@ class Trainer:
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
                                         lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
                                         samples_per_s=meter.last_sps)
-                        self._stop_if_diverged(health.verdict(last_val if do_eval else None))
+                        self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
                         self._save(train_loader)
@@ -499,15 +499,25 @@ class Trainer:
         self.events.note(message, self.step, "interrupted", say=False)
         raise RunInterrupted(message, signum)
 
-    def _stop_if_diverged(self, problem: str | None) -> None:
+    def _stop_if_diverged(self, problem: str | None, last: StepOutput | None = None) -> None:
         if problem is None:
             return
         from mixprec.runs import checkpoint as ckpt
         done = ckpt.list_checkpoints(self.run_dir) if self.run_dir is not None else []
         where = (f"resume from the last checkpoint before it: mixprec train --resume {done[-1][1]}"
                  if done else "no checkpoint was written before it")
+        precision, cfg = self.precision, self.config
+        loss_finite = last is not None and bool(torch.isfinite(torch.as_tensor(last.loss)).all())  # once
+        if RunHealth.still_backing_off(scales_loss=precision.scales_loss, scale=precision.scale,
+                                       init_scale=cfg.init_scale, min_scale=cfg.min_scale,
+                                       loss_finite=loss_finite):
+            message = (f"training stopped at step {self.step}: {problem}; " + RunHealth.backing_off_message(
+                init_scale=cfg.init_scale, scale=precision.scale, skipped=precision.num_skipped_steps))
+            self.events.note(message, self.step, "diverged", say=False)
+            raise TrainingDiverged(message)
+        safer = "" if precision.compute_dtype == torch.float32 else ", or pick a safer precision"
         message = (f"training diverged at step {self.step}: {problem}; lower lr (now "
-                   f"{self.config.lr:g}), keep clip_grad_norm on, or pick a safer precision; {where}")
+                   f"{cfg.lr:g}), keep clip_grad_norm on{safer}; {where}")
         self.events.note(message, self.step, "diverged", say=False)
         raise TrainingDiverged(message)
 
@@ -521,7 +531,7 @@ class Trainer:
                 raise
             # The compile failed in the first forward, before any gradient or update: undo it.
             self.strategy.unwrap(self.model)._compiled_call_impl = None
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            first = excerpt(e, 300)
             self.events.note(f"compile=true failed ({type(e).__name__}: {first}); training eager",
                              self.step, kind="compile")
             return self.train_step(batches)

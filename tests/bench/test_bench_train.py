@@ -9,8 +9,8 @@ from mixprec.cli import main
 
 
 def test_bench_train_two_modes_two_repeats_writes_csv_and_png(tmp_path, capsys):
-    rc = main(["bench", "train", "--model", "tiny", "--modes", "32-true,bf16-mixed", "--batch", "2",
-               "--seq", "16", "--repeats", "2", "--steps", "1", "--warmup", "1", "--threads", "1",
+    rc = main(["bench", "train", "--model", "tiny", "--modes", "32-true,bf16-mixed", "--batch-size", "2",
+               "--seq-len", "16", "--repeats", "2", "--steps", "1", "--warmup", "1", "--threads", "1",
                "--out", str(tmp_path)])
     assert rc == 0
     rows = list(csv.DictReader(open(tmp_path / "bench_train.csv")))

@@ -106,7 +106,7 @@ def test_bf16_activations_shrink_by_less_than_half():
 def test_67b_table_has_seed_002_structure(capsys):
     p = argparse.ArgumentParser()
     memory_cmd.configure(p)
-    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch", "1", "--seq", "4096", "--gpus", "16",
+    memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch-size", "1", "--seq-len", "4096", "--gpus", "16",
                              "--precision", "32-true,bf16-mixed"]))
     out = capsys.readouterr().out
     assert "67.30B parameters" in out
