@@ -63,7 +63,7 @@ class RunEvents:
             self._bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr,
                              desc="train", unit="step",
                              bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                                        "[{elapsed}<{remaining}] {postfix}")
+                                        "[{elapsed}<{remaining}]{postfix}")
 
     def advance(self) -> None:
         if self._bar is not None:
