@@ -1,11 +1,14 @@
 """``mixprec report RUN_A RUN_B ...``: several runs overlaid in one HTML page and a few PNGs.
 
-The first run is the reference. Plots: train loss, validation loss, the relative difference of
-each run's loss from the reference's (``loss / loss_ref - 1`` at the steps both logged), skipped
-steps (cumulative), the loss scale (log axis), and the share of Linear layers in FP8 over time
-(from ``events.jsonl``: per-layer formats and re-planning switches). The summary table has one
-row per run: precision, steps, final train and validation loss and their difference from the
-reference, skipped steps, final loss scale, and the final layer formats.
+The first run is the reference. Plots (drawn with :mod:`mixprec.report.figures`; each line is
+labelled with its run's folder name, the table maps names to precisions): train loss, validation
+loss, learning rate, the relative difference of each run's loss from the reference's
+(``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
+(log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary
+table has one row per run: precision, how far it got (``320 of 2000`` and whether it completed,
+stopped, diverged, or is still running or was killed), final train and validation loss, each
+against the reference's final value and at the last step every run reached (named in the column
+header), skipped steps, final loss scale, and the final layer formats.
 """
 from __future__ import annotations
 
@@ -140,7 +143,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
             share = [100 * sum(r["formats"][name][t].startswith("fp8") for name in r["layers"]) / n
                      for t in range(r["last"] + 1)]
             ax.step(range(r["last"] + 1), share, where="post", label=r["name"])
-    if ax.lines:
+    if any(max(line.get_ydata(), default=0) > 0 for line in ax.lines):   # no FP8 anywhere: no picture
         ax.set_ylim(-2, 102)
         legend_below(ax)
         paths.append(save(fig, out / "compare_fp8_share.png"))

@@ -3,7 +3,8 @@
 Reads what :mod:`mixprec.runs.metrics` wrote (``metrics.csv``, and ``numerics.csv`` /
 ``events.jsonl`` when present) and draws one PNG per question a user asks of a run: is the loss
 falling (train and validation), is the loss scale stable or collapsing (log axis, skipped steps
-marked), are gradients exploding, how fast is it (tokens/s, MFU), how much memory, and which
+marked at the scale they overflowed), what the learning rate was, are gradients exploding, how
+fast is it (tokens/s and MFU, one panel each), how much memory (saying what was measured), and which
 layers run close to their format's limits (a module x step heat map). ``report.html`` inlines
 every image as base64 so it can be mailed or attached to an issue as one file.
 
@@ -26,7 +27,7 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.report.figures import (caption, figure, legend_below, mark_events, memory_label, save,
                                     scale_series, skip_events)
-from mixprec.runs.read import read_run_config, run_precision, start_field
+from mixprec.runs.read import read_run_config, run_precision, run_progress, start_field
 from mixprec.runs.metrics import (METRICS_FILE, is_finite_number, read_events, read_metrics,
                                    read_numerics)
 
@@ -121,6 +122,7 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "precision": run_precision(config, events),
         "model": _model(config, events),
         "last step": rows[-1]["step"],
+        "steps": run_progress(config, events, rows[-1]["step"]),   # says an incomplete run is one
         "logged rows": len(rows),
         "final train loss": losses[-1] if losses else None,
         "final val loss": vals[-1] if vals else None,

@@ -74,6 +74,8 @@ def test_comparison_says_what_it_compares_and_that_a_run_is_incomplete(tmp_path,
     assert ref["steps"] == "2000 of 2000 (complete)"
     assert short["steps"] == "320 of 2000 (incomplete: still running, or killed)"
     assert stop["steps"] == "400 of 2000 (stopped)"
+    one = report.summarize(load_run(tmp_path / "short")["rows"], [], {"max_steps": 2000})
+    assert one["steps"] == "320 of 2000 (incomplete: still running, or killed)"
 
 
 def test_comparison_legends_are_short_and_outside_the_axes(tmp_path, drawn):
