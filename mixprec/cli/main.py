@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import importlib
 import signal
 import sys
@@ -135,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             signals.ending = True
             print(f"mixprec: {e}", file=sys.stderr)
             return e.exit_code
+        except BrokenPipeError:
+            # The reader went away (`mixprec memory ... | head`): as a shell tool killed by SIGPIPE
+            # does, stop quietly with 128 + SIGPIPE; point stdout at /dev/null so the interpreter's
+            # final flush does not raise again.
+            signals.ending = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
         except (MixprecError, OSError) as e:
             signals.ending = True
             if getattr(args, "debug", False):

@@ -52,7 +52,7 @@ class Checkpointer:
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              precision: Precision, scheduler: Any, loader: Any, config: Any,
-             replanner: Any = None) -> Path | None:
+             replanner: Any = None, guard: Any = None) -> Path | None:
         """Write checkpoint ``step`` atomically; collectives (FSDP) run on every rank."""
         strategy = self.strategy
         cfg = dataclasses.asdict(config)
@@ -65,6 +65,8 @@ class Checkpointer:
             # The current per-layer formats (re-planning changes them) and the re-planner's state.
             "layer_formats": dict(precision.layer_formats),
             "replan": replanner.state_dict() if replanner is not None else None,
+            # The training guard's windows, counters and snapshot (mixprec/plan/guard.py).
+            "guard": guard.state_dict() if guard is not None else None,
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
             # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
             "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
@@ -102,7 +104,8 @@ class Checkpointer:
         return export_pretrained(self.strategy.unwrap(model), folder, state_dict=state)
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None) -> Restored:
+             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None,
+             guard: Any = None) -> Restored:
         """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
         strategy = self.strategy
         model_state, state, _meta = ckpt.load_checkpoint(path)
@@ -125,6 +128,8 @@ class Checkpointer:
         precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
         if replanner is not None and state.get("replan"):
             replanner.load_state_dict(state["replan"])
+        if guard is not None and state.get("guard"):
+            guard.load_state_dict(state["guard"])
         strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         precision.scaler.load_state_dict(state["scaler"])
         scheduler.load_state_dict(state["scheduler"])

@@ -209,12 +209,13 @@ class Trainer:
         if self.replanner is not None:
             self.hooks.append(ReplanHook(self.replanner))
         if cfg.guard:
-            if strategy.world_size > 1:
-                raise ConfigError("guard=true runs in one process for now (every rank would have "
-                                  "to agree on each promotion and restore); use guard=false")
+            if sharded:
+                raise ConfigError("guard=true swaps Linear modules while training; FSDP2 shards "
+                                  "them: use strategy=ddp or single, or guard=false")
             from mixprec.plan.guard import TrainingGuard
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
-                                       config=cfg.guard_config())
+                                       config=cfg.guard_config(),   # ranks vote (MAX) alike
+                                       agree=strategy.all_reduce_max if strategy.world_size > 1 else None)
 
     # ------------------------------------------------------------------ the step
 
@@ -374,7 +375,7 @@ class Trainer:
         return self.checkpointer.save(step=self.step, epoch=self.epoch, model=self.model,
                                       optimizer=self.optimizer, precision=self.precision,
                                       scheduler=self.scheduler, loader=loader, config=self.config,
-                                      replanner=self.replanner)
+                                      replanner=self.replanner, guard=self.guard)
 
     def fit(self, train_loader: Iterable[Batch], val_loader: Iterable[Batch] | None = None, *,
             resume: str | Path | bool | None = None) -> FitResult:
@@ -394,7 +395,7 @@ class Trainer:
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
                 optimizer=self.optimizer, precision=self.precision, scheduler=self.scheduler,
-                loader=train_loader, replanner=self.replanner)
+                loader=train_loader, replanner=self.replanner, guard=self.guard)
             self.step, self.epoch, self._loader_resumed = (restored.step, restored.epoch,
                                                            restored.loader_resumed)
         try:

@@ -155,3 +155,20 @@ def test_too_short_data_names_seq_len(tmp_path):
     with pytest.raises(DataError) as info:
         TokenDataset(tmp_path / "t.txt", 64)
     assert "lower seq_len" in str(info.value) and "lower max_length" not in str(info.value)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_sigpipes_code():
+    """`mixprec memory ... | head` used to end with "mixprec: error: Broken pipe; check the path
+    and the disk" (a BrokenPipeError is an OSError). The pipe's read end is closed before the
+    command starts writing, so its first write fails."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    read, write = os.pipe()
+    os.close(read)
+    proc = subprocess.run([sys.executable, "-m", "mixprec", "train", "--list"], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
+    assert "error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
