@@ -274,6 +274,15 @@ def _build_hf_model(cfg: TrainConfig, vocab_size: int):
                           gradient_checkpointing=cfg.gradient_checkpointing)
 
 
+def settings_lines(cfg: TrainConfig, source: dict[str, str]) -> list[str]:
+    """The settings that differ from the defaults and where each came from, under one header;
+    nothing at all (no bare header) when every setting is the default."""
+    defaults = TrainConfig()
+    changed = [f"  {k} = {getattr(cfg, k)!r}  ({s})" for k, s in source.items()
+               if s != "default" and getattr(cfg, k) != getattr(defaults, k)]
+    return ["settings (non-default):", *changed] if changed else []
+
+
 def _field_docs() -> dict[str, str]:
     """Each setting's description: the first sentence of its docstring in train/config.py."""
     import ast
@@ -330,11 +339,8 @@ def run(args: argparse.Namespace) -> int:
 
     model, train_loader, val_loader, strategy = build_run(cfg)
     if strategy.is_main:
-        print("[mixprec] settings (non-default):", file=sys.stderr)
-        defaults = TrainConfig()
-        for k, s in source.items():
-            if s != "default" and getattr(cfg, k) != getattr(defaults, k):
-                print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
+        for line in settings_lines(cfg, source):
+            print(f"[mixprec] {line}", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
             from mixprec.runs.checkpoint import list_checkpoints
             print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
