@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     write_csv(rows, out / "bench_train.csv")
     write_png(rows, out / "bench_train.png",
-              f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {bench_device(cfg).type}, {cfg.repeats} repeats")
+              f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {bench_device(cfg).type}, {cfg.repeats} repeat{'s' if cfg.repeats != 1 else ''}")
     print(f"wrote {out / 'bench_train.csv'} and {out / 'bench_train.png'}")
     if args.profile:
         summary = profile_contender(cfg.modes[0], cfg, steps=args.profile, out_dir=out)

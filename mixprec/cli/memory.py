@@ -20,7 +20,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                         help="adamw: two moments per parameter; sgd: none")
     parser.add_argument("--moments-dtype", "--moments", default="fp32",
-                        help="Adam moments: fp32, bf16, int8 or fp8 (mixprec.optim.moments)")
+                        help="Adam moments: fp32, bf16, int8, fp8 or fp8-e5m2 (mixprec.optim.moments)")
     parser.add_argument("--fp8-activations", action="store_true",
                         help="Linear inputs saved for backward in FP8 (mixprec.nn.fp8_activations)")
     parser.add_argument("--device", default=None, choices=("cpu",),

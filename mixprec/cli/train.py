@@ -195,13 +195,15 @@ def _check_fits_in_memory(build, vocab_size: int, cfg: TrainConfig | None = None
     positions = preset.max_seq_len if preset is not None else cfg.seq_len
     per_token = model.flops_per_token(cfg.seq_len)
     attention = 6.0 * model.config.num_layers * model.config.d_model * cfg.seq_len / per_token
-    if cfg.seq_len <= positions and attention < 0.5:
+    import dataclasses as dc
+    base = dc.replace(shape, max_seq_len=positions).num_parameters() if cfg.seq_len > positions else n
+    # A position table a little longer than the preset's (tiny's 64 rows at the default seq_len
+    # of 128) is worth no warning; one that grows the model by more than a tenth is.
+    if n <= 1.1 * base and attention < 0.5:
         return
     step_flops = per_token * cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
     grown = ""
-    if cfg.seq_len > positions:
-        import dataclasses as dc
-        base = dc.replace(shape, max_seq_len=positions).num_parameters()
+    if n > 1.1 * base:
         grown = (f"seq_len={cfg.seq_len} is longer than model {cfg.model}'s {positions} positions: its "
                  f"position table grows to {cfg.seq_len} rows, so the model has {n / 1e6:.2f}M parameters "
                  f"({base / 1e6:.2f}M at {positions}); ")
@@ -274,6 +276,15 @@ def _build_hf_model(cfg: TrainConfig, vocab_size: int):
                           gradient_checkpointing=cfg.gradient_checkpointing)
 
 
+def settings_lines(cfg: TrainConfig, source: dict[str, str]) -> list[str]:
+    """The settings that differ from the defaults and where each came from, under one header;
+    nothing at all (no bare header) when every setting is the default."""
+    defaults = TrainConfig()
+    changed = [f"  {k} = {getattr(cfg, k)!r}  ({s})" for k, s in source.items()
+               if s != "default" and getattr(cfg, k) != getattr(defaults, k)]
+    return ["settings (non-default):", *changed] if changed else []
+
+
 def _field_docs() -> dict[str, str]:
     """Each setting's description: the first sentence of its docstring in train/config.py."""
     import ast
@@ -330,11 +341,8 @@ def run(args: argparse.Namespace) -> int:
 
     model, train_loader, val_loader, strategy = build_run(cfg)
     if strategy.is_main:
-        print("[mixprec] settings (non-default):", file=sys.stderr)
-        defaults = TrainConfig()
-        for k, s in source.items():
-            if s != "default" and getattr(cfg, k) != getattr(defaults, k):
-                print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
+        for line in settings_lines(cfg, source):
+            print(f"[mixprec] {line}", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
             from mixprec.runs.checkpoint import list_checkpoints
             print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"

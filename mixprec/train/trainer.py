@@ -522,14 +522,15 @@ class Trainer:
                         (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
                     if do_eval:
                         last_val = self.evaluate(val_loader, cfg.eval_batches)
-                    meter.add(out)
+                    meter.add(out, batches)
                     logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
                         loss = meter.log(out, step=self.step, epoch=self.epoch,
                                          lr=self.scheduler.get_last_lr()[0],
                                          val_loss=last_val if do_eval else None)
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
-                                        lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps)
+                                        lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
+                                        samples_per_s=meter.last_sps)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:

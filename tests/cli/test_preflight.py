@@ -41,3 +41,14 @@ def test_an_ordinary_run_prints_no_warning(monkeypatch, capsys):
     cfg = TrainConfig(model="tiny", seq_len=32, batch_size=4)
     command._check_fits_in_memory(_build(cfg), 256, cfg, say=True)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_default_seq_len_on_tiny_prints_no_warning(monkeypatch, capsys):
+    """`mixprec train model=tiny` (seq_len 128 against the preset's 64 positions) grows the model by
+    8k parameters: after the merge of the long-sequence warning every such run warned."""
+    from mixprec.cli import train as command
+    monkeypatch.setattr(command, "_available_memory_bytes", lambda: None)
+    cfg = TrainConfig(model="tiny", precision="32-true")
+    assert cfg.seq_len > 64
+    command._check_fits_in_memory(_build(cfg), 256, cfg, say=True)
+    assert "warning" not in capsys.readouterr().err
