@@ -223,6 +223,11 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
         master is joined into a fresh FP32 tensor (a copy: writing to it changes nothing)."""
         return [self.master_of(p) for p in self._model_params]
 
+    @property
+    def split_count(self) -> int:
+        """How many parameters keep a split master (the parameter + a 16-bit remainder)."""
+        return len(self._lo)
+
     def master_of(self, param: Tensor) -> Tensor:
         """The FP32 master of a model param (the param itself when it is already in the master
         dtype). For a split master outside the step this is a fresh FP32 tensor joined from the

@@ -583,7 +583,7 @@ class Precision:
         masters = self.master_params(model) if model is not None else None
         opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
                     **adamw_options)
-        if opt.split:
+        if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
             self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
                               "remainder, no FP32 master gradients (bit-identical)")
         return opt
