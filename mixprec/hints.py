@@ -52,7 +52,9 @@ def launcher(env: dict[str, str] | None = None) -> list[str]:
         return ["mixprec"]
     nproc = int(env["LOCAL_WORLD_SIZE"])
     nnodes = int(env.get("GROUP_WORLD_SIZE") or max(int(env.get("WORLD_SIZE", nproc)) // nproc, 1))
-    words = ["torchrun"]
+    # `python -m mixprec.launch` (torchrun with honest exits, mixprec/launch.py) tells its workers.
+    words = ["python", "-m", "mixprec.launch"] if env.get("MIXPREC_LAUNCHER") == "mixprec.launch" \
+        else ["torchrun"]
     if nnodes > 1:
         words.append(f"--nnodes={nnodes}")
     return [*words, f"--nproc_per_node={nproc}", "-m", "mixprec"]

@@ -390,10 +390,11 @@ def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
     elif isinstance(exc, RunInterrupted):   # stopped after saving: said once, by rank 0
         if rank == 0:
             print(f"mixprec: {exc}", file=sys.stderr)
-            if "TORCHELASTIC_RUN_ID" in os.environ:
+            if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("MIXPREC_LAUNCHER") != "mixprec.launch":
                 print(f"mixprec: every rank saved and exits {exc.exit_code}; torchrun's own report "
                       "may follow (a SignalException or ChildFailedError traceback, exit status 1): "
-                      "it is about this same stop, and the run resumes with the command above "
+                      "it is about this same stop, and the run resumes with the command above; "
+                      "`python -m mixprec.launch` (same arguments) ends with this status instead "
                       "(docs/distributed.md)", file=sys.stderr)
         code = exc.exit_code
     else:

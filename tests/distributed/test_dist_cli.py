@@ -109,3 +109,51 @@ def test_sigint_to_torchrun_saves_on_every_rank_and_says_how_to_resume_under_tor
     assert f"continue with: {hint}" in out, out[-3000:]
     assert "mixprec: every rank saved and exits 130; torchrun's own report may follow" in out
     assert (run / "checkpoints" / "step-00000003" / "meta.json").is_file()
+
+
+def test_mixprec_launch_stopped_by_sigint_exits_130_in_one_line_with_its_own_resume_hint(tmp_path):
+    """`python -m mixprec.launch` is torchrun (same arguments, torch's launcher code) whose ending
+    says what happened: after the workers saved it exits 130 with one line, where plain torchrun
+    prints a SignalException traceback and exits 1 (the test above)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+    from gated import GatedRun
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).resolve().parents[2].joinpath("README.md").read_text() * 4)
+    run = tmp_path / "run"
+    job = GatedRun("step:2", "model=tiny", f"data={corpus}", "seq_len=32", "batch_size=4",
+                   "max_steps=1000", "ckpt_interval=0", "log_interval=1", "eval_interval=0",
+                   "progress=false", "audit=false", f"run_dir={run}",
+                   launcher=("-m", "mixprec.launch", "--nnodes=1", "--nproc_per_node=2",
+                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"))
+    try:
+        job.wait_for("GATE step:2")
+        job.wait_for("GATE step:2")
+        job.signal(signal.SIGINT)
+        job.wait_for("finishing this step and saving a checkpoint")
+        job.release()
+        job.release()
+        code, out = job.finish()
+    finally:
+        job.kill()
+    assert code == 130, out[-3000:]
+    assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
+    assert "mixprec.launch: stopped by SIGINT" in out
+    hint = shlex.join(["python", "-m", "mixprec.launch", "--nproc_per_node=2", "-m", "mixprec",
+                       "train", "--resume", str(run)])
+    assert f"continue with: {hint}" in out, out[-3000:]
+    assert "torchrun's own report may follow" not in out
+    assert (run / "checkpoints" / "step-00000002" / "meta.json").is_file()
+
+
+def test_mixprec_launch_exits_with_the_failed_workers_status_without_a_traceback(tmp_path):
+    """A worker that exits 3 (a diverged run's status): plain torchrun says ChildFailedError with a
+    traceback and exits 1; mixprec.launch gives one line and 3."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mixprec.launch", "--nnodes=1", "--nproc_per_node=2",
+                           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(script)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "mixprec.launch: " in proc.stderr and "rank 1: exit 3" in proc.stderr, proc.stderr[-3000:]

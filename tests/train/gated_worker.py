@@ -23,7 +23,10 @@ import sys
 
 def gate(name: str) -> None:
     print(f"GATE {name} pid={os.getpid()}", flush=True)
-    sys.stdin.readline()
+    # One line, byte by byte from the file descriptor: under torchrun every rank shares the
+    # launcher's stdin, and a buffered readline() could take both ranks' "go" lines at once.
+    while os.read(0, 1) not in (b"\n", b""):
+        pass
 
 
 def _mine(gates: set[str]) -> set[str]:
