@@ -10,11 +10,17 @@ from mixprec.precision import Precision
 from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
 from mixprec.models import Transformer
 from mixprec.precision import Policy, autocast, cast_module, get_policy
-from mixprec.strategies import FSDPStrategy, MirroredStrategy, SingleDeviceStrategy
+from mixprec.strategies import MirroredStrategy, SingleDeviceStrategy
 from mixprec.train import FitConfig, Trainer, TrainConfig, fit
 from mixprec.plan import plan_precision, what_if
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "FSDPStrategy":          # imported when first named (FSDP2 is slow to import)
+        return strategies.FSDPStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     # precision: the policy (data) and the Precision object (every decision)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,16 +22,11 @@ __all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale"]
 
 
 def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - very old torch
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
+    """DTensor's class if its module is loaded, else None: no tensor can be a DTensor before
+    ``torch.distributed.tensor`` is imported, and importing it here would add about a second to
+    every ``import mixprec`` (every CLI call, every torchrun worker)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 _LAYOUT = operator.attrgetter("layout")
@@ -60,8 +56,9 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
                     p.grad = g.coalesce()   # summing duplicates later could overflow fp16
         raw = [g for group in optimizer.param_groups for p in group["params"]
                if (g := p.grad) is not None]
+    dtensor = _dtensor_type()
     return [g._values() if g.is_sparse else
-            g._local_tensor if _DTENSOR is not None and isinstance(g, _DTENSOR) else g
+            g._local_tensor if dtensor is not None and isinstance(g, dtensor) else g
             for g in raw]
 
 

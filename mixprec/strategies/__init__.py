@@ -8,7 +8,6 @@ from mixprec.strategies.base import ProcessGroupStrategy, Strategy, current_stra
 from mixprec.strategies.comm_hooks import COMPRESSIONS, CommCounter, HookState, TopKState, make_hook
 from mixprec.strategies.env import (DistEnv, RankFailureError, default_timeout, init_process_group,
                                     rank_failure_guard, read_env)
-from mixprec.strategies.fsdp import FSDPStrategy, default_shard_units, fsdp_mixed_precision
 from mixprec.strategies.mirrored import MirroredStrategy
 from mixprec.strategies.single import SingleDeviceStrategy
 
@@ -24,6 +23,18 @@ __all__ = [
     # fsdp helpers
     "fsdp_mixed_precision", "default_shard_units",
 ]
+
+
+# FSDP2 (``torch.distributed.fsdp``, and with it DTensor) takes about a second to import: it is
+# loaded when first named, not by every ``import mixprec`` (each CLI call, each torchrun worker).
+_FSDP_NAMES = ("FSDPStrategy", "default_shard_units", "fsdp_mixed_precision")
+
+
+def __getattr__(name: str):
+    if name in _FSDP_NAMES:
+        from mixprec.strategies import fsdp
+        return getattr(fsdp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 STRATEGIES = ("auto", "single", "mirrored", "ddp", "fsdp")
@@ -45,11 +56,11 @@ def get_strategy(name_or_obj=None, **kwargs):
         # one process MirroredStrategy is a single-device strategy anyway
         name = "mirrored" if read_env().distributed or kwargs else "single"
     classes = {"single": SingleDeviceStrategy, "mirrored": MirroredStrategy,
-               "ddp": MirroredStrategy, "fsdp": FSDPStrategy}
+               "ddp": MirroredStrategy, "fsdp": None}
     if name not in classes:
         raise ConfigError(f"unknown strategy {name_or_obj!r}; valid: {', '.join(STRATEGIES)}"
                           + closest(name, STRATEGIES))
-    cls = classes[name]
+    cls = classes[name] or __getattr__("FSDPStrategy")
     if kwargs.get("grad_compression") not in (None, "none") and not cls.compresses_gradients:
         raise ConfigError(f"grad_compression={kwargs['grad_compression']} needs strategy=ddp (or auto): "
                           f"it is a DDP communication hook, and strategy={name} has none")
