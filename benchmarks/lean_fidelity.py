@@ -23,16 +23,36 @@ VARIANTS = {
     "32-true+bf16moments": dict(precision="32-true", moments="bf16"),
     "32-true+int8moments": dict(precision="32-true", moments="int8"),
     "32-true+fp8moments": dict(precision="32-true", moments="fp8"),
+    "32-true+fp8e5m2moments": dict(precision="32-true", moments="fp8-e5m2"),
+    "32-true+int8moments@256": dict(precision="32-true", moments="int8", int8_block=256),
     "32-true+fp8acts": dict(precision="32-true", fp8_activations=True),
     "bf16-true+int8moments+fp8acts": dict(precision="bf16-true", moments="int8", fp8_activations=True),
     "torchao-adamw8bit": dict(precision="32-true", peer="torchao"),
     "bnb-adamw8bit": dict(precision="32-true", peer="bnb"),
+    "bnb-adamw32bit": dict(precision="32-true", peer="bnb32"),   # bitsandbytes' update with 32-bit states
+    "torch-adamw": dict(precision="32-true", peer="torch"),      # the control for the peers' path
 }
+
+
+from mixprec.optim import moments as _M  # noqa: E402
+
+DEFAULT_INT8 = _M.LAYOUTS["int8"]
+BETAS = (FitConfig.beta1, FitConfig.beta2)   # the trainer's own AdamW betas: peers get the same
+
+
+def _groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trainer's groups: weight decay on matrices only (mixprec.train.trainer)."""
+    ps = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def run(model_name: str, variant: str, seed: int, steps: int, batch: int, seq: int) -> dict:
     spec = dict(VARIANTS[variant])
     peer = spec.pop("peer", None)
+    int8_block = spec.pop("int8_block", None)
+    from mixprec.optim import moments as M
+    M.LAYOUTS["int8"] = M.Layout(codes=(torch.int8, torch.uint8), block=int8_block or DEFAULT_INT8.block)
     corpus = mp.data.builtin_corpus()
     train = mp.data.TokenDataset(corpus.train_path, max_length=seq)
     val = mp.data.TokenDataset(corpus.val_path, max_length=seq)
@@ -49,10 +69,17 @@ def run(model_name: str, variant: str, seed: int, steps: int, batch: int, seq: i
     opt = None
     if peer == "torchao":
         from torchao.optim import AdamW8bit
-        opt = AdamW8bit(model.parameters(), lr=2e-3, weight_decay=0.1)
+        opt = AdamW8bit(_groups(model, 0.1), lr=2e-3, betas=BETAS)
     elif peer == "bnb":
         import bitsandbytes as bnb
-        opt = bnb.optim.AdamW8bit(model.parameters(), lr=2e-3, weight_decay=0.1)
+        # like for like: the trainer's groups, and 8-bit states for every tensor of >= 256 elements
+        # (bitsandbytes' default keeps 32-bit states below 4096 elements: most of the tiny model)
+        opt = bnb.optim.AdamW8bit(_groups(model, 0.1), lr=2e-3, betas=BETAS, min_8bit_size=256)
+    elif peer == "bnb32":
+        import bitsandbytes as bnb
+        opt = bnb.optim.AdamW(_groups(model, 0.1), lr=2e-3, betas=BETAS, optim_bits=32)
+    elif peer == "torch":
+        opt = torch.optim.AdamW(_groups(model, 0.1), lr=2e-3, betas=BETAS)
     trainer = Trainer(model, config=cfg, strategy="single", optimizer=opt)
     trainer.prepare(total_steps=steps)
     t0 = time.time()

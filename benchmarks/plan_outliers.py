@@ -65,7 +65,10 @@ def inject_outliers(model: nn.Module, layer: str, channels: Sequence[int] = OUTL
 
 def _config(args, mode: str, seed: int, run_dir: str, guard: bool = False):
     from mixprec.train.config import TrainConfig
-    return TrainConfig(model=args.model, precision=mode, max_steps=args.steps, seq_len=args.seq,
+    overrides: tuple[tuple[str, str], ...] = ()
+    if mode in KEPT:                 # what the guard ends with, from step 1
+        mode, overrides = KEPT[mode], ((args.layer, "bf16"),)
+    return TrainConfig(model=args.model, precision=mode, precision_overrides=overrides, max_steps=args.steps, seq_len=args.seq,
                        batch_size=args.batch, eval_interval=0, eval_batches=args.eval_batches,
                        ckpt_interval=0, log_interval=10, lr=args.lr,
                        warmup_steps=args.steps // 10, progress=False, seed=seed, run_dir=run_dir,
@@ -74,6 +77,10 @@ def _config(args, mode: str, seed: int, run_dir: str, guard: bool = False):
 
 GUARDED = {"guard-fp8-tensorwise": "fp8-tensorwise", "guard-fp8-blockwise": "fp8-blockwise"}
 """Uniform FP8 with ``guard=true`` (mixprec/plan/guard.py)."""
+
+KEPT = {"keep-fp8-tensorwise": "fp8-tensorwise", "keep-fp8-blockwise": "fp8-blockwise"}
+"""Uniform FP8 with the outlier layer in bf16 from step 1 (a precision override): the formats a
+guarded run ends with, without its first steps in FP8."""
 
 
 PLANS = {
@@ -135,6 +142,40 @@ def train(args, mode: str, seed: int, run_dir: str) -> dict:
             "guard": guard_summary(events), "wall_s": time.perf_counter() - start}
 
 
+def probe(args) -> None:
+    """One forward per gain, before any training: the outlier layer's output SQNR against FP32 and
+    the share of its input that ``fp8-tensorwise`` flushes to zero (the guard's own measurement,
+    :meth:`mixprec.plan.guard.TrainingGuard.sample_sqnr`), and the loss change of uniform
+    ``fp8-tensorwise`` over ``32-true`` on the same batch."""
+    from mixprec.cli.train import build_run
+    from mixprec.plan.guard import TrainingGuard
+    from mixprec.train.trainer import Trainer
+    print(f"| gain | {args.layer} output SQNR (dB) | its input flushed | median SQNR of the "
+          f"other FP8 layers (dB) | one-forward loss, fp8-tensorwise vs 32-true |")
+    print("|---|---|---|---|---|")
+    for gain in (float(g) for g in args.probe.split(",")):
+        losses = {}
+        for mode in ("32-true", "fp8-tensorwise"):
+            cfg = _config(args, mode, 0, None)
+            model, train_loader, _, strategy = build_run(cfg)
+            inject_outliers(model, args.layer, gain=gain)
+            trainer = Trainer(model, config=cfg, strategy=strategy)
+            trainer.prepare(total_steps=args.steps)
+            batch = next(iter(train_loader))
+            with torch.no_grad():
+                losses[mode] = float(trainer.batch_loss(trainer.model, batch)[0])
+            if mode != "32-true":
+                guard = TrainingGuard(trainer.precision, strategy.unwrap(trainer.model),
+                                      trainer.optimizer, trainer.scheduler)
+                sqnr = guard.sample_sqnr(lambda: trainer._forward([batch]))
+                others = sorted(v for n, v in sqnr.items() if n != args.layer)
+                layer_db, flushed = sqnr[args.layer], guard.last_flush[args.layer]
+            strategy.teardown()
+        change = 100 * (losses["fp8-tensorwise"] / losses["32-true"] - 1)
+        print(f"| {gain:g} | {layer_db:.1f} | {100 * flushed:.1f} % | "
+              f"{statistics.median(others):.1f} | {change:+.3f} % |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="bf16-mixed,fp8-tensorwise,fp8-blockwise,plan",
@@ -157,16 +198,26 @@ def main() -> int:
     p.add_argument("--no-reference", action="store_true",
                    help="do not run bf16-mixed (the table then shows the raw validation losses; "
                         "compare with a bf16-mixed run of the same seeds from another invocation)")
+    p.add_argument("--probe", default=None, metavar="GAINS",
+                   help="only the one-forward check of these comma-separated gains (SQNR, "
+                        "flushed share, loss change), no training")
+    p.add_argument("--reference", default="bf16-mixed",
+                   help="the mode the table compares against (32-true: FP32, fast on a CPU "
+                        "without native BF16)")
     args = p.parse_args()
+    if args.probe:
+        probe(args)
+        return 0
     modes = args.modes.split(",")
-    if "bf16-mixed" not in modes and not args.no_reference:
-        modes.insert(0, "bf16-mixed")
+    if args.reference not in modes and not args.no_reference:
+        modes.insert(0, args.reference)
     seeds = [int(s) for s in args.seeds.split(",")]
     res: dict[tuple[str, int], dict] = {}
     flops: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as root:
-        for seed in seeds:
-            for i, mode in enumerate(modes):
+        for k, seed in enumerate(seeds):
+            # Alternate the contenders: each seed starts one mode later (a load change spreads).
+            for i, mode in [(i % len(modes), modes[i % len(modes)]) for i in range(k, k + len(modes))]:
                 run_mode = mode
                 if mode in PLANS:
                     path = Path(root) / f"{mode}-{seed}.json"
@@ -191,7 +242,7 @@ def main() -> int:
           f"{list(OUTLIER_CHANNELS)} of {args.layer}'s input; {args.steps} steps of "
           f"{args.batch}x{args.seq} tokens, seeds {','.join(map(str, seeds))}\n")
     print("| mode | FP8 share of Linear GEMM FLOPs (at the end) | " + " | ".join(
-        f"val loss seed {s} (vs bf16-mixed)" for s in seeds) + " | mean difference (sd) |")
+        f"val loss seed {s} (vs {args.reference})" for s in seeds) + " | mean difference (sd) |")
     print("|---" * (3 + len(seeds)) + "|")
     for mode in modes:
         shares, cells, diffs = [], [], []
@@ -199,7 +250,7 @@ def main() -> int:
             fmts = res[mode, s]["final_formats"]
             shares.append(100 * sum(f for n, f in flops.items() if fmts.get(n, "").startswith("fp8-")) / total)
             v = res[mode, s]["val"]
-            ref = res["bf16-mixed", s]["val"] if ("bf16-mixed", s) in res else v
+            ref = res[args.reference, s]["val"] if (args.reference, s) in res else v
             diffs.append((v / ref - 1.0) * 100.0)
             cells.append(f"{v:.4f} ({diffs[-1]:+.2f}%)")
         share = f"{min(shares):.1f}%" if min(shares) == max(shares) else f"{min(shares):.1f}-{max(shares):.1f}%"
@@ -207,6 +258,9 @@ def main() -> int:
         print(f"| {mode} | {share} | " + " | ".join(cells) + f" | {statistics.mean(diffs):+.2f}%{sd} |")
     for mode in modes:
         for s in seeds:
+            if mode in GUARDED:
+                print(f"\n{mode} seed {s} final: " + ", ".join(
+                    f"{n}={f}" for n, f in res[mode, s]["final_formats"].items()), end="")
             fmts = res[mode, s]["formats"]
             print(f"\n{mode} seed {s}: " + ", ".join(f"{n}={f}" for n, f in fmts.items())
                   + (f" (skipped steps: {res[mode, s]['skipped']})" if res[mode, s]["skipped"] else "")

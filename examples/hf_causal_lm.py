@@ -40,7 +40,8 @@ def adamw(model):
 model = tiny_llama()
 result = mp.fit(model, batches(), mixed_precision="bf16-mixed", optimizer=adamw(model),
                 max_steps=STEPS, warmup_steps=0, min_lr_ratio=1.0, clip_grad_norm=1.0,
-                progress=False, audit=False, ckpt_interval=0, run_dir="runs/hf_causal_lm")
+                progress=False, audit=False, ckpt_interval=0, run_dir="runs/hf_causal_lm",
+                overwrite=True)          # each run of the example starts over in its folder
 print(f"fit():     {result.steps} steps under {result.policy}; last loss {result.final_loss:.6f}; "
       f"from_pretrained folder: {result.run_dir}/hf")
 

@@ -14,7 +14,7 @@ from mixprec.strategies import MirroredStrategy, SingleDeviceStrategy
 from mixprec.train import FitConfig, Trainer, TrainConfig, fit
 from mixprec.plan import plan_precision, what_if
 
-__version__ = "0.1.0"
+from mixprec._version import __version__
 
 
 def __getattr__(name: str):

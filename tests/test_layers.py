@@ -8,7 +8,7 @@ import mixprec
 
 ORDER = ["policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies",
          "monitor", "estimate", "plan", "runs", "train", "integrations", "report", "bench", "cli"]
-"""Lowest first. ``errors`` and ``_compat`` may be imported by everyone; ``mixprec/__init__.py``
+"""Lowest first. ``errors``, ``hints`` and ``_compat`` may be imported by everyone; ``mixprec/__init__.py``
 and ``__main__.py`` sit above everything."""
 
 SHIM_UP = {

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from mixprec.errors import ConfigError
+from mixprec.errors import ConfigError, excerpt
 
-__all__ = ["TrainBenchConfig", "Contender", "build_contender", "bench_train", "PEERS",
+__all__ = ["bench_figure", "TrainBenchConfig", "Contender", "build_contender", "bench_train", "PEERS",
            "bench_device", "format_table", "write_csv", "write_png", "profile_contender"]
 
 PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true",
@@ -40,11 +40,11 @@ The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torch
 FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
-                             "fp8acts")
+                             "fp8e5m2moments", "fp8acts")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
-(moments=bf16; ``+int8moments``, ``+fp8moments`` likewise), ``+fp8acts``
+(moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
 (fp8_activations=true), or several
 (``bf16-mixed+overlap+compile``)."""
 
@@ -160,7 +160,8 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
 
 
 def _moments_of(variants: frozenset[str]) -> str:
-    return next((m for m in ("bf16", "int8", "fp8") if f"{m}moments" in variants), "fp32")
+    names = {"bf16": "bf16", "int8": "int8", "fp8": "fp8", "fp8e5m2": "fp8-e5m2"}
+    return next((m for key, m in names.items() if f"{key}moments" in variants), "fp32")
 
 
 def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender | None:
@@ -262,11 +263,19 @@ def measure_peak_memory(name: str, cfg: TrainBenchConfig, steps: int = 3, timeou
 
     CPU: peak RSS (``VmHWM``, reset after imports) minus the RSS after imports, so the ~300 MB of
     torch itself is not counted. CUDA: ``torch.cuda.max_memory_allocated``.
+
+    On a CPU the child runs with glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``,
+    unless the caller's environment sets it): by default glibc raises the threshold after the
+    first large tensor is freed and serves later tensors from a heap that never shrinks, so the
+    RSS peak would count memory already freed (up to +100 MiB on ``gpt-ref``, and enough to put
+    every ``bf16-true`` row above ``32-true``; docs/performance.md). With it fixed, freed tensors
+    return to the OS and the peak is the tensors' peak, which is what the estimator models.
     """
     spec = json.dumps({"name": name, "cfg": {k: (list(v) if isinstance(v, tuple) else v)
                                              for k, v in vars(cfg).items()}, "steps": steps})
     code = "import sys; from mixprec.bench.modes import _memory_probe; _memory_probe(sys.argv[1])"
     env = dict(os.environ, OMP_NUM_THREADS=str(cfg.threads or torch.get_num_threads()))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
     out = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True,
                          timeout=timeout, env=env)
     if out.returncode != 0:
@@ -374,7 +383,7 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
             except Exception as e:       # a mode torch.compile cannot compile: report, go on
                 if not compiles or not _is_compile_error(e):
                     raise
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                reason = f"{type(e).__name__}: {excerpt(e, 300)}"
                 log(f"skipped {c.name}: torch.compile failed ({reason}); the eager mode stays")
                 failed.append(c)
                 break
@@ -436,30 +445,43 @@ def write_csv(rows: list[dict], path: Path) -> None:
                         for k in COLUMNS})
 
 
-def write_png(rows: list[dict], path: Path, title: str) -> None:
-    """Two bar charts: tokens/s with min-max error bars, and peak memory."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def bench_figure(rows: list[dict], title: str):
+    """The bench picture as a matplotlib Figure: tokens/s per mode (with min-max error bars when
+    every mode was timed more than once), and peak memory when it was measured (no empty panel
+    after ``--no-memory``)."""
+    from matplotlib.figure import Figure
     names = [r["mode"] for r in rows]
     tps = [r["tokens_per_s"] for r in rows]
-    tokens = [r["tokens_per_s"] * r["step_ms_median"] / 1e3 for r in rows]
-    lo = [t - n / (r["step_ms_max"] / 1e3) for t, n, r in zip(tps, tokens, rows)]
-    hi = [n / (r["step_ms_min"] / 1e3) - t for t, n, r in zip(tps, tokens, rows)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].bar(names, tps, yerr=[lo, hi], capsize=4, color="tab:blue")
-    axes[0].set_ylabel("tokens/s (median, min-max)")
-    axes[0].set_title("throughput")
-    mem = [r["peak_mem_mb"] or 0.0 for r in rows]
-    axes[1].bar(names, mem, color="tab:orange")
-    axes[1].set_ylabel("peak memory (MiB)")
-    axes[1].set_title("peak memory (fresh process per mode)")
+    repeated = all(r["repeats"] > 1 for r in rows)
+    measured = [r["peak_mem_mb"] for r in rows if r["peak_mem_mb"] is not None]
+    fig = Figure(figsize=(11 if measured else 6, 4), dpi=100)
+    axes = list(fig.subplots(1, 2 if measured else 1, squeeze=False)[0])
+    if repeated:
+        # tokens per step / slowest and fastest step; clamped at 0 against rounding.
+        tokens = [t * r["step_ms_median"] / 1e3 for t, r in zip(tps, rows)]
+        lo = [max(0.0, t - n / (r["step_ms_max"] / 1e3)) for t, n, r in zip(tps, tokens, rows)]
+        hi = [max(0.0, n / (r["step_ms_min"] / 1e3) - t) for t, n, r in zip(tps, tokens, rows)]
+        axes[0].bar(names, tps, yerr=[lo, hi], capsize=4, color="tab:blue")
+        axes[0].set_ylabel("tokens/s (median; bars: min-max)")
+        axes[0].set_title("throughput")
+    else:
+        axes[0].bar(names, tps, color="tab:blue")
+        axes[0].set_ylabel("tokens/s")
+        axes[0].set_title("throughput (one repeat: no spread, no error bars)")
+    if measured:
+        axes[1].bar(names, [r["peak_mem_mb"] or 0.0 for r in rows], color="tab:orange")
+        axes[1].set_ylabel("peak MiB (CPU: RSS above imports;\nCUDA: allocator peak)")
+        axes[1].set_title("peak memory (one fresh process per mode)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def write_png(rows: list[dict], path: Path, title: str) -> None:
+    """:func:`bench_figure` as a PNG."""
+    bench_figure(rows, title).savefig(path, dpi=100)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -13,7 +13,7 @@ _SUB = {
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
     for name, (module, help_) in _SUB.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=parser.formatter_class)
         p.set_defaults(_bench_module=module)
         importlib.import_module(module).configure(p)
 

@@ -16,9 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated: fp32, tf32 (CUDA), bf16, fp16, fp8 (CUDA FP8 GPUs)")
     parser.add_argument("--sizes", default=None, help="comma-separated n for n x n GEMMs "
                         "(default: 512,1024,2048 on CPU; 4096,8192 on CUDA)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per (dtype, size); the median is shown")
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="skip a (dtype, size) whose time, estimated from a 128x128 probe, "
                              "exceeds this (emulated dtypes on a CPU); 0: no cap")

@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mixprec.cli.flags import add_batch_size, add_seq_len
 from mixprec.bench.modes import (PEERS, TrainBenchConfig, bench_device, bench_train, format_table,
                                  profile_contender, write_csv, write_png)
 
@@ -17,16 +18,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated precision modes (and peer names)")
     parser.add_argument("--peers", action="store_true",
                         help=f"add the peer loops: {', '.join(PEERS)} (missing packages are skipped)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_batch_size(parser, default=8, help="sequences per step", old=("--batch",))
+    add_seq_len(parser, default=128, help="tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=5, help="alternated rounds over the modes")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per repeat")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before timing")
     parser.add_argument("--clip", type=float, default=None, help="gradient clipping in mixprec modes")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory processes")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: torch's); 1 is steadier on a shared machine")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     parser.add_argument("--overlap", action="store_true",
                         help="add MODE+overlap (overlap_optimizer=true) after each mode")
     parser.add_argument("--compile", action="store_true",
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             modes = [v for m in modes for v in ((m, f"{m}+{flag}") if m not in PEERS else (m,))]
     if args.peers:
         modes += [p for p in PEERS if p not in modes]
-    cfg = TrainBenchConfig(model=args.model, modes=tuple(modes), batch=args.batch, seq=args.seq,
+    cfg = TrainBenchConfig(model=args.model, modes=tuple(modes), batch=args.batch_size, seq=args.seq_len,
                            repeats=args.repeats, steps=args.steps, warmup=args.warmup, clip=args.clip,
                            device=args.device, threads=args.threads)
     out = Path(args.out)
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     write_csv(rows, out / "bench_train.csv")
     write_png(rows, out / "bench_train.png",
-              f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {bench_device(cfg).type}, {cfg.repeats} repeats")
+              f"{cfg.model}, batch {cfg.batch} x {cfg.seq}, {bench_device(cfg).type}, {cfg.repeats} repeat{'s' if cfg.repeats != 1 else ''}")
     print(f"wrote {out / 'bench_train.csv'} and {out / 'bench_train.png'}")
     if args.profile:
         summary = profile_contender(cfg.modes[0], cfg, steps=args.profile, out_dir=out)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from mixprec.cli.flags import add_batch_size, add_seq_len
 from mixprec.errors import ConfigError
 from mixprec.estimate.gpus import GPUS
 from mixprec.estimate.cluster import ( ModelSpec, estimate, format_count, format_estimates, parse_count,
@@ -28,8 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--peak-tflops", type=float, default=None, help="override the per-GPU dense peak")
     r.add_argument("--global-batch", default=None, help="tokens per optimizer step, for the step time (default: "
                    "4Mi, or one micro-batch per data-parallel rank if that is more)")
-    r.add_argument("--seq", type=int, default=None, help="sequence length (default: preset's, else 4096)")
-    r.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward (memory)")
+    add_seq_len(r, default=None, help="tokens per sequence (default: the model's: a preset's "
+                "max_seq_len, a config.json's max_position_embeddings / n_positions / n_ctx, else 4096)")
+    add_batch_size(r, default=1, help="sequences per GPU per forward (the micro-batch; memory)",
+                   old=("--micro-batch",))
     r.add_argument("--parallelism", default="fsdp", help="ddp (states replicated) or fsdp (sharded over dp)")
     r.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     r.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -67,11 +70,13 @@ def run(args: argparse.Namespace) -> int:
     if not modes:
         raise ConfigError("--compare needs at least one precision mode")
     rows = [estimate(spec, tokens=args.tokens, gpu=args.gpu, num_gpus=args.gpus, precision=m, mfu=args.mfu,
-                     global_batch_tokens=args.global_batch, seq=args.seq, micro_batch=args.micro_batch,
+                     global_batch_tokens=args.global_batch, seq=args.seq_len, micro_batch=args.batch_size,
                      parallelism=args.parallelism.strip().lower(), tp=args.tp, pp=args.pp,
                      checkpointing=args.checkpointing, moments_dtype=args.moments_dtype,
                      peak_tflops=args.peak_tflops, power_w=args.power_w, pue=args.pue,
                      usd_per_gpu_hour=args.usd_per_gpu_hour, attention_flops=args.attention_flops)
             for m in modes]
+    where = "--seq-len" if args.seq_len else spec.seq_source
+    print(f"sequence length: {rows[0].seq} tokens ({where})")
     print(format_estimates(rows))
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import importlib
 import signal
 import sys
@@ -36,16 +37,68 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from mixprec._version import __version__
     parser = argparse.ArgumentParser(prog="mixprec", description="Mixed-precision training for PyTorch.")
+    parser.add_argument("-V", "--version", action="version", version=f"mixprec {__version__}",
+                        help="print the version and exit")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=HelpFormatter)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show full tracebacks on errors")
         p.set_defaults(_module=module)
         importlib.import_module(module).configure(p)
     return parser
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default (``(default: 16)``), unless the help already says it
+    or there is nothing to say (a switch that is off, no default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) \
+                or isinstance(action, argparse._StoreTrueAction):
+            return text
+        return super()._get_help_string(action)
+
+
+def _unknown_flag_line(flag: str, argv: list[str], sub: argparse.ArgumentParser | None,
+                       takes_settings: bool) -> str:
+    """The one line for an unrecognised ``--flag``: a setting written as a flag
+    (``--max_steps 5`` -> ``max_steps=5``), underscores for dashes, or the closest flag."""
+    from mixprec.errors import closest
+    name, eq, value = flag.lstrip("-").partition("=")
+    key = name.replace("-", "_")
+    if takes_settings:
+        from mixprec.train.config import TrainConfig, setting_suggestion
+        import dataclasses
+        if key in {f.name for f in dataclasses.fields(TrainConfig)}:
+            if not eq:
+                i = argv.index(flag) if flag in argv else -1
+                value = argv[i + 1] if 0 <= i < len(argv) - 1 and not argv[i + 1].startswith("-") else "VALUE"
+            return f"{flag} is not a flag: settings are key=value, write {key}={value}"
+        hint = setting_suggestion(key)
+        if hint:
+            return f"unrecognized argument {flag}{hint}; settings are key=value"
+    flags = [o for a in (sub._actions if sub else []) for o in a.option_strings
+             if a.help is not argparse.SUPPRESS]
+    dashed = "--" + name.replace("_", "-")
+    if dashed in flags and dashed != flag.partition("=")[0]:
+        return f"unrecognized argument {flag} (did you mean '{dashed}'? flags use dashes)"
+    return f"unrecognized argument {flag}{closest(dashed, flags)}"
+
+
+def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser | None:
+    """The parser of the command that was given (``bench train``: the innermost)."""
+    found = None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                found = _subparser(action.choices[name], args) or action.choices[name]
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "settings"):
         args.settings += [e for e in extra if "=" in e and not e.startswith("-")]
         extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
+    flags = [e for e in extra if e.startswith("-")]
+    if flags:
+        sub = _subparser(parser, args)
+        (sub or parser).error(_unknown_flag_line(flags[0], argv, sub, hasattr(args, "settings")))
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "command", None):
@@ -79,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             signals.ending = True
             print(f"mixprec: {e}", file=sys.stderr)
             return e.exit_code
+        except BrokenPipeError:
+            # The reader went away (`mixprec memory ... | head`): as a shell tool killed by SIGPIPE
+            # does, stop quietly with 128 + SIGPIPE; point stdout at /dev/null so the interpreter's
+            # final flush does not raise again.
+            signals.ending = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
         except (MixprecError, OSError) as e:
             signals.ending = True
             if getattr(args, "debug", False):

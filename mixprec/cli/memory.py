@@ -4,20 +4,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from mixprec.estimate.memory import GB, MOE_67B, ModelShape, estimate_memory, format_table
+from mixprec.cli.flags import add_batch_size, add_seq_len
+from mixprec.estimate.memory import GB, ModelShape, estimate_memory, format_table
 
 __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small",
-                        help="model preset (tiny, small, gpt-ref) or moe-67b (the 67B MoE of "
-                             "docs/sources.md)")
+                        help="model preset (tiny, small, gpt-ref), moe-67b (the 67B MoE of "
+                             "docs/sources.md) or a Hugging Face config.json path (read, never "
+                             "downloaded), as for `mixprec estimate`")
     parser.add_argument("--precision", default="32-true,bf16-mixed,bf16-true",
                         help="comma-separated precision modes")
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                        help="adamw: two moments per parameter; sgd: none")
     parser.add_argument("--moments-dtype", "--moments", default="fp32",
-                        help="Adam moments: fp32, bf16, int8 or fp8 (mixprec.optim.moments)")
+                        help="Adam moments: fp32, bf16, int8, fp8 or fp8-e5m2 (mixprec.optim.moments)")
     parser.add_argument("--fp8-activations", action="store_true",
                         help="Linear inputs saved for backward in FP8 (mixprec.nn.fp8_activations)")
     parser.add_argument("--device", default=None, choices=("cpu",),
@@ -26,8 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-masters", action="store_true",
                         help="full FP32 masters and master gradients (split_masters=false) instead of "
                              "mixprec's default split masters (BF16 parameter + 16-bit remainder)")
-    parser.add_argument("--batch", type=int, default=16, help="micro-batch per device")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sample (default: model max)")
+    add_batch_size(parser, default=16, help="sequences per device per forward (the micro-batch)",
+                   old=("--batch",))
+    add_seq_len(parser, default=None, help="tokens per sequence (default: the model's: a preset's "
+                "max_seq_len, a config.json's max_position_embeddings / n_positions / n_ctx)")
     parser.add_argument("--checkpointing", action="store_true", help="activation recompute per block")
     parser.add_argument("--gpus", type=int, default=1, help="devices the states are sharded over (FSDP)")
     parser.add_argument("--params", type=float, default=None,
@@ -35,21 +40,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe", type=int, default=None, help="experts per block (0: dense)")
     parser.add_argument("--overrides", default=None, metavar="PATTERN=FORMAT,...",
                         help="per-layer formats applied to every mode, e.g. 'blocks.0.*=fp32,head=bf16'")
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--d-model", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help="number of blocks (default: the model's)")
+    parser.add_argument("--d-model", type=int, default=None, help="residual width (default: the model's)")
 
 
-def _shape_from_args(args: argparse.Namespace) -> ModelShape:
-    if args.model == "moe-67b":
-        shape = MOE_67B
-    else:
-        from mixprec.errors import ConfigError, closest
-        from mixprec.models.config import MODEL_PRESETS, get_model_config
-        if args.model.strip().lower() not in MODEL_PRESETS:
-            valid = [*MODEL_PRESETS, "moe-67b"]
-            raise ConfigError(f"unknown model '{args.model}'{closest(args.model, valid)}; valid: "
-                              f"{', '.join(valid)}")
-        shape = ModelShape.from_config(get_model_config(args.model))
+def _shape_from_args(args: argparse.Namespace) -> tuple[ModelShape, str]:
+    """The model's shape and where its default sequence length comes from."""
+    from mixprec.estimate.cluster import resolve_model   # presets, moe-67b and config.json: one loader
+    spec = resolve_model(args.model)
+    shape = spec.shape
     changes = {k: v for k, v in (("num_experts", args.moe), ("num_layers", args.layers),
                                  ("d_model", args.d_model)) if v is not None}
     if changes:
@@ -59,17 +58,17 @@ def _shape_from_args(args: argparse.Namespace) -> ModelShape:
         fixed = one.num_parameters() - one.layer_params()
         layers = max(1, round((args.params - fixed) / one.layer_params()))
         shape = dataclasses.replace(shape, num_layers=layers)
-    return shape
+    return shape, spec.seq_source
 
 
 def run(args: argparse.Namespace) -> int:
-    shape = _shape_from_args(args)
-    seq = args.seq or shape.max_seq_len
+    shape, seq_source = _shape_from_args(args)
+    seq = args.seq_len or shape.max_seq_len
     modes = [m.strip() for m in args.precision.split(",") if m.strip()]
     if getattr(args, "overrides", None):
         from mixprec.precision import Precision
         modes = [Precision(m, overrides=args.overrides) for m in modes]
-    rows = [estimate_memory(shape, m, batch=args.batch, seq=seq, optimizer=args.optimizer,
+    rows = [estimate_memory(shape, m, batch=args.batch_size, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
                             shards=args.gpus, split_masters=not args.full_masters,
                             device=args.device, fp8_activations=args.fp8_activations) for m in modes]
@@ -77,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     n = shape.num_parameters()
     print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"
           f"{f', {shape.num_experts} experts top-{shape.top_k}' if shape.num_experts else ''}); "
-          f"batch {args.batch} x {seq} per device; {args.gpus} device(s); optimizer {args.optimizer} "
+          f"batch {args.batch_size} x {seq} per device (sequence length: "
+          f"{'--seq-len' if args.seq_len else seq_source}); {args.gpus} device(s); optimizer {args.optimizer} "
           f"(moments {args.moments_dtype}); masters {'full FP32' if args.full_masters else 'split'}; "
           f"checkpointing {'on' if args.checkpointing else 'off'}")
     print(format_table(rows, unit=GB if big else 2**20, unit_name="GB" if big else "MiB"))

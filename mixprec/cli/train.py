@@ -17,7 +17,8 @@ from typing import NoReturn
 
 import torch
 
-from mixprec.errors import ConfigError, DataError, RunInterrupted
+from mixprec import hints
+from mixprec.errors import ConfigError, DataError, RunInterrupted, excerpt
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 from mixprec.train.signals import exit_code
 
@@ -49,23 +50,56 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     if resume_dir is None and cfg.resume == "auto":
         from mixprec.runs.checkpoint import list_checkpoints
         # Every rank looks at the same (shared) folder, so every rank takes the same decision.
-        if list_checkpoints(Path(cfg.run_dir) / "checkpoints"):
+        # A folder with a run but no complete checkpoint (stopped before its first save) is
+        # resumed too: the trainer starts it over from step 0 and says so.
+        if list_checkpoints(Path(cfg.run_dir) / "checkpoints") or (Path(cfg.run_dir) / "config.toml").is_file():
             resume_dir = resume_from = Path(cfg.run_dir)
     if resume_dir is None:
-        return cfg, source, None
+        _refuse_unused(cfg, source)
+        return _with_max_seq_len(cfg, None), source, None
     saved = resume_dir / "config.toml"
     if not saved.is_file():
         raise ConfigError(f"cannot resume: {saved} not found; pass the folder of an earlier "
                           "`mixprec train` run")
     base_cfg, _ = load_config(saved)
+    if base_cfg.model.startswith("fit: "):
+        raise ConfigError(f"cannot resume {resume_dir} with mixprec train: fit() trained it on "
+                          f"{base_cfg.model[5:]}, which the command line cannot build; continue it "
+                          f"from Python with fit(..., run_dir={str(resume_dir)!r}, resume=True)")
     base: dict[str, object] = dict(dataclasses.asdict(base_cfg))
     base["run_dir"] = str(resume_dir)
     # The resumed run's settings replace the defaults; the file and the command line still win.
     merged = {**base, **{k: getattr(cfg, k) for k, s in source.items() if s != "default"}}
     cfg = TrainConfig(**merged)
     cfg.validate()
+    _refuse_unused(cfg, source)
     source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
-    return cfg, source, resume_from
+    return _with_max_seq_len(cfg, base_cfg), source, resume_from
+
+
+def _refuse_unused(cfg: TrainConfig, source: dict[str, str]) -> None:
+    """A validation setting that this run would not use is refused, not ignored."""
+    if source.get("val_fraction", "default") != "default" and (cfg.val_data is not None or cfg.data is None):
+        why = ("val_data= names the validation data" if cfg.val_data is not None else
+               "the built-in corpus has its own validation split")
+        raise ConfigError(f"val_fraction={cfg.val_fraction:g} splits data= into training and validation, "
+                          f"but {why}; drop val_fraction")
+
+
+def _with_max_seq_len(cfg: TrainConfig, base: TrainConfig | None) -> TrainConfig:
+    """The model's position table length, resolved: given, the resumed run's (``max_seq_len``, or
+    its ``seq_len`` for a run saved before the setting existed), else ``seq_len``. A resumed run
+    may train at a shorter ``seq_len``, never a longer one."""
+    length = cfg.max_seq_len
+    if length is None and base is not None:
+        length = base.max_seq_len or base.seq_len
+    length = length or cfg.seq_len
+    if cfg.seq_len > length:
+        raise ConfigError(f"seq_len={cfg.seq_len} is longer than the model's max_seq_len={length} (its "
+                          f"position table{', from the resumed run' if base is not None else ''}); use "
+                          f"seq_len<={length}" + (", or start a new run for longer sequences"
+                                                 if base is not None else ""))
+    return dataclasses.replace(cfg, max_seq_len=length)
 
 
 def _run_folder_of(path: Path) -> tuple[Path, Path]:
@@ -99,6 +133,14 @@ def _check_vocabulary(ds, say: bool) -> None:
         print(f"[mixprec] vocabulary: {ds.vocab_size} ids ({how})", file=sys.stderr)
 
 
+def _warn_binary(ds, say: bool) -> None:
+    """One line per text file that looks binary (random bytes, an executable named .txt)."""
+    if say:
+        for path, share in ds.binary_text_files():
+            print(f"[mixprec] warning: data looks binary: {share:.0%} non-text bytes in the first 64 KiB "
+                  f"of {path}; it trains as bytes anyway (check the file)", file=sys.stderr)
+
+
 def _available_memory_bytes() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -110,18 +152,65 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
-def _check_fits_in_memory(build, vocab_size: int) -> None:
-    """Refuse, before allocating, a model (``build()`` makes it) whose weights, gradients and Adam
-    state alone (16 bytes per parameter in every precision mode) exceed the memory free here."""
+def _step_memory(model, cfg: TrainConfig, on_cpu: bool):
+    """The memory estimator's answer (mixprec.estimate.memory) for one training step of ``model``
+    at the config's batch_size x seq_len: states by precision, activations with the attention the
+    model runs (fused SDPA: no seq_len^2 score matrix is kept)."""
+    from mixprec.estimate.memory import ModelShape, estimate_memory
+    shape = ModelShape.from_config(model.config)
+    kwargs = dict(batch=cfg.batch_size, seq=cfg.seq_len, checkpointing=cfg.gradient_checkpointing,
+                  split_masters=cfg.split_masters, moments_dtype=cfg.moments,
+                  device="cpu" if on_cpu else None)
+    try:
+        return shape, estimate_memory(shape, cfg.precision, **kwargs)
+    except (ConfigError, ValueError):     # a plan file or a mode the estimator does not model
+        return shape, estimate_memory(shape, "32-true", **kwargs)
+
+
+def _check_fits_in_memory(build, vocab_size: int, cfg: TrainConfig | None = None, *,
+                          say: bool = False) -> None:
+    """Before allocating, ask the memory estimator what one step of the model (``build()`` makes
+    it) needs at ``batch_size x seq_len`` and refuse it when that exceeds the memory free here. With
+    ``say``, one warning line when the sequence is long: the position table grows with seq_len and
+    attention's FLOPs grow with seq_len^2 (the numbers and the fix)."""
+    cfg = cfg or TrainConfig()
     with torch.device("meta"):   # shapes only: nothing is allocated
-        n = build().num_parameters()
-    free = _available_memory_bytes()
+        model = build()
+    n = model.num_parameters()
     on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory
-    if free is not None and on_cpu and 16 * n > free:
-        raise ConfigError(f"the model has {n / 1e6:.0f}M parameters (vocab_size {vocab_size}): weights, "
-                          f"gradients and Adam state need at least {16 * n / 2**30:.1f} GiB but "
-                          f"{free / 2**30:.1f} GiB are free; pick a smaller model or vocabulary "
-                          "(`mixprec memory` shows where the bytes go)")
+    shape, mem = _step_memory(model, cfg, on_cpu)
+    free = _available_memory_bytes()
+    gib = 2**30
+    if free is not None and on_cpu and mem.peak > free:
+        raise ConfigError(f"the model has {n / 1e6:.1f}M parameters (vocab_size {vocab_size}) and a step of "
+                          f"batch_size={cfg.batch_size} x seq_len={cfg.seq_len} needs ~{mem.peak / gib:.1f} GiB "
+                          f"({mem.states / gib:.1f} GiB weights, gradients and optimizer state, "
+                          f"{mem.activations / gib:.1f} GiB activations) but {free / gib:.1f} GiB are free; lower "
+                          "seq_len or batch_size, set gradient_checkpointing=true, or pick a smaller model or "
+                          "vocabulary (`mixprec memory` shows where the bytes go)")
+    if not say:
+        return
+    from mixprec.models.config import MODEL_PRESETS
+    preset = MODEL_PRESETS.get(cfg.model)
+    positions = preset.max_seq_len if preset is not None else cfg.seq_len
+    per_token = model.flops_per_token(cfg.seq_len)
+    attention = 6.0 * model.config.num_layers * model.config.d_model * cfg.seq_len / per_token
+    import dataclasses as dc
+    base = dc.replace(shape, max_seq_len=positions).num_parameters() if cfg.seq_len > positions else n
+    # A position table a little longer than the preset's (tiny's 64 rows at the default seq_len
+    # of 128) is worth no warning; one that grows the model by more than a tenth is.
+    if n <= 1.1 * base and attention < 0.5:
+        return
+    step_flops = per_token * cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps
+    grown = ""
+    if n > 1.1 * base:
+        grown = (f"seq_len={cfg.seq_len} is longer than model {cfg.model}'s {positions} positions: its "
+                 f"position table grows to {cfg.seq_len} rows, so the model has {n / 1e6:.2f}M parameters "
+                 f"({base / 1e6:.2f}M at {positions}); ")
+    print(f"[mixprec] warning: {grown}a step is {step_flops / 1e12:.2f} TFLOP, {attention:.0%} of it "
+          f"attention (which grows with seq_len^2), and needs ~{mem.peak / gib:.2f} GiB (fused attention: "
+          f"no seq_len^2 score matrix is kept); lower seq_len, or pick a model made for long "
+          f"sequences", file=sys.stderr)
 
 
 def build_run(cfg: TrainConfig):
@@ -138,24 +227,28 @@ def build_run(cfg: TrainConfig):
     if cfg.data is None:
         corpus = builtin_corpus()
         train_ds = TokenDataset(corpus.train_path, cfg.seq_len, vocab_size=vocab)
-        val_ds = TokenDataset(corpus.val_path, cfg.seq_len, vocab_size=vocab)
+        # val_data= alone: your validation data against the built-in training corpus.
+        val_ds = TokenDataset(cfg.val_data or corpus.val_path, cfg.seq_len,
+                              vocab_size=vocab if cfg.val_data is None else train_ds.vocab_size)
     else:
         train_ds = TokenDataset(cfg.data, cfg.seq_len, vocab_size=vocab)
         _check_vocabulary(train_ds, strategy.is_main)
+        _warn_binary(train_ds, strategy.is_main)
         if cfg.val_data is not None:
             val_ds = TokenDataset(cfg.val_data, cfg.seq_len, vocab_size=train_ds.vocab_size)
+            _warn_binary(val_ds, strategy.is_main)
         else:
             train_ds, val_ds = train_ds.split(cfg.val_fraction)
     overrides = {k: getattr(cfg, k) for k in _PRESET_FIELDS if getattr(cfg, k) is not None}
 
     def build_transformer():
-        return Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.seq_len,
+        return Transformer.from_preset(cfg.model, vocab_size=train_ds.vocab_size, max_seq_len=cfg.max_seq_len or cfg.seq_len,
                                        gradient_checkpointing=cfg.gradient_checkpointing, **overrides)
     if cfg.model.startswith("hf:"):
         torch.manual_seed(cfg.seed)
         model = _build_hf_model(cfg, train_ds.vocab_size)
     else:
-        _check_fits_in_memory(build_transformer, train_ds.vocab_size)
+        _check_fits_in_memory(build_transformer, train_ds.vocab_size, cfg, say=strategy.is_main)
         torch.manual_seed(cfg.seed)
         model = build_transformer()
     train_loader = DistributedDataLoader(train_ds, cfg.batch_size, num_workers=cfg.num_workers,
@@ -183,25 +276,78 @@ def _build_hf_model(cfg: TrainConfig, vocab_size: int):
                           gradient_checkpointing=cfg.gradient_checkpointing)
 
 
+def settings_lines(cfg: TrainConfig, source: dict[str, str]) -> list[str]:
+    """The settings that differ from the defaults and where each came from, under one header;
+    nothing at all (no bare header) when every setting is the default."""
+    defaults = TrainConfig()
+    changed = [f"  {k} = {getattr(cfg, k)!r}  ({s})" for k, s in source.items()
+               if s != "default" and getattr(cfg, k) != getattr(defaults, k)]
+    return ["settings (non-default):", *changed] if changed else []
+
+
+def _field_docs() -> dict[str, str]:
+    """Each setting's description: the first sentence of its docstring in train/config.py."""
+    import ast
+    import inspect
+    import re
+    from mixprec.train import config as module
+    docs: dict[str, str] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for field, doc in zip(body, body[1:]):
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and \
+                        isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                        isinstance(doc.value.value, str):
+                    text = " ".join(doc.value.value.split()).replace("``", "")
+                    first = re.split(r"(?<=[a-z0-9)])\. (?=[A-Z`(])", text)[0].rstrip(".")
+                    docs[field.target.id] = excerpt(first, 90)
+    return docs
+
+
+def _default_text(value: object) -> str:
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_table() -> str:
+    """``mixprec train --list``: every setting, its default and what it does, as aligned columns."""
+    from mixprec.train.config import FitConfig
+    docs = _field_docs()
+    loop = {f.name for f in dataclasses.fields(FitConfig)}
+    rows = [(f.name, _default_text(f.default), docs.get(f.name, "")) for f in dataclasses.fields(TrainConfig)]
+    width = max(len("setting"), *(len(r[0]) for r in rows)), max(len("default"), *(len(r[1]) for r in rows))
+    lines = ["Settings: key=value on the command line, or in a TOML file (--config FILE).", ""]
+    for title, names in (("training loop (also fit() and Trainer)", loop),
+                         ("model, data and launch (mixprec train)", {r[0] for r in rows} - loop)):
+        lines += [title, f"  {'setting':<{width[0]}}  {'default':<{width[1]}}  description"]
+        lines += [f"  {n:<{width[0]}}  {d:<{width[1]}}  {doc}".rstrip() for n, d, doc in rows if n in names]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        for f in dataclasses.fields(TrainConfig):
-            print(f"{f.name} = {f.default!r}")
+        print(settings_table())
         return 0
+    hints.from_command_line()          # every hint from here on is a shell command for this launch
     cfg, source, resume_from = _resolve(args)
     from mixprec.train.trainer import Trainer
 
     model, train_loader, val_loader, strategy = build_run(cfg)
     if strategy.is_main:
-        print("[mixprec] settings (non-default):", file=sys.stderr)
-        defaults = TrainConfig()
-        for k, s in source.items():
-            if s != "default" and getattr(cfg, k) != getattr(defaults, k):
-                print(f"[mixprec]   {k} = {getattr(cfg, k)!r}  ({s})", file=sys.stderr)
+        for line in settings_lines(cfg, source):
+            print(f"[mixprec] {line}", file=sys.stderr)
         if cfg.resume == "auto" and not args.resume:
+            from mixprec.runs.checkpoint import list_checkpoints
             print("[mixprec] resume=auto: " + (f"continuing from the newest checkpoint in {resume_from}"
-                  if resume_from else f"no complete checkpoint in {cfg.run_dir}, starting fresh"),
-                  file=sys.stderr)
+                  if resume_from and list_checkpoints(resume_from) else
+                  f"no complete checkpoint in {cfg.run_dir}, starting fresh"), file=sys.stderr)
     trainer = Trainer(model, config=cfg, strategy=strategy)  # the full config lands in config.toml
     try:
         result = trainer.fit(train_loader, val_loader, resume=resume_from)
@@ -213,9 +359,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
                   f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
             print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
-            print(f"[mixprec] resume:  mixprec train --resume {result.run_dir} max_steps=<more>",
+            more = 2 * result.steps
+            print(f"[mixprec] resume:  {hints.resume(result.run_dir, max_steps=more)}  (train on to "
+                  f"step {more}: the LR schedule is re-stretched to the new end, docs/checkpoints.md)",
                   file=sys.stderr)
-            print(f"[mixprec] report:  mixprec report {result.run_dir}", file=sys.stderr)
+            print(f"[mixprec] report:  {hints.report(result.run_dir)}", file=sys.stderr)
         strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
     except BaseException as exc:
         if strategy.is_distributed:
@@ -242,13 +390,18 @@ def _end_failed_rank(rank: int, exc: BaseException, *, debug: bool) -> NoReturn:
     elif isinstance(exc, RunInterrupted):   # stopped after saving: said once, by rank 0
         if rank == 0:
             print(f"mixprec: {exc}", file=sys.stderr)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                print(f"mixprec: every rank saved and exits {exc.exit_code}; torchrun's own report "
+                      "may follow (a SignalException or ChildFailedError traceback, exit status 1): "
+                      "it is about this same stop, and the run resumes with the command above "
+                      "(docs/distributed.md)", file=sys.stderr)
         code = exc.exit_code
     else:
         if debug or not user_error:
             traceback.print_exception(exc)
         text = str(exc).strip() or type(exc).__name__
         if not user_error:
-            text = f"{type(exc).__name__}: {text.splitlines()[0]}"
+            text = f"{type(exc).__name__}: {excerpt(exc, 300)}"
         prefix = "" if text.startswith(f"rank {rank}:") else f"rank {rank}: "
         print(f"mixprec: error: {prefix}{text}", file=sys.stderr)
         code = getattr(exc, "exit_code", 2) if user_error else 1

@@ -98,6 +98,44 @@ def _stack_pairs(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     return torch.stack(inputs), torch.stack(targets)  # (B, T), (B, T)
 
 
+def _carry_position(diff: dict[str, tuple[Any, Any]], consumed: int, epoch: int
+                    ) -> tuple[int, int, str | None]:
+    """``(batches consumed, epoch, note)`` where a mid-epoch position saved with other loader
+    settings (``diff``: name -> (saved, now)) continues, or a one-line refusal with a fix that works.
+
+    * ``batch_size`` alone: the epoch's sample order does not depend on it, so the position
+      carries over exactly when the samples consumed are a whole number of new batches;
+    * ``num_samples`` (``seq_len`` or the data changed; ``batch_size`` may change with it): the
+      saved epoch's order means nothing for the new samples, so training goes on from the start
+      of the next epoch, and says so;
+    * ``seed``, ``shuffle``, ``world_size``, ``drop_last``: refused (the order itself differs).
+    """
+    if not diff:
+        return consumed, epoch, None
+    fixed = [f"{k}={old!r} (now {new!r})" for k, (old, new) in diff.items()
+             if k not in ("batch_size", "num_samples")]
+    if fixed:
+        raise ConfigError("cannot resume the data loader mid-epoch: it was saved with "
+                          f"{', '.join(fixed)}, which change the order of the samples; use the "
+                          "settings it was saved with")
+    if "num_samples" in diff:
+        old, new = diff["num_samples"]
+        return 0, epoch + 1, (f"the data gives {new} samples now, {old} when saved (seq_len or the "
+                              f"data changed): the saved position means nothing for them, so training "
+                              f"goes on from the start of epoch {epoch + 1}")
+    old_bs, new_bs = diff["batch_size"]
+    samples = consumed * old_bs
+    if samples % new_bs:
+        fits = [b for b in range(2, min(samples, 64) + 1) if samples % b == 0 and b != old_bs][:4]
+        raise ConfigError(
+            f"batch_size={new_bs} cannot continue this epoch exactly: {samples} samples of it were "
+            f"consumed ({consumed} batches of {old_bs}), not a whole number of batches of {new_bs}; "
+            f"resume with batch_size={old_bs}" + (f" or one that divides {samples} "
+                                                  f"({', '.join(map(str, fits))})" if fits else ""))
+    return samples // new_bs, epoch, (f"batch_size {old_bs} -> {new_bs}: the data position carries "
+                                      f"over exactly (sample {samples} of epoch {epoch})")
+
+
 class DistributedDataLoader:
     """Batches of ``(inputs, targets)`` (``int64``, ``(B, T)``), sharded by rank, resumable.
 
@@ -140,6 +178,8 @@ class DistributedDataLoader:
                                   collate_fn=_stack_pairs, pin_memory=self.pin_memory,
                                   persistent_workers=num_workers > 0, generator=self._private_generator(seed))
         self._consumed = 0       # batches of the current epoch handed to the caller
+        self.resume_note: str | None = None
+        """What the last load_state_dict() changed about the saved position (None: nothing)."""
         self._resume = False     # next iter() continues from _consumed instead of batch 0
 
     @staticmethod
@@ -191,13 +231,13 @@ class DistributedDataLoader:
         s = self.sampler
         mine = {"seed": s.seed, "shuffle": s.shuffle, "batch_size": self.batch_size,
                 "world_size": self.world_size, "num_samples": s.num_samples, "drop_last": s.drop_last}
-        if state.get("batches_consumed", 0):
-            diff = [f"{k}={state.get(k)!r} (now {v!r})" for k, v in mine.items() if state.get(k) != v]
-            if diff:
-                raise ConfigError("cannot resume the data loader mid-epoch: it was saved with "
-                                  f"{', '.join(diff)}; use the same settings, or resume from an epoch boundary")
+        self.resume_note = None
         consumed = int(state.get("batches_consumed", 0))
+        epoch = int(state["epoch"])
+        if consumed:
+            diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+            consumed, epoch, self.resume_note = _carry_position(diff, consumed, epoch)
         if consumed > len(self):
             raise ConfigError(f"loader state says {consumed} batches were consumed but an epoch has {len(self)}")
-        s.epoch = int(state["epoch"])
+        s.epoch = epoch
         self._consumed, self._resume = consumed, True

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mixprec.data.token_dataset import TEXT_SUFFIXES
+from mixprec.data.token_dataset import TEXT_SUFFIXES, non_text_share
 from mixprec.data.token_file import TokenFileWriter
 from mixprec.errors import ConfigError, DataError
 
@@ -47,6 +47,8 @@ class PrepareResult:
     """Vocabulary size recorded in the header."""
     tokenizer: str
     """``"bytes"`` or the tokenizer file used."""
+    binary: tuple[tuple[Path, float], ...] = ()
+    """Inputs that look binary, with their share of non-text bytes (:func:`non_text_share`)."""
 
 
 def _gather_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
@@ -97,14 +99,18 @@ def _text_pieces(text: str) -> list[str]:
 
 def prepare_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike, *,
                   tokenizer: str | os.PathLike | None = None, vocab_size: int | None = None,
-                  progress: bool = True) -> PrepareResult:
-    """Tokenize ``inputs`` into the token file ``output`` (see the module docs)."""
+                  progress: bool = True, overwrite: bool = False) -> PrepareResult:
+    """Tokenize ``inputs`` into the token file ``output`` (see the module docs). An existing
+    ``output`` is replaced only with ``overwrite=True``."""
     files = _gather_inputs(inputs)
     output = Path(output)
     if output.is_dir():
         raise DataError(f"output {output} is a folder; name a file, e.g. {output / 'train.tokens'}")
     if output.exists() and any(os.path.samefile(output, f) for f in files):
         raise DataError(f"output {output} is also an input; refusing to overwrite it, choose another -o path")
+    if output.exists() and not overwrite:
+        raise DataError(f"output {output} exists; pass --overwrite to replace it (overwrite=True in "
+                        "Python), or choose another -o path")
     tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
     base_vocab = tok.get_vocab_size(with_added_tokens=True) if tok is not None else 256
     vocab = base_vocab if vocab_size is None else int(vocab_size)
@@ -128,5 +134,7 @@ def prepare_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
                 for enc in tok.encode_batch(_text_pieces(text), add_special_tokens=False):
                     writer.write(np.asarray(enc.ids, dtype=np.int64))
                 bar.update(path.stat().st_size)
+    binary = tuple((f, s) for f in files if (s := non_text_share(f)) > 0.1)
     return PrepareResult(path=writer.path, num_files=len(files), num_tokens=writer.num_tokens, vocab_size=vocab,
+                         binary=binary,
                          tokenizer=str(tokenizer) if tokenizer is not None else "bytes")

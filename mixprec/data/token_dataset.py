@@ -46,7 +46,7 @@ import torch
 from mixprec.data import token_file
 from mixprec.errors import DataError
 
-__all__ = ["TokenDataset", "TEXT_SUFFIXES"]
+__all__ = ["TokenDataset", "TEXT_SUFFIXES", "non_text_share"]
 
 TEXT_SUFFIXES: frozenset[str] = frozenset(
     ".txt .md .rst .py .json .jsonl .csv .tsv .html .xml .c .h .cpp .js .ts .yaml .yml .toml .ini "
@@ -100,6 +100,26 @@ def _describe(seg_path: Path) -> _Segment:
                         declared_vocab=256)
     raise DataError(f"{seg_path}: unknown data format '{suffix or '(no suffix)'}'; use a token file from "
                     "`mixprec prepare`, a 1-D .npy of ids, or text (.txt, .py, .md, ...)")
+
+
+_TEXT_CONTROLS = frozenset(b"\t\n\r\f\b\x1b")
+_SNIFF_BYTES = 1 << 16
+
+
+def non_text_share(path: str | os.PathLike, sniff: int = _SNIFF_BYTES) -> float:
+    """The share of a file's first ``sniff`` bytes that are not text: bytes of invalid UTF-8 and
+    control characters other than tabs, line breaks and escapes. 0 for prose and code; random
+    bytes and executables score well above 10 %."""
+    with open(path, "rb") as f:
+        head = f.read(sniff)
+    if not head:
+        return 0.0
+    chars = head.decode("utf-8", errors="replace")
+    if len(head) == sniff:                 # a multi-byte character cut at the end is not binary
+        chars = chars.rstrip("\ufffd")
+    bad = sum(1 for c in chars if c == "\ufffd" or (ord(c) < 32 and ord(c) not in _TEXT_CONTROLS)
+              or ord(c) == 127)
+    return bad / max(1, len(chars))
 
 
 def _collect_files(path: Path) -> list[Path]:
@@ -199,11 +219,23 @@ class TokenDataset(torch.utils.data.Dataset):
             left -= len(chunk)
         return len(seen)
 
+    def binary_text_files(self, threshold: float = 0.1) -> list[tuple[Path, float]]:
+        """The text files (read as bytes) whose first 64 KiB look binary: ``(path, share)`` with
+        the share of non-text bytes above ``threshold`` (:func:`non_text_share`)."""
+        found = []
+        for seg in self._segments:
+            if seg.kind == "text":
+                share = non_text_share(seg.path)
+                if share > threshold:
+                    found.append((seg.path, share))
+        return found
+
     def _check_length(self) -> None:
         need, have = self.max_length + 1, self._end - self._begin
         if have < need:
-            raise DataError(f"max_length={self.max_length} needs {need} tokens per sample but {self.root} holds "
-                            f"only {have}; lower max_length or add data")
+            raise DataError(f"a sequence length of {self.max_length} (seq_len, the dataset's max_length) needs "
+                            f"{need} tokens per sample but {self.root} holds only {have}; lower seq_len "
+                            "or add data")
 
     def _maps_open(self) -> list[np.ndarray]:
         if self._maps is None:
@@ -314,7 +346,7 @@ class TokenDataset(torch.utils.data.Dataset):
         for begin, end, name in ((self._begin, cut, "training"), (cut, self._end, "validation")):
             if end - begin < self.max_length + 1:
                 raise DataError(f"val_fraction={val_fraction} leaves {end - begin} {name} tokens, fewer than one "
-                                f"sample of max_length+1={self.max_length + 1}; change val_fraction or add data")
+                                f"sample of seq_len+1={self.max_length + 1} tokens; change val_fraction or add data")
             part = object.__new__(TokenDataset)
             part.__dict__.update(self.__getstate__())
             part._begin, part._end = begin, end

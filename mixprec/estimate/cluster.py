@@ -50,15 +50,19 @@ class ModelSpec:
     """The layer shapes, for the activation memory (None: states only)."""
     default_seq: int = 4096
     """Sequence length when none is given."""
+    seq_source: str = "assumed"
+    """Where ``default_seq`` comes from, for the printed line (``max_position_embeddings of
+    config.json``, ``the preset's max_seq_len``, or ``assumed``)."""
 
     @classmethod
     def from_shape(cls, name: str, shape: ModelShape, *, head_dims: tuple[int, int] | None = None,
-                   default_seq: int | None = None) -> "ModelSpec":
+                   default_seq: int | None = None, seq_source: str | None = None) -> "ModelSpec":
         hd = shape.d_model // shape.num_heads
         d_qk, d_v = head_dims or (hd, hd)
         return cls(name=name, total_params=shape.num_parameters(), active_params=shape.active_parameters(),
                    attention_coef=3.0 * shape.num_layers * shape.num_heads * (d_qk + d_v), shape=shape,
-                   default_seq=default_seq or shape.max_seq_len)
+                   default_seq=default_seq or shape.max_seq_len,
+                   seq_source=seq_source or ("assumed" if default_seq else f"max_seq_len of preset {name}"))
 
 
 def _preset(name: str) -> ModelSpec:
@@ -67,6 +71,11 @@ def _preset(name: str) -> ModelSpec:
     from mixprec.models.config import MODEL_PRESETS
     cfg = MODEL_PRESETS[name]
     return ModelSpec.from_shape(name, ModelShape.from_config(cfg))
+
+
+SEQ_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
+            "max_sequence_length")
+"""Hugging Face config keys that give the model's sequence length, first found wins."""
 
 
 def model_from_hf_config(path: str | Path) -> ModelSpec:
@@ -78,7 +87,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     n_shared_experts | shared_expert_intermediate_size, first_k_dense_replace``; DeepSeek's latent
     attention (``q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim``).
     Rotary positions and no biases are assumed; ``silu``/``swish`` activations mean a gated MLP.
-    Multi-token-prediction modules (``num_nextn_predict_layers``) are not counted.
+    Multi-token-prediction modules (``num_nextn_predict_layers``) are not counted. The default
+    sequence length is the first of :data:`SEQ_KEYS` the config holds (4096 when none).
     """
     p = Path(path)
     if p.is_dir():
@@ -118,8 +128,10 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     shared = cfg.get("n_shared_experts") or (round(cfg["shared_expert_intermediate_size"] / ehid)
                                              if cfg.get("shared_expert_intermediate_size") else 0)
     act = str(cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu").lower()
+    seq_key = next((k for k in SEQ_KEYS if isinstance(cfg.get(k), int) and cfg[k] > 0), None)
+    seq = cfg[seq_key] if seq_key else 4096
     shape = ModelShape(num_layers=L, d_model=d, num_heads=h, vocab_size=V,
-                       max_seq_len=cfg.get("max_position_embeddings") or 4096, mlp_hidden=hid,
+                       max_seq_len=seq, mlp_hidden=hid,
                        expert_hidden=ehid if experts else 0, gated_mlp=act in ("silu", "swish", "swiglu"),
                        num_experts=experts, top_k=(cfg.get("num_experts_per_tok") or 2) if experts else 2,
                        shared_experts=shared if experts else 0,
@@ -127,7 +139,9 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                        attention_weights=attn, learned_positions=False, tagged_norms=False,
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), bias=False)
     name = p.parent.name if p.name == "config.json" and p.parent.name else p.stem
-    return ModelSpec.from_shape(name, shape, head_dims=(d_qk, d_v), default_seq=4096)
+    return ModelSpec.from_shape(name, shape, head_dims=(d_qk, d_v), default_seq=seq,
+                                seq_source=f"{seq_key} of {p}" if seq_key else
+                                f"assumed: {p} names none of {', '.join(SEQ_KEYS)}")
 
 
 def resolve_model(model: str | ModelSpec) -> ModelSpec:
@@ -224,7 +238,7 @@ def estimate(model: str | ModelSpec, *, tokens: float | str, gpu: str = "H800", 
                           f"valid: {', '.join(PARALLELISMS)}")
     if num_gpus < 1 or tp < 1 or pp < 1 or micro_batch < 1 or num_gpus % (tp * pp):
         raise ConfigError(f"--gpus ({num_gpus}) must be a positive multiple of --tp x --pp ({tp} x {pp}), "
-                          "and --micro-batch >= 1")
+                          "and --batch-size >= 1")
     if pue < 1 or usd_per_gpu_hour < 0 or (power_w is not None and power_w <= 0):
         raise ConfigError("--pue must be >= 1, --usd-per-gpu-hour >= 0 and --power-w > 0")
     seq = seq or spec.default_seq

@@ -308,6 +308,8 @@ class MemoryEstimate:
     optimizer_scratch: float
     num_parameters: float = 0.0
     """Parameters per device (for :meth:`bytes_per_parameter`)."""
+    moments: str = "fp32"
+    """Storage format of Adam's moments (mixprec.optim.moments), for the arithmetic line."""
 
     @property
     def bytes_per_parameter(self) -> dict[str, float]:
@@ -333,6 +335,12 @@ class MemoryEstimate:
         forward_end = self.weight_copies + self.activations + max(self.loss_buffers, self.backward_buffers)
         step = self.gradients + self.master_gradients + self.optimizer_scratch
         return resident + max(forward_end, step)
+
+
+def _largest_param(shape: ModelShape) -> int:
+    """Elements of the largest single parameter tensor (the embedding, or an MLP matrix)."""
+    d = shape.d_model
+    return max(shape.vocab_size * d, d * shape._hidden, d * shape._ehidden, 3 * d * d)
 
 
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
@@ -372,10 +380,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:
-        raise ConfigError("--batch, --seq and --gpus must be >= 1")
+        raise ConfigError("--batch-size, --seq-len and --gpus must be >= 1")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
-    from mixprec.optim.moments import MOMENTS, state_bytes
+    from mixprec.optim.moments import MOMENTS, is_quantized, state_bytes
     if moments_dtype not in MOMENTS:
         try:
             mdt = parse_dtype(moments_dtype)
@@ -411,10 +419,14 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     c = min(P, CHUNK_NUMEL)
     if optimizer != "adamw":
         scratch = 0.0
+    elif moments_dtype == "fp32" and device == "cpu" and shape is not None:
+        # torch's AdamW runs its per-tensor loop on a CPU (foreach kernels are for accelerators):
+        # two temporaries the size of the largest tensor (sqrt(v), then its division).
+        scratch = 8 * _largest_param(shape)
     elif moments_dtype == "fp32":
         scratch = 4 * (c if split else P)
     else:
-        scratch = (12 + (16 if moments_dtype in ("int8", "fp8") else 0)) * c
+        scratch = (12 + (16 if is_quantized(moments_dtype) else 0)) * c
     if split:
         scratch += 4 * min(low_p, CHUNK_NUMEL)
     if shape is None:
@@ -457,14 +469,26 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
-        backward_buffers = tokens * (recompute or biggest + upcast) / tp
+        # Without recompute, a block's backward frees its saved tensors as it goes: what is in
+        # flight at once is about the gradients of the MLP's hidden and output (measured on a
+        # CPU with glibc's mmap threshold fixed: docs/performance.md). With recompute, the
+        # recomputed block's saved tensors are alive during its backward.
+        in_flight = (max(shape._hidden, shape._ehidden if shape.moe_layers else 0) + d) * cb + upcast
+        if fp8_activations and not checkpointing:
+            # unpacking the widest saved input (the MLP's hidden) widens its codes to FP32 and
+            # multiplies by the scales (mixprec.nn.fp8_activations._unpack): about one FP32
+            # temporary of it at the backward's peak (fitted to the two CPU probes in
+            # docs/performance.md; two temporaries over-counted the BF16 row by 8 %)
+            in_flight += 4 * max(shape._hidden, shape._ehidden if shape.moe_layers else 0)
+        backward_buffers = tokens * (recompute or in_flight) / tp
     s = float(shards * tp * pp)
     name = policy.name + ("+overrides" if layers is not None else "")
     return MemoryEstimate(mode=name, parameters=params / s, gradients=grads / s,
                           master_weights=masters / s, master_gradients=master_grads / s,
                           optimizer_moments=moments / s, weight_copies=copies / s, activations=float(acts),
                           loss_buffers=float(loss_buffers), backward_buffers=float(backward_buffers),
-                          optimizer_scratch=scratch / s, num_parameters=P / s)
+                          optimizer_scratch=scratch / s, num_parameters=P / s,
+                          moments=moments_dtype if optimizer == "adamw" else "fp32")
 
 
 def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str = "GB") -> str:
@@ -489,5 +513,15 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
             "params", "grads", "masters", "mgrads", "moments", "total")) + "   (mgrads: FP32 master "
             "gradients at the step)")
         for r in rows:
-            out.append(f"{r.mode:<12} " + " ".join(f"{v:>10.2f}" for v in r.bytes_per_parameter.values()))
+            out.append(f"{r.mode:<12} " + " ".join(f"{v:>10.3f}" for v in r.bytes_per_parameter.values()))
+        out.append("")
+        out.append("kept between steps (params + grads + masters + moments; the master-gradient chunk lives "
+                   "only during the step):")
+        for r in rows:
+            b = r.bytes_per_parameter
+            kept = [b["params"], b["grads"], b["masters"], b["moments"]]
+            out.append(f"  {r.mode:<12} " + " + ".join(f"{v:.3f}" for v in kept) + f" = {sum(kept):.3f}")
+        from mixprec.optim.moments import arithmetic
+        for name in dict.fromkeys(r.moments for r in rows):
+            out.append(f"  moments {name}: {arithmetic(name)}")
     return "\n".join(out)

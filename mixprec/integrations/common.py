@@ -109,7 +109,10 @@ class RunRecord:
         if run_dir is not None and host.is_main:
             self.run_dir = claim_run_dir(run_dir, precision=precision.name,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
-                                         overwrite=overwrite)
+                                         overwrite=overwrite,
+                                         ways_out="resume it from your framework's own checkpoint "
+                                                  "(it continues this folder), choose another "
+                                                  "run_dir, or delete the folder to start over")
             (self.run_dir / "config.toml").write_text(
                 _toml({"precision": precision.name, **(config or {})}), encoding="utf-8")
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.errors import CheckpointError, ConfigError, excerpt
 
 __all__ = ["HF_PREFIX", "is_hf_spec", "is_hf_model", "hf_config_path", "load_hf_config",
            "build_hf_model", "export_pretrained"]
@@ -93,8 +93,7 @@ def load_hf_config(spec: str) -> Any:
         return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True,
                                                        trust_remote_code=False)
     except (ValueError, KeyError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"transformers cannot read {path}: {first[:200]}") from None
+        raise ConfigError(f"transformers cannot read {path}: {excerpt(e)}") from None
 
 
 def _causal_lm_class(config: Any, spec: str) -> Any:
@@ -174,9 +173,8 @@ def _load_pretrained(auto: Any, config: Any, folder: str) -> nn.Module:
                                                local_files_only=True, use_safetensors=True,
                                                trust_remote_code=False, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"init_from={folder} does not load into this architecture: "
-                          f"{first[:200]}") from None
+                          f"{excerpt(e)}") from None
     missing = list(info.get("missing_keys") or [])
     mismatched = [k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys") or []]
     if missing or mismatched:

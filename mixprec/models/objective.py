@@ -53,7 +53,7 @@ from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 
 __all__ = ["Objective", "make_objective", "extract_loss", "is_causal_lm", "describe_batch",
-           "add_tokens"]
+           "add_tokens", "count_samples"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _MISSING = object()
@@ -325,6 +325,17 @@ def add_tokens(total: torch.Tensor | int | None, more: torch.Tensor | int | None
                ) -> torch.Tensor | int | None:
     """Token counts add up (on the device when counted from a mask); None stays None."""
     return None if total is None or more is None else total + more
+
+
+def count_samples(batch: Any) -> int | None:
+    """Examples in a batch: the leading size of its first tensor (the inputs of a pair, the first
+    value of a dict); None when there is no tensor to count (shapes only, no host sync)."""
+    x = batch[0] if _is_pair(batch) else batch
+    if isinstance(x, Mapping):
+        x = next((v for v in x.values() if isinstance(v, torch.Tensor)), None)
+    elif not isinstance(x, torch.Tensor):
+        x = getattr(x, "input_ids", None)
+    return int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else None
 
 
 def make_objective(model: nn.Module, precision: Precision, loss_fn: LossFn | None = None) -> Objective:

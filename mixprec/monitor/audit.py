@@ -242,6 +242,12 @@ def _check_hardware(precision: Precision, device: torch.device, findings: list[F
     # Advice about a CPU comes from the CPU the audit runs on, never from where the docs were measured.
     cpu_fast = "bf16-mixed" if not on_gpu and cpu_has_native_bf16() else "32-true"
     cpu = "" if on_gpu else f" ({describe_cpu()})"
+    if precision.policy.allow_tf32 and not on_gpu:
+        findings.append(Finding(
+            code="tf32-not-here", severity="warning",
+            message=f"precision {precision.name} on {device.type}: TF32 is a CUDA tensor-core format, so "
+                    "this run is plain FP32 here (same numerics and speed as 32-true)",
+            fix="nothing to do on this machine; tf32 takes effect on an Ampere or newer GPU"))
     # Per-layer FP8 too (a plan or overrides): the formats set up, else the ones asked for.
     asked = precision.layer_formats.values() or [f for _, f in precision.policy.overrides]
     fp8_layers = sorted({f for f in asked if f.startswith("fp8-")})

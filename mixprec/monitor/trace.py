@@ -30,7 +30,10 @@ The origin:
   parameter-gradient of module M means M's backward made it (M's output-gradient was seen finite
   before). A non-finite *output*-gradient of M seen first means the code that consumed M's output
   made it and has no alias hook of its own: the innermost enclosing module whose output-gradient
-  was finite, or ``<loss>`` when none (the loss function's backward).
+  was finite, or ``<loss>`` when none (the loss function's backward). When that enclosing module
+  is the whole model, M itself is named (its ``grad_output``): the root's own code between a
+  layer and the loss is a cast or a reshape, and "the model" tells nobody which layer to look at
+  (a too-large loss scale overflows the head's FP16 output-gradient first).
 
 A module returning ``-inf`` on purpose (an additive attention mask module) is reported as the
 origin when the loss is non-finite; keep masks inside the module that consumes them.
@@ -275,6 +278,8 @@ def _find_origin(obs: list[dict], loss_nonfinite: bool | None) -> dict | None:
         while up is not None:
             g = gout.get(up)
             if g is not None and not g["code"]:
+                if up == "":            # the whole model: name the deepest layer, M
+                    return dict(o, source=g)
                 return dict(o, module=up, tensor="grad_input", source=g)
             up = _parent(up)
         return dict(o, module="<loss>", tensor="grad_output", source=None)

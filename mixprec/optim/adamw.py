@@ -113,13 +113,45 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             gen = self._generator(torch.device(device))
             if gen is not None:
                 gen.set_state(rng_state)
-        # torch casts floating state to the param dtype (FP32); store the moments narrow again.
+        # torch casts every tensor of the state to the param dtype (FP32), 8-bit codes and 16-bit
+        # scales included: note the saved dtypes and store each tensor in its own dtype again.
+        saved = {i: {k: v.dtype for k, v in st.items() if isinstance(v, Tensor)} for i, st in sd["state"].items()}
         super().load_state_dict(sd)
-        narrow = torch.float8_e4m3fn if self.moments == "fp8" else None if self.quantized else self.moments_dtype
-        for st in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st and narrow is not None:
-                    st[key] = st[key].to(narrow)    # fp8 codes went through FP32 exactly
+        ids = dict(zip((i for g in sd["param_groups"] for i in g["params"]),
+                       (p for g in self.param_groups for p in g["params"])))
+        for i, dtypes in saved.items():
+            st = self.state.get(ids[i]) if i in ids else None
+            if not st:
+                continue
+            if not self.quantized:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        st[key] = st[key].to(self.moments_dtype)
+                continue
+            for key, dtype in dtypes.items():
+                if key != "step":
+                    st[key] = st[key].to(dtype)       # 8-bit codes and scales went through FP32 exactly
+            self._adopt_quantized_(st, self._generator(ids[i].device))
+
+    def _adopt_quantized_(self, st: dict[str, Tensor], gen: torch.Generator | None) -> None:
+        """A loaded state in this optimizer's 8-bit layout: plain moments (a checkpoint of FP32 or
+        BF16 moments) are encoded, the earlier 8-bit layout is converted, another format refused."""
+        if "exp_avg" not in st:
+            return
+        if "exp_avg_scale" not in st:                              # plain moments: encode them
+            wide = {k: st[k].float() for k in ("exp_avg", "exp_avg_sq")}
+            st.update(_moments.new_state(wide["exp_avg"], self.moments))
+            for k, w in wide.items():
+                _moments.encode_([st], k, [w], self.moments, gen)
+            return
+        from mixprec.errors import CheckpointError
+        _moments.upgrade_(st, self.moments, gen)
+        want = _moments.LAYOUTS[self.moments].codes
+        got = (st["exp_avg"].dtype, st["exp_avg_sq"].dtype)
+        if got != want or st["exp_avg_scale"].dtype != _moments.LAYOUTS[self.moments].scale_dtype:
+            raise CheckpointError(f"the optimizer state holds 8-bit moments as {got[0]}/{got[1]}, not this "
+                                  f"optimizer's moments={self.moments}; build the optimizer with the "
+                                  "moments format the checkpoint was saved with")
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]

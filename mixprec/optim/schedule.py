@@ -9,7 +9,7 @@ import math
 
 import torch
 
-__all__ = ["WarmupCosine", "warmup_cosine_scheduler"]
+__all__ = ["WarmupCosine", "warmup_cosine_scheduler", "restretch"]
 
 
 class WarmupCosine:
@@ -32,3 +32,26 @@ def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps: i
                             min_ratio: float = 0.1) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, WarmupCosine(warmup_steps, total_steps, min_ratio))
+
+
+def restretch(scheduler: torch.optim.lr_scheduler.LambdaLR, *, base_lrs: list[float],
+              warmup_steps: int, total_steps: int, min_ratio: float) -> list[float]:
+    """Give a (restored) warm-up + cosine scheduler new settings, in place, keeping its count of
+    steps taken: each group's peak LR (and ``initial_lr``) becomes ``base_lrs[i]``, the curve
+    becomes ``WarmupCosine(warmup_steps, total_steps, min_ratio)``, and every group's current LR is
+    the new curve's value at the steps taken. Returns those LRs. The same settings change nothing
+    (the LR is computed as ``LambdaLR`` computes it)."""
+    curve = WarmupCosine(warmup_steps, total_steps, min_ratio)
+    state = scheduler.state_dict()
+    groups = scheduler.optimizer.param_groups
+    if len(base_lrs) != len(groups):
+        raise ValueError(f"{len(base_lrs)} peak LRs for {len(groups)} parameter groups")
+    state["base_lrs"] = [float(lr) for lr in base_lrs]
+    state["lr_lambdas"] = [dict(vars(curve)) for _ in groups]
+    lrs = [base * curve(state["last_epoch"]) for base in state["base_lrs"]]
+    state["_last_lr"] = lrs
+    scheduler.load_state_dict(state)
+    for group, base, value in zip(groups, state["base_lrs"], lrs):
+        group["initial_lr"] = base
+        group["lr"] = value
+    return lrs

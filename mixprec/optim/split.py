@@ -12,7 +12,9 @@ to an even ``hi``, and ``-2**15`` at a tie that rounded *up* to an even ``hi``, 
 ``hi`` there are 2**16 + 1 masters and no 16-bit code can tell them all apart. The remainder is
 stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the flat indices of the ties that rounded
 down are kept in a short ``int64`` list (about one element in 2**17 per step; finding them is one
-``nonzero``, a host sync per chunk on an accelerator). ``join`` reverses it bit for bit, infinities
+``nonzero``, a host sync per chunk on an accelerator). Modulo 2**16, ``d`` is just the low half of
+``w``'s bit pattern (``hi``'s low half is zero), so splitting is a rounding copy and a copy of
+half of ``w``'s bytes, with no integer arithmetic. ``join`` reverses it bit for bit, infinities
 included; a NaN master stays NaN (its payload may change).
 
 Cost: 2 bytes per parameter instead of 4 (plus 8 per tie). The optimizer step widens one bounded
@@ -76,15 +78,36 @@ def join(hi: Tensor, lo: Tensor, ties: Tensor) -> Tensor:
     return bits.view(torch.float32)
 
 
+def _halves(w: Tensor) -> tuple[Tensor, Tensor]:
+    """The low and high 16-bit halves of FP32 ``w``'s bit patterns (flat int16 views, no copy)."""
+    pairs = w.reshape(-1).view(torch.int16).view(-1, 2)
+    return (pairs[:, 0], pairs[:, 1]) if _LITTLE else (pairs[:, 1], pairs[:, 0])
+
+
+def _ties_of(low: Tensor, high: Tensor) -> Tensor:
+    """Flat indices of the exact ties that rounded *down*: low half 0x8000 and an even BF16
+    mantissa (bit 16 clear), so round-to-nearest-even kept the truncation."""
+    tied = (low == -_TIE).nonzero().squeeze(1)            # 0x8000 as int16: rare
+    if tied.numel():
+        tied = tied[high[tied].bitwise_and(1) == 0]
+    return tied
+
+
 @torch.no_grad()
 def split_(w: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
     """Store FP32 ``w`` as ``hi`` (BF16, round to nearest even, written in place) and ``lo``
-    (int16, in place); return the new tie list (flat indices)."""
+    (int16, in place); return the new tie list (flat indices).
+
+    ``hi``'s bit pattern is ``w``'s with the low 16 bits cleared and, when it rounded up, one
+    added above them; so ``bits(w) - bits(hi)`` taken modulo 2**16 *is* ``w``'s low half, read as
+    a signed int16: the remainder is a copy of half of ``w``'s bytes, no arithmetic."""
     hi.copy_(w)
-    d = w.view(torch.int32) - hi.float().view(torch.int32)
-    ties = (d == _TIE).view(-1).nonzero().squeeze(1)    # the rare exact ties rounded down
-    lo.copy_(d)                                         # int32 -> int16 wraps +2**15 to -2**15
-    return ties
+    low, high = _halves(w.contiguous())
+    lo.view(-1).copy_(low)
+    return _ties_of(low, high)
+
+
+_LITTLE = torch.ones(1, dtype=torch.int16).view(torch.int8)[0].item() == 1   # byte order
 
 
 def _flat_views(tensors: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, list[Tensor]]:
@@ -110,25 +133,31 @@ def join_many(his: list[Tensor], los: list[Tensor], ties: list[Tensor]) -> list[
 
 @torch.no_grad()
 def split_many_(ws: list[Tensor], his: list[Tensor], los: list[Tensor]) -> list[Tensor]:
-    """:func:`split_` for a chunk (one device): round ``ws`` into ``his``, remainders into
-    ``los``; returns the tie lists (one ``nonzero`` for the whole chunk)."""
+    """:func:`split_` for a chunk (one device): round ``ws`` into ``his``, copy the low halves of
+    their bit patterns into ``los``; returns the tie lists (one ``nonzero`` for the chunk)."""
     torch._foreach_copy_(his, ws)                               # round to nearest even
-    flat, back = _flat_views(his, torch.float32)
-    torch._foreach_copy_(back, his)
-    d = [b.view(torch.int32) for b in back]
-    torch._foreach_sub_(d, [w.view(torch.int32) for w in ws])   # hi - w
-    torch._foreach_neg_(d)                                      # w - hi, in [-2**15, 2**15]
-    flat_d = flat.view(torch.int32)
-    tied = (flat_d == _TIE).nonzero().squeeze(1)
-    torch._foreach_copy_(los, d)                                # wraps +2**15 to -2**15
-    empty = empty_ties(flat.device)
-    if not tied.numel():
+    halves = [_halves(w.contiguous()) for w in ws]
+    torch._foreach_copy_([lo.view(-1) for lo in los], [low for low, _ in halves])
+    numels = [w.numel() for w in ws]
+    mask = torch.empty(sum(numels), dtype=torch.bool, device=ws[0].device)
+    for (low, _), m in zip(halves, mask.split(numels)):        # a compare per tensor, no sync
+        torch.eq(low, -_TIE, out=m)                             # 0x8000: a tie, either way (rare)
+    cand = mask.nonzero().squeeze(1)                            # one host sync for the chunk
+    empty = empty_ties(mask.device)
+    if not cand.numel():
         return [empty] * len(ws)
-    numels = torch.tensor([w.numel() for w in ws], device=flat.device)
-    starts = torch.cumsum(numels, 0) - numels
-    owner = torch.bucketize(tied, starts, right=True) - 1
+    starts_list = [0]
+    for n in numels[:-1]:
+        starts_list.append(starts_list[-1] + n)
+    starts = torch.tensor(starts_list, device=mask.device)
+    owner = torch.bucketize(cand, starts, right=True) - 1
     counts = torch.bincount(owner, minlength=len(ws)).tolist()
-    return list((tied - starts[owner]).split(counts))
+    out = []
+    for (_, high), local in zip(halves, (cand - starts[owner]).split(counts)):
+        if local.numel():
+            local = local[high[local].bitwise_and(1) == 0]      # even mantissa: it rounded down
+        out.append(local if local.numel() else empty)
+    return out
 
 
 @torch.no_grad()

@@ -30,13 +30,29 @@ The LR schedule follows the optimizer steps that remain in the weights: a restor
 scheduler with the weights, and the rolled-back steps count against ``max_steps`` like skipped
 ones (the data moves on; the spiking batches are not replayed).
 
-Cost: with ``every`` and no event, one host sync per step (the loss, for the spike window); a
-replay forward every ``every`` steps; one copy of the weights and optimizer state in memory (the
-snapshot). Runs in one process (a multi-rank guard would have to agree on every decision first).
+Several ranks (DDP) decide alike: given ``agree`` (an element-wise MAX all-reduce,
+:meth:`mixprec.strategies.Strategy.all_reduce_max`), the guard votes before every decision. The
+loss it watches is the largest of the ranks' step losses; a sampled layer's SQNR is the lowest
+and its flushed share the highest any rank measured on its own micro-batches; the traced origin
+of a skipped step is already shared (:func:`mixprec.monitor.trace.gather_origins`). So every rank
+holds the same window, promotes the same layer at the same step and restores the same snapshot
+(the weights are identical across DDP ranks): the weights stay identical. A sharded model
+(FSDP2) is refused by the trainer: a promotion swaps modules that FSDP2 has wrapped.
+
+A checkpoint keeps the guard's state (:meth:`TrainingGuard.state_dict`): the loss window, the
+consecutive-origin count, the steps since the last snapshot and the snapshot itself (one more
+copy of the weights and optimizer state in the checkpoint), so a resumed run decides exactly as
+the uninterrupted one.
+
+Cost: with ``every`` and no event, one host sync per step (the loss, for the spike window; under
+several ranks also one all-reduce of one number); a replay forward every ``every`` steps (and one
+all-reduce of three numbers per layer); one copy of the weights and optimizer state in memory
+(the snapshot).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
@@ -117,13 +133,16 @@ class TrainingGuard:
     """See the module docstring. ``model`` is the unwrapped, set-up model."""
 
     def __init__(self, precision: Precision, model: nn.Module, optimizer: Any, scheduler: Any, *,
-                 config: GuardConfig | None = None) -> None:
+                 config: GuardConfig | None = None,
+                 agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config or GuardConfig()
         self.config.validate()
         if not precision.layer_formats:
             raise ConfigError("guard=true needs a model set up by the Precision (call setup first)")
         self.precision, self.model = precision, model
         self.optimizer, self.scheduler = optimizer, scheduler
+        self.agree = agree
+        """Element-wise MAX over ranks (module docstring); None in one process."""
         self.losses: deque[float] = deque(maxlen=self.config.window)
         self._origin: str | None = None
         self._origin_count = 0
@@ -156,6 +175,9 @@ class TrainingGuard:
                                                       f"{cfg.patience} consecutive skipped steps"))
             return self._record(done)
         self._origin, self._origin_count = None, 0
+        if self.agree is not None:          # the worst rank's loss: every rank holds one window
+            outcome = dataclasses.replace(outcome, loss=float(
+                self.agree(torch.tensor([outcome.loss], dtype=torch.float64))[0]))
         if cfg.spike_sigma and len(self.losses) == self.losses.maxlen and self._is_spike(outcome.loss):
             return self._record(self._spike(outcome, probe))
         if not math.isfinite(outcome.loss):
@@ -225,16 +247,28 @@ class TrainingGuard:
         finally:
             for h in handles:
                 h.remove()
-        if not energy:
-            return {}
-        names = list(energy)
-        values = torch.stack([torch.stack(energy[n]) for n in names]).double().tolist()
-        out = {}
-        for n, (sig, err, flush) in zip(names, values):
-            out[n] = float("inf") if err == 0 else (
-                10 * math.log10(sig / err) if sig > 0 and math.isfinite(err) else float("-inf"))
-        self.last_sqnr = out
-        self.last_flush = {n: v[2] for n, v in zip(names, values)}
+        if not watched or (self.agree is None and not energy):
+            return {}                        # (the watched set is the same on every rank)
+        # One row per watched layer in the same order on every rank: (-SQNR, flushed, seen).
+        names = list(watched)
+        device = next(iter(energy.values()))[0].device if energy else torch.device("cpu")
+        rows = []
+        for n in names:
+            if n not in energy:
+                rows.append(torch.tensor([-math.inf, 0.0, 0.0], dtype=torch.float64, device=device))
+                continue
+            sig, err, flush = (v.double() for v in energy[n])
+            db = torch.where(err == 0, math.inf, torch.where(
+                (sig > 0) & err.isfinite(), 10 * torch.log10(sig / err), -math.inf))
+            rows.append(torch.stack([-db, flush, torch.ones((), dtype=torch.float64)]))
+        votes = torch.stack(rows)
+        if self.agree is not None:
+            votes = self.agree(votes)        # the lowest SQNR, the largest flush of any rank
+        out, flush = {}, {}
+        for n, (neg_db, flushed, seen) in zip(names, votes.tolist()):
+            if seen:
+                out[n], flush[n] = -neg_db, flushed
+        self.last_sqnr, self.last_flush = out, flush
         return out
 
     def _spike(self, outcome: StepOutcome, probe: Callable[[], Any] | None) -> list[GuardAction]:
@@ -303,3 +337,23 @@ class TrainingGuard:
     def _record(self, done: list[GuardAction]) -> list[GuardAction]:
         self.actions += done
         return done
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        """What the next decisions depend on, for a checkpoint: the loss window, the
+        consecutive-origin count, the taken steps since the last snapshot, and the snapshot
+        (weights, optimizer state, LR schedule; None before the first). Promotions are the
+        precision's layer formats, saved beside it. Tensors and plain values only
+        (``torch.load(weights_only=True)`` reads it)."""
+        return {"losses": list(self.losses), "origin": self._origin,
+                "origin_count": self._origin_count, "healthy": self._healthy,
+                "snapshot": self._snapshot}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict` (a window longer than ``window`` keeps its newest)."""
+        self.losses.clear()
+        self.losses.extend(float(v) for v in state["losses"])
+        self._origin, self._origin_count = state["origin"], int(state["origin_count"])
+        self._healthy = int(state["healthy"])
+        self._snapshot = state["snapshot"]

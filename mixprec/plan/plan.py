@@ -228,7 +228,12 @@ class PrecisionPlan:
         ax.set_ylabel("output SQNR vs fp32 (dB)")
         ax2.set_ylabel("loss change (% of loss)")
         ax2.set_yscale("symlog", linthresh=1e-3)
-        ax.legend(fontsize=8)
+        # The plan keeps the summed loss change of its choices within this budget.
+        ax2.axhline(100 * self.budget, color="tab:red", ls="--", lw=1.0,
+                    label=f"budget {100 * self.budget:.3g}% (sum over layers)")
+        # Legends right of the axes: inside, they covered the last layers' bars.
+        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         ax2.set_xticks(range(len(names)))
         ax2.set_xticklabels([f"{n}\n[{m.chosen}]" for n, m in zip(names, self.layers)], rotation=90,
                             fontsize=7)
@@ -237,7 +242,7 @@ class PrecisionPlan:
         fig.tight_layout()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
         return path
 
 

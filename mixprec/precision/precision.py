@@ -73,6 +73,11 @@ OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | N
 _SETUP_TAG = "_mixprec_precision"
 
 
+_FSDP2_NO_SPLIT = ("split masters: nothing to split under FSDP2, whose FP32 parameter shards are the "
+                   "masters (4 bytes per parameter / world, what split masters' BF16 parameter + 16-bit "
+                   "remainder also cost) and whose BF16 copies exist only while a layer is gathered")
+"""Why ``split_masters`` has no effect under FSDP2 (docs/lean.md), recorded in ``Precision.notes``."""
+
 class Precision:
     """The precision mode of a run, and every decision it implies.
 
@@ -534,6 +539,8 @@ class Precision:
                 why = "FSDP2 steps torch's AdamW on its FP32 shards" if sharded else \
                     f"precision '{self.name}' keeps no masters and uses torch's AdamW"
                 raise ConfigError(f"moments={moments} needs mixprec's AdamW, but {why}; use moments=fp32")
+            if sharded and split_masters and self.keeps_masters:
+                self.notes.append(_FSDP2_NO_SPLIT)
             return torch.optim.AdamW(param_groups, **adamw_options)
         opt = AdamW(param_groups, split_masters=split_masters, moments=moments, **adamw_options)
         if opt.split:

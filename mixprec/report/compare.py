@@ -1,11 +1,14 @@
 """``mixprec report RUN_A RUN_B ...``: several runs overlaid in one HTML page and a few PNGs.
 
-The first run is the reference. Plots: train loss, validation loss, the relative difference of
-each run's loss from the reference's (``loss / loss_ref - 1`` at the steps both logged), skipped
-steps (cumulative), the loss scale (log axis), and the share of Linear layers in FP8 over time
-(from ``events.jsonl``: per-layer formats and re-planning switches). The summary table has one
-row per run: precision, steps, final train and validation loss and their difference from the
-reference, skipped steps, final loss scale, and the final layer formats.
+The first run is the reference. Plots (drawn with :mod:`mixprec.report.figures`; each line is
+labelled with its run's folder name, the table maps names to precisions): train loss, validation
+loss, learning rate, the relative difference of each run's loss from the reference's
+(``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
+(log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary
+table has one row per run: precision, how far it got (``320 of 2000`` and whether it completed,
+stopped, diverged, or is still running or was killed), final train and validation loss, each
+against the reference's final value and at the last step every run reached (named in the column
+header), skipped steps, final loss scale, and the final layer formats.
 """
 from __future__ import annotations
 
@@ -15,9 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mixprec.report.figures import (caption, figure, integer_count_axis, legend_below, mark_events,
+                                    save, scale_series)
 from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
-from mixprec.runs.read import read_run
+from mixprec.runs.read import read_run, run_progress
 
 __all__ = ["write_comparison", "compare_summary", "load_run"]
 
@@ -34,89 +39,103 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     return run
 
 
+def _last_common(runs: list[dict[str, Any]], key: str) -> int | None:
+    """The last step at which every run logged ``key`` (None when they share none)."""
+    common = set.intersection(*(set(_series(r["rows"], key)) for r in runs))
+    return max(common) if common else None
+
+
 def compare_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per run; differences are against the first run."""
+    """One row per run; differences are against the first run, each column saying what it
+    compares: final against final, and at the last step every run reached (named in the header)."""
     ref = runs[0]
+    at = {key: _last_common(runs, key) for key in ("loss", "val_loss")}
+
+    def pct(a: float | None, b: float | None) -> float | None:
+        return 100 * (a / b - 1) if a is not None and b else None
+
+    def final(s: dict[int, float]) -> float | None:
+        return s[max(s)] if s else None
+
     out = []
     for r in runs:
-        loss, val = _series(r["rows"], "loss"), _series(r["rows"], "val_loss")
-        rloss, rval = _series(ref["rows"], "loss"), _series(ref["rows"], "val_loss")
+        row: dict[str, Any] = {"run": r["name"], "precision": r["precision"],
+                               "steps": run_progress(r["config"], r["events"], r["last"])}
+        for key, name in (("loss", "loss"), ("val_loss", "val loss")):
+            s, rs = _series(r["rows"], key), _series(ref["rows"], key)
+            row[f"final {name}"] = final(s)
+            row[f"final {name} vs first's final (%)"] = pct(final(s), final(rs))
+            if at[key] is not None:
+                row[f"{name} vs first at step {at[key]} (%)"] = pct(s[at[key]], rs[at[key]])
         scales = _series(r["rows"], "loss_scale")
         totals = [int(x["skipped_total"]) for x in r["rows"] if is_finite_number(x.get("skipped_total"))]
-        fin = {n: f[-1] for n, f in r["formats"].items()}
         counts: dict[str, int] = {}
-        for f in fin.values():
+        for f in (f[-1] for f in r["formats"].values()):
             counts[f] = counts.get(f, 0) + 1
-
-        def last_common(a: dict[int, float], b: dict[int, float]) -> float | None:
-            common = sorted(set(a) & set(b))
-            return 100 * (a[common[-1]] / b[common[-1]] - 1) if common else None
-        out.append({
-            "run": r["name"], "precision": r["precision"], "last step": r["last"],
-            "final loss": loss[max(loss)] if loss else None,
-            "loss vs first (%)": last_common(loss, rloss),
-            "final val loss": val[max(val)] if val else None,
-            "val loss vs first (%)": last_common(val, rval),
+        row.update({
             "skipped steps": totals[-1] if totals else 0,
-            "final loss scale": scales[max(scales)] if scales else None,
+            "final loss scale": final(scales),
             "layer formats": ", ".join(f"{n} {f}" for f, n in counts.items()) or "-",
             "format switches": sum(e.get("kind") == "format" for e in r["events"]),
         })
+        out.append(row)
     return out
 
 
+def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, log: bool = False,
+             style: str | None = None, keep=lambda s: bool(s)) -> Path | None:
+    """One line per run (labelled with its short name; the table maps names to precisions),
+    each run's events marked, the legend under the axes."""
+    fig, ax = figure(title, ylabel, log=log)
+    for r in runs:
+        s = _series(r["rows"], key)
+        if keep(s):
+            line, = ax.plot(list(s), list(s.values()), marker=style, ms=4, label=r["name"])
+            mark_events(ax, r["events"], skips=False, colour=line.get_color(), run=r["name"])
+    if not ax.lines:
+        return None
+    legend_below(ax)
+    return save(fig, out / name)
+
+
 def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
-    from matplotlib.figure import Figure
-    paths = []
-
-    def figure(title: str, ylabel: str, log: bool = False):
-        fig = Figure(figsize=(7.5, 4.0), dpi=100)
-        ax = fig.subplots()
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        if log:
-            ax.set_yscale("log")
-        return fig, ax
-
-    def save(fig, ax, name: str) -> None:
-        if ax.lines:
-            ax.legend(fontsize=8)
-            fig.tight_layout()
-            fig.savefig(out / name, format="png")
-            paths.append(out / name)
-
+    paths = [_overlay(runs, "loss", "train loss", "loss", out, "compare_loss.png"),
+             _overlay(runs, "val_loss", "validation loss", "loss", out, "compare_val_loss.png",
+                      style="o"),
+             _overlay(runs, "lr", "learning rate", "lr", out, "compare_lr.png")]
     ref = runs[0]
-    for key, title in (("loss", "train loss"), ("val_loss", "validation loss")):
-        fig, ax = figure(title, "loss")
-        for r in runs:
-            s = _series(r["rows"], key)
-            if s:
-                ax.plot(list(s), list(s.values()), marker="o" if key == "val_loss" else None,
-                        label=f"{r['name']} ({r['precision']})")
-        save(fig, ax, f"compare_{key}.png")
-    fig, ax = figure(f"loss relative to {ref['name']}", "loss / reference - 1 (%)")
+    fig, ax = figure(f"train loss relative to {ref['name']} (the reference)", "loss / reference - 1 (%)")
     rs = _series(ref["rows"], "loss")
     for r in runs[1:]:
         s = _series(r["rows"], "loss")
         common = sorted(set(s) & set(rs))
         if common:
             ax.plot(common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"])
-    ax.axhline(0, color="#888", lw=0.8)
-    save(fig, ax, "compare_loss_relative.png")
-    fig, ax = figure("skipped steps (cumulative)", "skipped")
+    if ax.lines:
+        ax.axhline(0, color="#888", lw=0.8)
+        legend_below(ax)
+        paths.append(save(fig, out / "compare_loss_relative.png"))
+    fig, ax = figure("skipped steps (cumulative)", "skipped steps")
+    counts: list[float] = []
     for r in runs:
         s = _series(r["rows"], "skipped_total")
-        if s:
+        if s and any(s.values()):
             ax.step(list(s), list(s.values()), where="post", label=r["name"])
-    save(fig, ax, "compare_skipped.png")
-    fig, ax = figure("loss scale", "scale", log=True)
+        counts += list(s.values())
+    if counts:
+        integer_count_axis(ax, counts)
+        ax.set_xlim(0, max(r["last"] for r in runs) or 1)
+        legend_below(ax)
+        paths.append(save(fig, out / "compare_skipped.png"))
+    fig, ax = figure("loss scale (runs that scale the loss)", "scale")
     for r in runs:
-        s = _series(r["rows"], "loss_scale")
-        if s and any(v != 1 for v in s.values()):
-            ax.plot(list(s), list(s.values()), label=r["name"])
-    save(fig, ax, "compare_loss_scale.png")
+        steps, scale = scale_series(r["rows"], r["events"])
+        if scale and any(v != 1 for v in scale):
+            ax.step(steps, scale, where="post", label=r["name"])
+    if ax.lines:
+        ax.set_yscale("log", base=2)
+        legend_below(ax)
+        paths.append(save(fig, out / "compare_loss_scale.png"))
     fig, ax = figure("Linear layers in FP8", "share of Linear layers (%)")
     for r in runs:
         if r["layers"]:
@@ -124,8 +143,11 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
             share = [100 * sum(r["formats"][name][t].startswith("fp8") for name in r["layers"]) / n
                      for t in range(r["last"] + 1)]
             ax.step(range(r["last"] + 1), share, where="post", label=r["name"])
-    save(fig, ax, "compare_fp8_share.png")
-    return paths
+    if any(max(line.get_ydata(), default=0) > 0 for line in ax.lines):   # no FP8 anywhere: no picture
+        ax.set_ylim(-2, 102)
+        legend_below(ax)
+        paths.append(save(fig, out / "compare_fp8_share.png"))
+    return [p for p in paths if p is not None]
 
 
 def write_comparison(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike | None = None) -> Path:
@@ -142,8 +164,8 @@ def write_comparison(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLi
     body = "\n".join("<tr>" + "".join(f"<td>{_fmt(k, v)}</td>" for k, v in row.items()) + "</tr>"
                      for row in summary)
     figures = "\n".join(
-        f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode("ascii")}"><figcaption>{esc(p.stem)}</figcaption></figure>'
+        f'<figure><img alt="{esc(caption(p))}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode("ascii")}"><figcaption>{esc(caption(p))}</figcaption></figure>'
         for p in images)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>mixprec comparison</title>

@@ -3,7 +3,8 @@
 Reads what :mod:`mixprec.runs.metrics` wrote (``metrics.csv``, and ``numerics.csv`` /
 ``events.jsonl`` when present) and draws one PNG per question a user asks of a run: is the loss
 falling (train and validation), is the loss scale stable or collapsing (log axis, skipped steps
-marked), are gradients exploding, how fast is it (tokens/s, MFU), how much memory, and which
+marked at the scale they overflowed), what the learning rate was, are gradients exploding, how
+fast is it (tokens/s and MFU, one panel each), how much memory (saying what was measured), and which
 layers run close to their format's limits (a module x step heat map). ``report.html`` inlines
 every image as base64 so it can be mailed or attached to an issue as one file.
 
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import DataError
-from mixprec.runs.read import read_run_config, run_precision, start_field
+from mixprec.report.figures import (caption, figure, legend_below, mark_events, memory_label, save,
+                                    scale_series, skip_events)
+from mixprec.runs.read import read_run_config, run_precision, run_progress, start_field
 from mixprec.runs.metrics import (METRICS_FILE, is_finite_number, read_events, read_metrics,
                                    read_numerics)
 
@@ -47,15 +50,10 @@ _SKIP_EVENT_KINDS = {"skip", "skipped", "overflow", "nonfinite", "non-finite"}
 
 
 def _skipped_steps(rows: list[dict[str, Any]], events: list[dict[str, Any]] = ()) -> list[int]:
-    """Steps known to be skipped: rows with ``skipped`` > 0 or a rising ``skipped_total``, plus
-    skip/overflow events (which also catch skips between two logged rows)."""
-    marked, previous_total = set(), 0
-    for r in rows:
-        total = r.get("skipped_total")
-        if (r.get("skipped") or 0) > 0 or (total is not None and total > previous_total):
-            marked.add(r["step"])
-        if total is not None:
-            previous_total = total
+    """Steps known to be skipped: skip/overflow events (one per skipped step, between logged rows
+    too) and rows whose own step was skipped. A rising ``skipped_total`` says only that some step
+    of the interval was skipped, not which: it marks nothing."""
+    marked = {r["step"] for r in rows if (r.get("skipped") or 0) > 0}
     for e in events:
         kind = str(e.get("kind", e.get("type", ""))).lower()
         if isinstance(e.get("step"), int) and (kind in _SKIP_EVENT_KINDS or e.get("skipped") is True):
@@ -124,6 +122,7 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "precision": run_precision(config, events),
         "model": _model(config, events),
         "last step": rows[-1]["step"],
+        "steps": run_progress(config, events, rows[-1]["step"]),   # says an incomplete run is one
         "logged rows": len(rows),
         "final train loss": losses[-1] if losses else None,
         "final val loss": vals[-1] if vals else None,
@@ -154,102 +153,93 @@ def guard_summary(events: list[dict[str, Any]]) -> str:
 # Plots
 # ---------------------------------------------------------------------------------------------
 
-def _figure(title: str, xlabel: str = "step", figsize: tuple[float, float] = (7.5, 4.0)):
-    # A bare Figure renders with the Agg canvas and never touches pyplot's global backend, so a
-    # report written from a notebook or a headless server behaves the same.
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize, dpi=100)
-    ax = fig.subplots()
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
-
-
-def _plot_loss(rows, out: Path) -> Path | None:
+def _plot_loss(rows, events, out: Path) -> Path | None:
     steps, loss = _values(rows, "loss")
     vsteps, vloss = _values(rows, "val_loss")
     if not loss and not vloss:
         return None
-    fig, ax = _figure("loss")
+    fig, ax = figure("loss", "loss")
     if loss:
         ax.plot(steps, loss, label="train", lw=1.2)
     if vloss:
         ax.plot(vsteps, vloss, "o-", label="validation", lw=1.5, ms=4)
-    ax.set_ylabel("loss")
-    ax.legend()
-    return _save(fig, out / "loss.png")
+    mark_events(ax, events)
+    legend_below(ax)
+    return save(fig, out / "loss.png")
 
 
 def _plot_loss_scale(rows, events, out: Path, config: dict[str, Any] | None = None) -> Path | None:
-    steps, scale = _values(rows, "loss_scale")
+    steps, scale = scale_series(rows, events)
     if not scale or _scaling_off(rows, config or {}):
         return None
-    fig, ax = _figure("loss scale (skipped steps marked)")
-    ax.step(steps, scale, where="post", lw=1.2, label="loss scale")
-    marks = [(s, _scale_at(steps, scale, s)) for s in _skipped_steps(rows, events)]
+    fig, ax = figure("loss scale (skipped steps marked at the scale they overflowed)", "scale")
+    ax.step(steps, scale, where="post", lw=1.2, label="loss scale after the step")
+    # A skipped step overflowed at the scale it ran with: its record's scale before, else the
+    # scale in force after the step before it.
+    before = {e["step"]: float(e["loss_scale_before"]) for e in skip_events(events)
+              if is_finite_number(e.get("loss_scale_before"))}
+    marks = [(s, before.get(s, _scale_at(steps, scale, s - 1))) for s in _skipped_steps(rows, events)]
     marks = [(s, v) for s, v in marks if v is not None]
     if marks:
-        ax.plot([s for s, _ in marks], [v for _, v in marks], "x", color="tab:red", ms=7, label="skipped step")
+        ax.plot([s for s, _ in marks], [v for _, v in marks], "x", color="tab:red", ms=7,
+                label=f"skipped step ({len(marks)})")
+    mark_events(ax, events, skips=False)
     if all(v > 0 for v in scale):
         ax.set_yscale("log", base=2)
-    ax.set_ylabel("scale")
-    ax.legend()
-    return _save(fig, out / "loss_scale.png")
+    legend_below(ax)
+    return save(fig, out / "loss_scale.png")
 
 
-def _plot_grad_norm(rows, out: Path) -> Path | None:
+def _plot_grad_norm(rows, events, out: Path) -> Path | None:
     steps, norm = _values(rows, "grad_norm")
     if not norm:
         return None
-    fig, ax = _figure("gradient norm (unscaled, before clipping)")
-    ax.plot(steps, norm, lw=1.0)
+    fig, ax = figure("gradient norm (unscaled, before clipping)", "global L2 norm")
+    ax.plot(steps, norm, lw=1.0, label="gradient norm")
     if all(v > 0 for v in norm) and max(norm) / min(norm) > 100:
         ax.set_yscale("log")
-    ax.set_ylabel("global L2 norm")
-    return _save(fig, out / "grad_norm.png")
+    mark_events(ax, events)
+    legend_below(ax)
+    return save(fig, out / "grad_norm.png")
 
 
-def _plot_throughput(rows, out: Path) -> Path | None:
+def _plot_lr(rows, events, out: Path) -> Path | None:
+    steps, lr = _values(rows, "lr")
+    if not lr:
+        return None
+    fig, ax = figure("learning rate", "lr")
+    ax.plot(steps, lr, lw=1.2)
+    ax.set_ylim(bottom=0)
+    mark_events(ax, events, skips=False)
+    legend_below(ax)
+    return save(fig, out / "lr.png")
+
+
+def _plot_throughput(rows, events, out: Path) -> Path | None:
     steps, tps = _values(rows, "tokens_per_s")
     msteps, mfu = _values(rows, "mfu")
     if not tps and not mfu:
         return None
-    fig, ax = _figure("throughput")
-    if tps:
-        ax.plot(steps, tps, color="tab:blue", lw=1.2)
-        ax.set_ylabel("tokens/s")
-        ax.set_ylim(bottom=0)  # from zero, so timer noise does not look like a trend
-        by_step = dict(zip(steps, tps))
-        ratios = [100 * m / by_step[s] for s, m in zip(msteps, mfu) if by_step.get(s)]
-        if ratios:
-            # MFU is tokens/s times a constant (FLOPs per token / peak): one line, a second scale,
-            # instead of two lines drawn on top of each other.
-            k = statistics.median(ratios)
-            ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU (%)")
-    else:
-        ax.plot(msteps, [100 * m for m in mfu], color="tab:orange", lw=1.2)
-        ax.set_ylabel("MFU (%)")
-        ax.set_ylim(bottom=0)
-    return _save(fig, out / "throughput.png")
+    panels = [p for p in (("tokens/s", steps, tps, "tab:blue"),
+                          ("MFU (%)", msteps, [100 * m for m in mfu], "tab:orange")) if p[2]]
+    # One panel per quantity: MFU is tokens/s times a constant, so on one axis the lines coincide.
+    fig, axes = figure("throughput", rows=len(panels), figsize=(7.5, 2.6 + 1.9 * len(panels)))
+    for ax, (label, xs, ys, colour) in zip(axes if len(panels) > 1 else [axes], panels):
+        ax.plot(xs, ys, color=colour, lw=1.2)
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)   # from zero, so timer noise does not look like a trend
+        mark_events(ax, events, skips=False)
+    return save(fig, out / "throughput.png")
 
 
-def _plot_memory(rows, out: Path) -> Path | None:
+def _plot_memory(rows, events, out: Path) -> Path | None:
     steps, mem = _values(rows, "peak_mem_mb")
     if not mem:
         return None
-    fig, ax = _figure("peak memory")
+    fig, ax = figure(f"peak memory: {memory_label(start_field(events, 'device'))}", "MiB")
     ax.plot(steps, mem, lw=1.2)
-    ax.set_ylabel("MB")
-    ax.set_ylim(bottom=0)
-    return _save(fig, out / "memory.png")
+    ax.set_ylim(0, 1.1 * max(mem))
+    return save(fig, out / "memory.png")
 
 
 def _plot_numerics(numerics, out: Path) -> list[Path]:
@@ -279,7 +269,7 @@ def _plot_numerics(numerics, out: Path) -> list[Path]:
             if np.isnan(grid).all() or (stat == "overflow_frac" and not np.nanmax(grid) > 0):
                 continue
             height = min(12.0, 1.5 + 0.25 * len(modules))
-            fig, ax = _figure(f"{kind}: {label} per module over time", figsize=(8.0, height))
+            fig, ax = figure(f"{kind}: {label} per module over time", figsize=(8.0, height))
             ax.grid(False)
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest",
                               cmap="magma" if stat == "overflow_frac" else "viridis")
@@ -288,7 +278,7 @@ def _plot_numerics(numerics, out: Path) -> list[Path]:
             ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
             ax.set_xlabel("step")
             fig.colorbar(image, ax=ax, label=label)
-            paths.append(_save(fig, out / f"numerics_{kind}_{stat}.png"))
+            paths.append(save(fig, out / f"numerics_{kind}_{stat}.png"))
     return paths
 
 
@@ -326,8 +316,8 @@ def _html(run_dir: Path, summary: dict[str, Any], images: list[Path], events: li
     esc = html.escape
     rows = "\n".join(f"<tr><th>{esc(k)}</th><td>{esc(_fmt(v))}</td></tr>" for k, v in summary.items())
     figures = "\n".join(
-        f'<figure><img alt="{esc(p.stem)}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode("ascii")}"><figcaption>{esc(p.stem)}</figcaption></figure>'
+        f'<figure><img alt="{esc(caption(p))}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode("ascii")}"><figcaption>{esc(caption(p))}</figcaption></figure>'
         for p in images)
     shown = events[:_MAX_EVENTS_SHOWN]
     items = "\n".join(
@@ -377,8 +367,10 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     out = Path(out_dir) if out_dir is not None else run_path / "report"
     out.mkdir(parents=True, exist_ok=True)
 
-    images = [p for p in (_plot_loss(rows, out), _plot_loss_scale(rows, events, out, config), _plot_grad_norm(rows, out),
-                          _plot_throughput(rows, out), _plot_memory(rows, out)) if p is not None]
+    images = [p for p in (_plot_loss(rows, events, out), _plot_loss_scale(rows, events, out, config),
+                          _plot_lr(rows, events, out), _plot_grad_norm(rows, events, out),
+                          _plot_throughput(rows, events, out), _plot_memory(rows, events, out))
+              if p is not None]
     images += _plot_numerics(numerics, out)
     from mixprec.report.format_timeline import plot_formats
     last = max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)

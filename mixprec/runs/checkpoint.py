@@ -38,12 +38,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mixprec.errors import CheckpointError
+from mixprec import hints
+from mixprec.errors import CheckpointError, excerpt
 
 __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "list_checkpoints",
+    "resolve_checkpoint",
     "capture_rng_state",
     "restore_rng_state",
     "FORMAT_VERSION",
@@ -268,14 +270,52 @@ def _write_latest(ckpt_dir: Path, name: str) -> None:
     _fsync_dir(ckpt_dir)
 
 
-def _describe_failure(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return "no space left on device; free space or set keep_last lower"
+_MiB = 2**20
+_FULL_DISK_TEXT = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
+"""torch.save's own words when a write came up short (its zip writer does not raise OSError):
+``[enforce fail at inline_container.cc:672] . unexpected pos 78912 vs 78864``."""
+
+
+def _state_bytes(obj: Any) -> int:
+    """The tensor bytes in a (nested) state: about what a checkpoint of it takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of ``path`` (its nearest existing parent); None if unknown."""
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
+    return None
+
+
+def _no_space(where: Path, needed: int) -> str:
+    free = _free_bytes(where)
+    free_text = f", free {free / _MiB:.0f} MiB" if free is not None else ""
+    return (f"no space left on device writing {where} (needed ~{needed / _MiB:.0f} MiB{free_text}): "
+            "free space, write the run elsewhere (run_dir=PATH) or keep fewer checkpoints (keep_last=1)")
+
+
+def _describe_failure(exc: BaseException, where: Path, needed: int) -> str:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return _no_space(where, needed) + ("" if exc.errno == errno.ENOSPC else " (disk quota full)")
+    if isinstance(exc, RuntimeError) and any(t in str(exc) for t in _FULL_DISK_TEXT):
+        return _no_space(where, needed)
     if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"{exc.strerror or 'permission denied'}; choose a writable run folder"
+        return (f"{exc.strerror or 'permission denied'} writing {where}; choose a writable run folder "
+                "(run_dir=PATH)")
     if isinstance(exc, CheckpointError):
         return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {excerpt(exc)}"
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[str, torch.Tensor],
@@ -298,6 +338,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
     final = ckpt_dir / name
     tmp = ckpt_dir / f".tmp-{name}-{os.getpid()}"
     previous = _read_latest(ckpt_dir)
+    needed = _state_bytes(model_state) + _state_bytes(train_state)
+    free = _free_bytes(ckpt_dir)
+    if free is not None and needed > free:   # refuse before writing a byte
+        raise CheckpointError(f"could not save checkpoint {name}: {_no_space(ckpt_dir, needed)}")
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(ckpt_dir)
@@ -323,6 +367,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
+        if final.exists() and not (final / META_FILE).is_file():
+            # An incomplete folder of this step (the resume said so): kept, under another name.
+            os.replace(final, _free_name(ckpt_dir / f"incomplete-{name}"))
         if final.exists():
             # Saving a step that already exists (re-run after a resume): move the old one aside
             # first; if we die in between, load falls back to the newest complete folder.
@@ -341,10 +388,19 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
         intact = (f"the previous checkpoint {previous} is intact" if previous and (ckpt_dir / previous).is_dir()
                   else "no earlier checkpoint was touched")
         raise CheckpointError(
-            f"could not save checkpoint {name} to {ckpt_dir}: {_describe_failure(exc)} — {intact}") from exc
+            f"could not save checkpoint {name}: {_describe_failure(exc, ckpt_dir, needed)} — {intact}") from exc
     if keep_last is not None:
         _prune(ckpt_dir, keep_last, newest=step)
     return final
+
+
+def _free_name(path: Path) -> Path:
+    n = 1
+    candidate = path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    return candidate
 
 
 def _prune(ckpt_dir: Path, keep_last: int, *, newest: int) -> None:
@@ -386,27 +442,51 @@ def _read_latest(ckpt_dir: Path) -> str | None:
 
 def _resolve(path: Path) -> Path:
     """Turn a run folder, a checkpoints folder or a step folder into a step folder."""
+    return resolve_checkpoint(path)[0]
+
+
+def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
+    """The step folder a run folder, checkpoints folder or step folder stands for, and, when
+    newer ``step-*`` folders are incomplete (no ``meta.json``: a save that did not finish, or a
+    folder someone emptied), one line saying which checkpoint is used instead and why (None when
+    nothing was passed over). Incomplete folders are left as they are: a later save of the same
+    step moves one aside to ``incomplete-step-N`` instead of deleting it."""
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}; pass a run folder, its checkpoints/ folder "
                               "or a checkpoints/step-XXXXXXXX folder")
     if (path / META_FILE).is_file() or _parse_step(path.name) is not None:
-        return path
+        step = _parse_step(path.name)
+        newer = [p.name for s, p in list_checkpoints(path.parent) if step is not None and s > step]
+        return path, (f"resuming from {path.name}; the newer checkpoints {', '.join(newer)} are from "
+                      "the run's earlier course: each is replaced when this run saves its step"
+                      if newer else None)
     ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     latest = _read_latest(ckpt_dir)
-    if latest and (ckpt_dir / latest / META_FILE).is_file():
-        return ckpt_dir / latest
     complete = list_checkpoints(ckpt_dir)
+    if latest and (ckpt_dir / latest / META_FILE).is_file():
+        return ckpt_dir / latest, None          # the newest save of this run's timeline
     if not complete:
         raise CheckpointError(f"no complete checkpoint under {ckpt_dir}; train with checkpointing "
                               "enabled first, or pass the folder that holds checkpoints/")
-    return complete[-1][1]
+    chosen_step, chosen = complete[-1]
+    skipped = sorted(e.name for e in ckpt_dir.iterdir() if e.is_dir() and not (e / META_FILE).is_file()
+                     and (_parse_step(e.name) or -1) > chosen_step)
+    named = (f"; `latest` names {latest}" if latest and latest != chosen.name else "")
+    if not skipped and not named:
+        return chosen, None
+    why = (f"{', '.join(skipped)} {'has' if len(skipped) == 1 else 'have'} no {META_FILE} (a save "
+           "that did not finish)" if skipped else f"`latest` names {latest}, which is not a "
+           "complete checkpoint")
+    return chosen, (f"resuming from {chosen.name}, the newest complete checkpoint: {why}"
+                    f"{named if skipped else ''}; the incomplete folder is kept (moved to "
+                    f"incomplete-<name> if this run saves that step again)")
 
 
 def _earlier_hint(step_dir: Path) -> str:
     step = _parse_step(step_dir.name)
     earlier = [p for s, p in list_checkpoints(step_dir.parent) if step is None or s < step]
     if earlier:
-        return (f"resume from the previous checkpoint: mixprec train --resume {earlier[-1]}")
+        return f"resume from the previous checkpoint: {hints.resume(earlier[-1], checkpoint=True)}"
     return "no earlier checkpoint exists; restart the run"
 
 
@@ -458,14 +538,15 @@ def load_checkpoint(path: str | os.PathLike, *, device: str | torch.device = "cp
                 model_state[key] = f.get_tensor(key)
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {model_path} cannot be read ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); {_earlier_hint(step_dir)}") from exc
+                              f"{excerpt(exc, 160)}); {_earlier_hint(step_dir)}") from exc
     for alias, canonical in aliases.items():
         model_state[alias] = model_state[canonical]
     state_path = step_dir / STATE_FILE
     try:
         train_state = torch.load(state_path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # torch names the refused global on a line of its own, after its advice: that line first
+        lines = [line for line in str(exc).splitlines() if "GLOBAL" in line or "global" in line]
         raise CheckpointError(f"checkpoint file {state_path} cannot be read ({type(exc).__name__}: "
-                              f"{first[:160]}); {_earlier_hint(step_dir)}") from exc
+                              f"{excerpt(lines[0] if lines else exc, 160)}); {_earlier_hint(step_dir)}") from exc
     return model_state, train_state, meta

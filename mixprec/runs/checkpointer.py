@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec.precision import Precision
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.errors import CheckpointError, ConfigError, excerpt
 from mixprec.strategies import Strategy
 from mixprec.runs import checkpoint as ckpt
 from mixprec.models.hf import export_pretrained, is_hf_model
@@ -31,6 +31,10 @@ class Restored:
     step: int
     epoch: int
     loader_resumed: bool   # the loader knows its epoch and position (do not call set_epoch)
+    saved_lr: list[float] = dataclasses.field(default_factory=list)
+    """The LR of each optimizer group as the checkpoint left it."""
+    notes: tuple[str, ...] = ()
+    """What the run should say and record (a checkpoint skipped, and why)."""
 
 
 class Checkpointer:
@@ -52,7 +56,7 @@ class Checkpointer:
 
     def save(self, *, step: int, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              precision: Precision, scheduler: Any, loader: Any, config: Any,
-             replanner: Any = None) -> Path | None:
+             replanner: Any = None, guard: Any = None) -> Path | None:
         """Write checkpoint ``step`` atomically; collectives (FSDP) run on every rank."""
         strategy = self.strategy
         cfg = dataclasses.asdict(config)
@@ -65,6 +69,8 @@ class Checkpointer:
             # The current per-layer formats (re-planning changes them) and the re-planner's state.
             "layer_formats": dict(precision.layer_formats),
             "replan": replanner.state_dict() if replanner is not None else None,
+            # The training guard's windows, counters and snapshot (mixprec/plan/guard.py).
+            "guard": guard.state_dict() if guard is not None else None,
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
             # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.
             "scaler": {**precision.scaler.state_dict(), **precision.scaler.counters},
@@ -78,7 +84,7 @@ class Checkpointer:
         path = None
         if strategy.is_main and self.run_dir is not None:
             path = ckpt.save_checkpoint(self.run_dir, step, model_state=model_state,
-                                        train_state=state, keep_last=self.keep_last)
+                                        train_state=state, keep_last=self.keep_last or None)
             if self.export_hf:
                 self._export(model, path / "hf", model_state)
         strategy.barrier()
@@ -102,10 +108,12 @@ class Checkpointer:
         return export_pretrained(self.strategy.unwrap(model), folder, state_dict=state)
 
     def load(self, path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None) -> Restored:
+             precision: Precision, scheduler: Any, loader: Any, replanner: Any = None,
+             guard: Any = None) -> Restored:
         """Restore weights, optimizer, loss scale, schedule, data position and RNG from ``path``."""
         strategy = self.strategy
-        model_state, state, _meta = ckpt.load_checkpoint(path)
+        step_dir, note = ckpt.resolve_checkpoint(Path(path))
+        model_state, state, _meta = ckpt.load_checkpoint(step_dir)
         if state.get("policy") != precision.policy.spec():
             saved = state.get("precision") or state.get("policy")
             raise CheckpointError(
@@ -119,25 +127,30 @@ class Checkpointer:
         try:
             strategy.load_model_state_dict(model, model_state)
         except (RuntimeError, KeyError) as e:
-            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-            first = " ".join(lines[:2])[:240]
-            raise CheckpointError(f"checkpoint {path} does not fit this model ({first}); resume with "
+            raise CheckpointError(f"checkpoint {path} does not fit this model ({excerpt(e, 240)}); resume with "
                                   "the model settings it was saved with") from None
         # Same Parameters whatever the formats: restore the plan, then the optimizer.
         precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
         if replanner is not None and state.get("replan"):
             replanner.load_state_dict(state["replan"])
+        if guard is not None and state.get("guard"):
+            guard.load_state_dict(state["guard"])
         strategy.load_optimizer_state_dict(model, optimizer, state["optimizer"])
         precision.scaler.load_state_dict(state["scaler"])
         scheduler.load_state_dict(state["scheduler"])
+        saved_lr = [float(g["lr"]) for g in optimizer.param_groups]
         step, epoch = int(state["step"]), int(state["epoch"])
         loader_resumed = False
         if state.get("loader") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["loader"])
             loader_resumed = True
+            if getattr(loader, "resume_note", None):
+                note = f"{note}; {loader.resume_note}" if note else loader.resume_note
             # The loader moves to the next epoch as soon as it hands out an epoch's last batch.
             epoch = int(state["loader"].get("epoch", epoch))
+            if getattr(loader, "resume_note", None) and hasattr(loader, "epoch"):
+                epoch = int(loader.epoch)        # the position moved (to the next epoch's start)
         if state.get("strategy") is not None and hasattr(strategy, "load_state_dict"):
             strategy.load_state_dict(state["strategy"])
         ckpt.restore_rng_state(state["rng"])
-        return Restored(step, epoch, loader_resumed)
+        return Restored(step, epoch, loader_resumed, saved_lr, (note,) if note else ())

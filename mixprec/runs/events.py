@@ -6,6 +6,7 @@ origin, and audit findings — on the console (rank 0) and in ``events.jsonl``.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from torch import nn
@@ -40,6 +41,8 @@ class RunEvents:
         self._skip_lines = 0
         self._last_skip_line = -_SKIP_LINE_EVERY
         self._skips_unsaid = 0
+        self._t0, self._initial = time.perf_counter(), 0
+        self._listed_layers = False    # the start lines listed every Linear's format
 
     def _say(self, message: str) -> None:
         if not self.strategy.is_main:
@@ -52,34 +55,44 @@ class RunEvents:
     # --- progress ----------------------------------------------------------------------------
 
     def open_progress(self, total: int, initial: int) -> None:
+        """Start the clock of the run's elapsed time and ETA (and, on a terminal, the bar)."""
+        self._t0, self._initial = time.perf_counter(), initial
         if self.progress:
             from tqdm import tqdm
+            # {remaining} is tqdm's ETA; the postfix carries throughput, lr, loss (and the scale).
             self._bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stderr,
-                             desc="train")
+                             desc="train", unit="step",
+                             bar_format="{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                        "[{elapsed}<{remaining}]{postfix}")
 
     def advance(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
 
     def interval(self, step: int, total: int, *, loss: float, val_loss: float | None, lr: float,
-                 tokens_per_s: float | None) -> None:
-        """One log interval: the bar's numbers, or one plain line."""
-        scale = self.precision.scale
+                 tokens_per_s: float | None, samples_per_s: float | None = None) -> None:
+        """One log interval: the bar's numbers (an evaluation also leaves a line above the bar,
+        so the validation history stays visible), or one plain line with elapsed time and ETA."""
+        rate = (f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else  # token ids
+                f"{samples_per_s:,.1f} samples/s" if samples_per_s is not None else None)
+        # Only modes that scale the loss have a scale worth showing (bf16/fp32: always 1).
+        scale = f"scale {self.precision.scale:g}" if self.precision.scales_loss else None
+        skipped = self.precision.num_skipped_steps
+        fields = [rate, f"lr {lr:.3g}", f"loss {loss:.4f}", scale,
+                  f"skipped {skipped}" if skipped else None]
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", val=f"{val_loss:.4f}" if val_loss is not None else "-",
-                                  scale=f"{scale:g}", refresh=False)
-            return
-        parts = [f"step {step}/{total}", f"loss {loss:.4f}"]
-        if val_loss is not None:
-            parts.append(f"val {val_loss:.4f}")
-        parts.append(f"lr {lr:.3g}")
-        if tokens_per_s is not None:             # None: the batches hold no token ids (images)
-            parts.append(f"{tokens_per_s:,.0f} tok/s")
-        if self.precision.scales_loss:
-            parts.append(f"scale {scale:g}")
-        if self.precision.num_skipped_steps:
-            parts.append(f"skipped {self.precision.num_skipped_steps}")
-        self._say("  ".join(parts))
+            self._bar.set_postfix_str("  ".join(f for f in fields if f), refresh=False)
+            if val_loss is None:
+                return
+        done = step - self._initial
+        elapsed = time.perf_counter() - self._t0
+        eta = elapsed / done * (total - step) if done > 0 else None
+        from tqdm import tqdm
+        clock = (f"elapsed {tqdm.format_interval(elapsed)}"
+                 + (f"  ETA {tqdm.format_interval(eta)}" if eta is not None else ""))
+        parts = [f"step {step}/{total}", f"loss {loss:.4f}",
+                 f"val {val_loss:.4f}" if val_loss is not None else None, *fields[:2], *fields[3:], clock]
+        self._say("  ".join(p for p in parts if p))
 
     def close(self) -> None:
         if self._bar is not None:
@@ -98,17 +111,25 @@ class RunEvents:
                  f"model: {_count(params)} parameters; steps: {step} -> {total}; "
                  f"peak-FLOPs format for MFU: {precision.peak_format}",
                  f"run folder: {run_dir}"]
-        if fp8_report is not None:
-            lines.append(f"fp8: {fp8_report}")
-        if precision.micro_report is not None:
-            lines.append(f"micro: {precision.micro_report}")
+        # The conversion reports list every module they converted or kept out; the terminal
+        # gets their headline and ONE per-layer list (the formats table, with the reason a layer
+        # was kept out); events.jsonl keeps the full reports.
+        reports = [(name, r) for name, r in (("fp8", fp8_report), ("micro", precision.micro_report))
+                   if r is not None]
+        full = lines + [f"{name}: {r}" for name, r in reports]
+        lines += [f"{name}: {str(r).splitlines()[0]}" for name, r in reports]
         if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
-            lines.append("layer formats:")
-            lines += [f"  {row}" for row in precision.describe_layers()]
+            why = {n: w for _, r in reports for n, w in getattr(r, "skipped", [])}
+            table = ["layer formats:", *(f"  {row}" + (f"  ({why[n]})" if n in why else "")
+                                         for n, row in zip(precision.layer_formats,
+                                                           precision.describe_layers()))]
+            lines += table
+            full += table
+            self._listed_layers = True
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
         self.logger.event({"kind": "start", "step": step, "precision": precision.describe(),
-                           "message": "; ".join(lines)})
+                           "message": "; ".join(full)})
         self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
                            "message": f"{len(precision.layer_formats)} Linear layers: "
                                       + ", ".join(f"{n}={f}" for n, f in precision.layer_formats.items())})
@@ -168,7 +189,10 @@ class RunEvents:
     def findings(self, findings: list, step: int) -> None:
         if not findings or not self.strategy.is_main:
             return
-        print(format_findings(findings), file=sys.stderr)
+        # The layer-formats finding repeats the table the start lines printed: recorded only.
+        shown = [f for f in findings if not (self._listed_layers and f.code == "layer-formats")]
+        if shown:
+            print(format_findings(shown), file=sys.stderr)
         for f in findings:
             self.logger.event({"kind": "audit", "step": step, "code": f.code,
                                "severity": f.severity, "message": f"{f.message} (fix: {f.fix})"})

@@ -12,7 +12,7 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.runs.metrics import read_events, read_metrics, read_numerics
 
-__all__ = ["read_run", "read_run_config", "run_precision", "start_field"]
+__all__ = ["read_run", "read_run_config", "run_precision", "run_progress", "start_field"]
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -46,6 +46,22 @@ def run_precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str |
             if message.startswith("precision: "):
                 return message[len("precision: "):].split("; device: ")[0]
     return config.get("precision")
+
+
+def run_progress(config: dict[str, Any], events: list[dict[str, Any]], last: int) -> str:
+    """How far the run got, in words: ``60 of 60 (complete)``, ``320 of 2000 (stopped: ...)``,
+    ``(diverged)``, or ``(incomplete: still running, or killed)`` when nothing recorded an end.
+    The planned total is ``config.toml``'s ``max_steps`` (an epochs run: the steps are shown alone)."""
+    total = config.get("max_steps")
+    ends = [e for e in events if e.get("kind") in ("interrupted", "diverged")
+            and isinstance(e.get("step"), int) and e["step"] >= last]
+    head = f"{last} of {total}" if isinstance(total, int) else f"{last}"
+    if isinstance(total, int) and last >= total:
+        return f"{head} (complete)"
+    if ends:                  # an end recorded at the last step (a resume past it trains on)
+        end = ends[-1]
+        return f"{head} ({'diverged' if end['kind'] == 'diverged' else 'stopped'})"
+    return f"{head} (incomplete: still running, or killed)" if isinstance(total, int) else head
 
 
 def read_run(run_dir: str | os.PathLike, *, require_rows: bool = True) -> dict[str, Any]:

@@ -6,7 +6,8 @@ A strategy answers every question the training step has about "the other process
 * who this process is (``rank``, ``local_rank``, ``world_size``, ``is_main``),
 * how the model and optimizer are wrapped (:meth:`Strategy.setup`),
 * when gradients are synchronised (:meth:`Strategy.no_sync` for accumulation micro-steps),
-* how metrics are agreed (:meth:`Strategy.reduce_mean`, :meth:`Strategy.reduce_max`),
+* how metrics and decisions are agreed (:meth:`Strategy.reduce_mean`, :meth:`Strategy.reduce_max`,
+  :meth:`Strategy.all_reduce_max`),
 * how a full checkpoint is gathered and restored (:meth:`Strategy.model_state_dict`, ...),
 * what the gradient traffic cost (:meth:`Strategy.comm_stats`).
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.errors import excerpt
 from mixprec.precision import Precision
 from mixprec.precision import Policy
 from mixprec.strategies.env import (DistEnv, default_backend, default_timeout, init_process_group,
@@ -193,6 +195,14 @@ class Strategy:
             dist.all_reduce(t, op=op)
         return float(t.item())
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Element-wise max of ``t`` over all ranks, as a new tensor (one collective; a copy in
+        one process). For decisions every rank must take alike (the training guard's votes)."""
+        t = t.detach().to(self._comm_device()).clone()
+        if self.is_distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``obj`` as rank ``src`` has it, on every rank (a picklable Python value; host side)."""
         if not self.is_distributed:
@@ -350,6 +360,6 @@ class ProcessGroupStrategy:
         try:
             self.teardown()
         except Exception as exc:   # a peer died meanwhile: say so in one line, let the exit go on
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = excerpt(exc)
             print(f"mixprec: rank {self.rank}: could not end the process group at exit: {first}",
                   file=sys.stderr)

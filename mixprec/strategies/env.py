@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mixprec.errors import ConfigError, MixprecError, closest
+from mixprec import hints
+from mixprec.errors import ConfigError, MixprecError, closest, excerpt
 
 __all__ = ["DistEnv", "RankFailureError", "read_env", "default_timeout", "init_process_group",
            "rank_failure_guard", "default_backend"]
@@ -169,7 +170,7 @@ def rank_failure_guard(rank: int, timeout: float | None = None, *,
     except MixprecError:
         raise
     except (RuntimeError, OSError) as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = excerpt(exc)
         is_dist = isinstance(exc, getattr(dist, "DistError", ())) or \
             any(h in text.lower() for h in _PEER_FAILURE_HINTS)
         if not is_dist:
@@ -177,9 +178,8 @@ def rank_failure_guard(rank: int, timeout: float | None = None, *,
         limit = f"{timeout:g} s" if timeout else "the process-group timeout"
         raise RankFailureError(
             f"rank {rank}: a collective failed because {_peers(rank, world_size)} crashed, hung or lost the "
-            f"network (waited at most {limit}; backend said: {text[:200]}); fix the failed rank "
-            "and resume from the last checkpoint (mixprec train --resume RUN_DIR, or "
-            "run_dir=RUN_DIR resume=auto)") from exc
+            f"network (waited at most {limit}; backend said: {text}); fix the failed rank "
+            f"and resume from the last checkpoint: {hints.resume()}") from exc
 
 
 def _peers(rank: int, world_size: int | None) -> str:

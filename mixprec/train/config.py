@@ -76,7 +76,8 @@ class FitConfig:
     ckpt_interval: int = 100
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 3
-    """Keep this many most recent checkpoints."""
+    """Keep this many most recent checkpoints; ``0`` (or ``keep_last=all`` on the command line)
+    keeps every one."""
     run_dir: str | None = None
     """Run folder; default ``runs/<date>-<time>-<precision>`` (made unique: ``-2``, ``-3``, ...)."""
     overwrite: bool = False
@@ -136,9 +137,9 @@ class FitConfig:
     mixprec/optim/split.py). false: full FP32 masters. No effect where there are no masters."""
     moments: str = "fp32"
     """Storage of Adam's two moments: ``fp32`` (8 bytes per parameter), ``bf16`` (4, FP32 math,
-    stochastic rounding), ``int8`` (2.03: block-wise, stochastic rounding) or ``fp8`` (2.06: E4M3
-    with per-block range expansion); mixprec/optim/moments.py. Needs mixprec's AdamW (not with
-    FSDP2 or a mode without masters)."""
+    stochastic rounding), ``int8`` (2.004: block-wise, stochastic rounding), ``fp8`` (2.03: E4M3
+    with per-block range expansion) or ``fp8-e5m2`` (2.03: E5M2 likewise); mixprec/optim/moments.py.
+    Needs mixprec's AdamW (not with FSDP2 or a mode without masters)."""
     fp8_activations: bool = False
     """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
     scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is
@@ -169,11 +170,11 @@ class FitConfig:
 
     def validate(self) -> None:
         positive = ("epochs", "lr", "grad_accum_steps", "log_interval", "eval_batches", "replan_window",
-                    "keep_last", "init_scale", "growth_interval", "hysteresis")
+                    "init_scale", "growth_interval", "hysteresis")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("eval_interval", "ckpt_interval", "warmup_steps", "monitor_every",
+        for name in ("eval_interval", "ckpt_interval", "keep_last", "warmup_steps", "monitor_every",
                      "weight_decay", "profile", "replan_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -250,6 +251,9 @@ class TrainConfig(FitConfig):
     val_fraction: float = 0.05
     seq_len: int = 128
     """Tokens per sample."""
+    max_seq_len: int | None = None
+    """Longest sequence the model takes (the size of its position table); None: ``seq_len``. A
+    resumed run keeps its model's and may train at any ``seq_len`` up to it."""
     batch_size: int = 16
     """Samples per micro-batch per rank."""
     num_workers: int = 0
@@ -270,6 +274,9 @@ class TrainConfig(FitConfig):
         for name in ("seq_len", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_seq_len is not None and self.max_seq_len < self.seq_len:
+            raise ConfigError(f"seq_len={self.seq_len} is longer than max_seq_len={self.max_seq_len} "
+                              f"(the model's position table); use seq_len<={self.max_seq_len}")
         if self.num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if not 0.0 < self.val_fraction < 1.0:
@@ -301,8 +308,37 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+_WORDS: dict[str, dict[str, Any]] = {"keep_last": {"all": 0}}
+"""Words a setting accepts besides its type's values (``keep_last=all`` keeps every checkpoint)."""
+
+ALIASES: dict[str, str] = {
+    "learning_rate": "lr", "lr_rate": "lr", "max_length": "seq_len", "max_seq_len": "seq_len",
+    "seq_length": "seq_len", "sequence_length": "seq_len", "context_length": "seq_len",
+    "block_size": "seq_len", "batch": "batch_size", "micro_batch": "batch_size",
+    "micro_batch_size": "batch_size", "steps": "max_steps", "num_steps": "max_steps",
+    "train_steps": "max_steps", "total_steps": "max_steps", "warmup": "warmup_steps",
+    "output_dir": "run_dir", "out_dir": "run_dir", "checkpoint_dir": "run_dir",
+    "save_total_limit": "keep_last", "save_steps": "ckpt_interval", "eval_steps": "eval_interval",
+    "logging_steps": "log_interval", "gradient_accumulation_steps": "grad_accum_steps",
+    "max_grad_norm": "clip_grad_norm", "grad_clip": "clip_grad_norm", "mixed_precision": "precision",
+    "dtype": "precision", "n_layer": "num_layers", "n_layers": "num_layers", "n_embd": "d_model",
+    "hidden_size": "d_model", "n_head": "num_heads", "dataset": "data", "train_data": "data",
+}
+"""Names other tools use for a setting (Hugging Face, nanoGPT, Lightning): the "did you mean"."""
+
+
+def setting_suggestion(key: str) -> str:
+    """``" (did you mean 'lr'?)"`` for an unknown setting name, or ``""``."""
+    names = _field_types(TrainConfig)
+    if key in ALIASES and ALIASES[key] in names:
+        return f" (did you mean '{ALIASES[key]}'?)"
+    return closest(key, names)
+
+
 def _coerce(name: str, value: Any, hint: Any, *, from_text: bool) -> Any:
     """Convert ``value`` to the field's type, with a one-line error naming the field."""
+    if from_text and isinstance(value, str) and value.strip().lower() in _WORDS.get(name, {}):
+        return _WORDS[name][value.strip().lower()]
     args = typing.get_args(hint)
     optional = type(None) in args
     base = next((a for a in args if a is not type(None)), hint) if args else hint
@@ -389,7 +425,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for origin, table, from_text in layers:
         for key, value in table.items():
             if key not in types:
-                raise ConfigError(f"unknown setting '{key}' ({origin}){closest(key, types)}; valid: "
+                hint = setting_suggestion(key) if cls is TrainConfig else closest(key, types)
+                raise ConfigError(f"unknown setting '{key}' ({origin}){hint}; valid: "
                                   f"{', '.join(sorted(types))}")
             if key == "precision_overrides":
                 from mixprec.policy.overrides import normalize_overrides

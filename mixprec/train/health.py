@@ -44,6 +44,19 @@ class RunHealth:
                     f"non-finite gradients (max_skipped_fraction={self.limit:g})")
         return None
 
+    @staticmethod
+    def still_backing_off(*, scales_loss: bool, scale: float, init_scale: float, min_scale: float,
+                          loss_finite: bool) -> bool:
+        """Skipped steps that are not divergence: the loss is finite and the loss scale is still
+        halving its way down from a too-large ``init_scale`` (above its floor, below where it began)."""
+        return scales_loss and loss_finite and min_scale < scale < init_scale
+
+    @staticmethod
+    def backing_off_message(*, init_scale: float, scale: float, skipped: int) -> str:
+        return (f"the loss scale is still backing off from init_scale={init_scale:g} ({skipped} skipped "
+                f"steps, now {scale:g}) while the loss is finite: this is not divergence; lower "
+                f"init_scale (e.g. init_scale={max(scale, 1.0):g})")
+
 
 def seed_everything(seed: int) -> None:
     """Seed torch (CPU and CUDA), numpy and ``random``."""

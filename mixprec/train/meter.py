@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from mixprec.models.objective import add_tokens
+from mixprec.models.objective import add_tokens, count_samples
 from mixprec.precision import Precision
 from mixprec.policy.peak import format_peak_flops
 from mixprec.strategies import Strategy
@@ -36,17 +36,23 @@ class IntervalMeter:
         self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
                                 else 6 * sum(p.numel() for p in model.parameters()))
         self.refreshed = False
-        self.last_tps = 0.0
+        self.last_tps: float | None = 0.0
+        self.last_sps: float | None = None   # samples/s, for batches without token ids
         self._reset()
 
     def _reset(self) -> None:
         self.losses: list[torch.Tensor] = []
         self.tokens: torch.Tensor | int | None = 0   # real tokens; None when batches have none
+        self.samples: int | None = 0                  # examples (counted from shapes: no sync)
         self.t0 = time.perf_counter()
 
-    def add(self, out: StepOutput) -> None:
+    def add(self, out: StepOutput, batches: list | tuple = ()) -> None:
+        """One step's output; ``batches`` (its micro-batches) count samples for samples/s."""
         self.losses.append(out.loss)
         self.tokens = add_tokens(self.tokens, out.tokens)
+        for b in batches:
+            n = count_samples(b)
+            self.samples = None if n is None or self.samples is None else self.samples + n
 
     def log(self, out: StepOutput, *, step: int, epoch: int, lr: float, val_loss: float | None) -> float:
         """Write the interval's metrics row; return its mean loss (agreed across ranks)."""
@@ -77,5 +83,7 @@ class IntervalMeter:
                         tokens_per_s=tps, mfu=mfu,
                         peak_mem_mb=peak_memory_mb(self.device), time_s=elapsed)
         self.last_tps = tps
+        self.last_sps = (self.samples * strategy.world_size / elapsed
+                         if tokens is None and self.samples else None)
         self._reset()
         return loss

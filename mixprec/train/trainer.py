@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from mixprec import hints
 from mixprec.data.position import resumable
-from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
+from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged, excerpt
 from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
@@ -35,7 +37,7 @@ from mixprec.precision import Policy, Precision
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
-from mixprec.runs.run_dir import claim_run_dir
+from mixprec.runs.run_dir import claim_locked_run_dir
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
                                    refuse_changes_to_ready_precision, refuse_two_modes)
@@ -103,6 +105,12 @@ class Trainer:
         self.run_dir: Path | None = None
         self._loader_resumed = False
         self._peak_refreshed = False
+        self._group_settings: list[dict[str, Any]] = []
+        """Per optimizer group, the settings of this run's config a restore puts back."""
+        self._lock = None
+        """Rank 0's lock on the run folder (mixprec/runs/lock.py), held while fit() runs."""
+        self._notes: list[tuple[str, str]] = []
+        """``(message, kind)`` said and recorded in events.jsonl once the run's events are open."""
         # Built by prepare() / fit(): every attribute a Trainer has is declared here.
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -156,6 +164,7 @@ class Trainer:
         self.model, _ = strategy.setup(model, precision=precision)  # DDP / FSDP wrapping (or none)
         if cfg.compile:
             strategy.unwrap(self.model).compile()     # the model's forward, not the loop
+        self._group_settings = []
         if self._user_optimizer is not None:
             self.optimizer = precision.setup_optimizer(self._user_optimizer, self.model, sharded=sharded)
             sched = self._user_scheduler
@@ -174,6 +183,9 @@ class Trainer:
                                                       betas=(cfg.beta1, cfg.beta2),
                                                       split_masters=cfg.split_masters,
                                                       moments=cfg.moments)
+            # What a restore must not take from the checkpoint: this run's settings win.
+            self._group_settings = [{k: g[k] for k in ("weight_decay", "betas") if k in g}
+                                    for g in self.optimizer.param_groups]
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
@@ -209,12 +221,13 @@ class Trainer:
         if self.replanner is not None:
             self.hooks.append(ReplanHook(self.replanner))
         if cfg.guard:
-            if strategy.world_size > 1:
-                raise ConfigError("guard=true runs in one process for now (every rank would have "
-                                  "to agree on each promotion and restore); use guard=false")
+            if sharded:
+                raise ConfigError("guard=true swaps Linear modules while training; FSDP2 shards "
+                                  "them: use strategy=ddp or single, or guard=false")
             from mixprec.plan.guard import TrainingGuard
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
-                                       config=cfg.guard_config())
+                                       config=cfg.guard_config(),   # ranks vote (MAX) alike
+                                       agree=strategy.all_reduce_max if strategy.world_size > 1 else None)
 
     # ------------------------------------------------------------------ the step
 
@@ -337,13 +350,18 @@ class Trainer:
                     group = []
             self.epoch += 1
 
-    def _setup_run_dir(self, resume: bool) -> None:
+    def _setup_run_dir(self, resume: bool, *, start_over: bool = False) -> None:
+        """Rank 0 claims (and locks: one folder, one writer) the run folder; every rank learns
+        which, or the one-line refusal. ``start_over``: the folder holds a run with no complete
+        checkpoint, which a resume begins again from step 0 (its old files are replaced)."""
         cfg = self.config
         claim: tuple[str | None, str | None] = (None, None)
         if self.strategy.is_main:
             try:
-                claim = (str(claim_run_dir(cfg.run_dir, precision=self.precision.name, resume=resume,
-                                           overwrite=cfg.overwrite)), None)
+                path, self._lock = claim_locked_run_dir(
+                    cfg.run_dir, precision=self.precision.name, resume=resume and not start_over,
+                    overwrite=cfg.overwrite or start_over)
+                claim = (str(path), None)
             except ConfigError as e:
                 claim = (None, str(e))
         # Rank 0 picked (and made) the folder, or refused it: every rank learns which.
@@ -351,6 +369,24 @@ class Trainer:
         if error is not None:
             raise ConfigError(error)
         self.run_dir = Path(path)
+        hints.set_run_dir(self.run_dir)
+
+    def _start_over(self, resume: str | Path | bool | None) -> bool:
+        """A resume of a run folder that holds no complete checkpoint (the run stopped before its
+        first save, or a second Ctrl-C aborted it): it starts again from step 0 with this run's
+        settings, said in one line, instead of a refusal with no way out."""
+        from mixprec.runs import checkpoint as ckpt
+        if not resume:
+            return False
+        folder = Path(self.config.run_dir) if resume is True and self.config.run_dir else (
+            None if resume is True else Path(resume))
+        if folder is None or not (folder / "config.toml").is_file() or ckpt.list_checkpoints(folder):
+            return False
+        self._notes.append((f"{folder} holds no complete checkpoint (the run stopped before its first "
+                            "save): starting it over from step 0 with these settings; its old "
+                            "metrics and events are replaced", "restart"))
+        self.config = dataclasses.replace(self.config, run_dir=str(folder))
+        return True
 
     def _total_steps(self, train_loader: Any) -> int:
         cfg = self.config
@@ -374,34 +410,58 @@ class Trainer:
         return self.checkpointer.save(step=self.step, epoch=self.epoch, model=self.model,
                                       optimizer=self.optimizer, precision=self.precision,
                                       scheduler=self.scheduler, loader=loader, config=self.config,
-                                      replanner=self.replanner)
+                                      replanner=self.replanner, guard=self.guard)
 
     def fit(self, train_loader: Iterable[Batch], val_loader: Iterable[Batch] | None = None, *,
             resume: str | Path | bool | None = None) -> FitResult:
         """Train for ``max_steps`` (or ``epochs``); ``resume``: True (the run folder's newest
-        checkpoint), or a run folder / checkpoint folder to continue from."""
-        cfg = self.config
+        checkpoint), or a run folder / checkpoint folder to continue from. The settings of this
+        call win over the checkpoint's: ``lr``, the schedule (``warmup_steps``, ``min_lr_ratio``)
+        and ``max_steps`` re-stretch the LR schedule (see :meth:`_reschedule`)."""
+        try:
+            return self._fit(train_loader, val_loader, resume=resume)
+        finally:
+            if self._lock is not None:      # the run folder is free for the next writer
+                self._lock.release()
+                self._lock = None
+
+    def _fit(self, train_loader: Iterable[Batch], val_loader: Iterable[Batch] | None, *,
+             resume: str | Path | bool | None) -> FitResult:
         # A loader without its own position gets one (DataLoader, list), or fit() says it cannot.
-        train_loader = resumable(train_loader, seed=cfg.seed)
+        train_loader = resumable(train_loader, seed=self.config.seed)
         total = self._total_steps(train_loader)
-        seed_everything(cfg.seed)                  # dropout, data order of plain loaders
+        seed_everything(self.config.seed)          # dropout, data order of plain loaders
         self.prepare(total)
-        self._setup_run_dir(resume=bool(resume))
+        start_over = self._start_over(resume)
+        if start_over:
+            resume = None
+        self._setup_run_dir(resume=bool(resume), start_over=start_over)
+        cfg = self.config
         main = self.strategy.is_main
         self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last,
                                          export_hf=cfg.export_hf, model=self.model)
         if resume:
+            # This run's peak LR per group, as prepare() built the schedule (cfg.lr for mixprec's
+            # optimizer; your optimizer's own LRs for one you passed).
+            peaks = list(self.scheduler.base_lrs) if self._user_scheduler is None else []
             restored = self.checkpointer.load(
                 self.run_dir if resume is True else Path(resume), model=self.model,
                 optimizer=self.optimizer, precision=self.precision, scheduler=self.scheduler,
-                loader=train_loader, replanner=self.replanner)
+                loader=train_loader, replanner=self.replanner, guard=self.guard)
             self.step, self.epoch, self._loader_resumed = (restored.step, restored.epoch,
                                                            restored.loader_resumed)
+            self._notes.extend((n, "checkpoint") for n in restored.notes)
+            if self.step > total:
+                raise ConfigError(f"the checkpoint is at step {self.step}, past max_steps={total}; "
+                                  f"resume with max_steps={self.step} or more")
+            if self._user_scheduler is None:
+                self._reschedule(total, peaks, restored.saved_lr)
         try:
             logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
             if main:  # the resolved precision ("auto" means something else on another machine)
                 resolved = dataclasses.replace(cfg, precision=self.precision.name)
-                (self.run_dir / "config.toml").write_text(config_to_toml(resolved))
+                (self.run_dir / "config.toml").write_text(
+                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader))
         except OSError as e:
             fix = ("copy the run folder somewhere writable and resume from the copy" if resume else
                    "free some space or choose another run_dir=PATH")
@@ -411,6 +471,9 @@ class Trainer:
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
                      fp8_report=self.fp8_report)
+        for message, kind in self._notes:
+            events.note(message, self.step, kind)
+        self._notes.clear()
         if hasattr(train_loader, "notice"):
             events.data_position(train_loader.notice(resumed_at=self.step if resume else None), self.step)
         meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger)
@@ -450,15 +513,16 @@ class Trainer:
                         (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
                     if do_eval:
                         last_val = self.evaluate(val_loader, cfg.eval_batches)
-                    meter.add(out)
+                    meter.add(out, batches)
                     logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
                         loss = meter.log(out, step=self.step, epoch=self.epoch,
                                          lr=self.scheduler.get_last_lr()[0],
                                          val_loss=last_val if do_eval else None)
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
-                                        lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps)
-                        self._stop_if_diverged(health.verdict(last_val if do_eval else None))
+                                        lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
+                                        samples_per_s=meter.last_sps)
+                        self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
                         self._save(train_loader)
@@ -478,6 +542,30 @@ class Trainer:
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.name)
 
+    def _reschedule(self, total: int, peaks: list[float], saved_lr: list[float]) -> None:
+        """After a restore, this run's settings set the learning rate, not the checkpoint's.
+
+        The schedule is a function of the optimizer steps taken: the checkpoint gives their count,
+        this run's peak LR (``lr``, or the LRs of an optimizer you passed), ``warmup_steps``,
+        ``min_lr_ratio`` and ``max_steps`` give the rest. The next step trains at the LR the new
+        schedule has at the steps already taken, and the cosine ends at ``peak * min_lr_ratio`` at
+        the new ``max_steps`` (a finished run extended with a larger ``max_steps`` goes back up the
+        cosine to where the longer run would be). Unchanged settings give the checkpoint's LR bit
+        for bit."""
+        from mixprec.optim.schedule import restretch
+        cfg = self.config
+        lrs = restretch(self.scheduler, base_lrs=peaks, warmup_steps=cfg.warmup_steps,
+                        total_steps=total, min_ratio=cfg.min_lr_ratio)
+        # The optimizer's other settings come from this run's config too (they are not a state).
+        if len(self._group_settings) == len(self.optimizer.param_groups):
+            for group, settings in zip(self.optimizer.param_groups, self._group_settings):
+                group.update(settings)
+        if saved_lr and abs(lrs[0] - saved_lr[0]) > 1e-12 * max(abs(saved_lr[0]), 1e-30):
+            self._notes.append((f"resumed schedule: lr {saved_lr[0]:.4g} -> {lrs[0]:.4g} at step "
+                                f"{self.step} (lr={peaks[0]:g}, warmup_steps={cfg.warmup_steps}, "
+                                f"min_lr_ratio={cfg.min_lr_ratio:g}, cosine to step {total})",
+                                "schedule"))
+
     def _stop_agreed(self, stop: StopRequest, logged: bool) -> int:
         """The signal that asks every rank to stop (0: none): ranks agree at log intervals, on the
         largest signal number any of them got (SIGTERM over SIGINT)."""
@@ -494,19 +582,31 @@ class Trainer:
         why = signal.Signals(signum).name if stop.requested else \
             f"{signal.Signals(signum).name} on another rank"
         message = (f"stopped by {why} at step {self.step}; checkpoint saved in {path}; continue "
-                   f"with: mixprec train --resume {self.run_dir}")
+                   f"with: {hints.resume(self.run_dir)}")
         self.events.note(message, self.step, "interrupted", say=False)
         raise RunInterrupted(message, signum)
 
-    def _stop_if_diverged(self, problem: str | None) -> None:
+    def _stop_if_diverged(self, problem: str | None, last: StepOutput | None = None) -> None:
         if problem is None:
             return
         from mixprec.runs import checkpoint as ckpt
         done = ckpt.list_checkpoints(self.run_dir) if self.run_dir is not None else []
-        where = (f"resume from the last checkpoint before it: mixprec train --resume {done[-1][1]}"
-                 if done else "no checkpoint was written before it")
+        lower = float(f"{self.config.lr / 2:.3g}")
+        where = (f"resume from the last checkpoint before it with a lower lr (the schedule follows "
+                 f"it): {hints.resume(done[-1][1], checkpoint=True, lr=lower)}"
+                 if done else "no checkpoint was written before it: start over with a lower lr")
+        precision, cfg = self.precision, self.config
+        loss_finite = last is not None and bool(torch.isfinite(torch.as_tensor(last.loss)).all())  # once
+        if RunHealth.still_backing_off(scales_loss=precision.scales_loss, scale=precision.scale,
+                                       init_scale=cfg.init_scale, min_scale=cfg.min_scale,
+                                       loss_finite=loss_finite):
+            message = (f"training stopped at step {self.step}: {problem}; " + RunHealth.backing_off_message(
+                init_scale=cfg.init_scale, scale=precision.scale, skipped=precision.num_skipped_steps))
+            self.events.note(message, self.step, "diverged", say=False)
+            raise TrainingDiverged(message)
+        safer = "" if precision.compute_dtype == torch.float32 else ", or pick a safer precision"
         message = (f"training diverged at step {self.step}: {problem}; lower lr (now "
-                   f"{self.config.lr:g}), keep clip_grad_norm on, or pick a safer precision; {where}")
+                   f"{cfg.lr:g}), keep clip_grad_norm on{safer}; {where}")
         self.events.note(message, self.step, "diverged", say=False)
         raise TrainingDiverged(message)
 
@@ -520,7 +620,7 @@ class Trainer:
                 raise
             # The compile failed in the first forward, before any gradient or update: undo it.
             self.strategy.unwrap(self.model)._compiled_call_impl = None
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            first = excerpt(e, 300)
             self.events.note(f"compile=true failed ({type(e).__name__}: {first}); training eager",
                              self.step, kind="compile")
             return self.train_step(batches)
@@ -557,6 +657,24 @@ class Trainer:
         model = self.strategy.unwrap(self.model)
         for batch in micro_batches:
             self.batch_loss(model, batch)
+
+
+def _what_fit_trained(cfg: FitConfig, model: nn.Module, loader: Any) -> str:
+    """For a ``fit()`` run (a config without ``model``): the model and, where the loader says, the
+    batch shape, as ``config.toml`` lines, so a reader (and ``mixprec train --resume``) learns them."""
+    if hasattr(cfg, "model"):
+        return ""
+    from mixprec.models.hf import is_hf_model
+    kind = type(model)
+    name = (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
+            else f"{kind.__module__}.{kind.__qualname__}")
+    lines = [f"model = {json.dumps('fit: ' + name)}"]
+    inner = getattr(loader, "loader", loader)
+    seq_len = getattr(getattr(inner, "dataset", None), "max_length", None)
+    for key, value in (("seq_len", seq_len), ("batch_size", getattr(inner, "batch_size", None))):
+        if isinstance(value, int) and not isinstance(value, bool):
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"
 
 
 def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable[Batch] | None = None,

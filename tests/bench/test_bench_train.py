@@ -9,8 +9,8 @@ from mixprec.cli import main
 
 
 def test_bench_train_two_modes_two_repeats_writes_csv_and_png(tmp_path, capsys):
-    rc = main(["bench", "train", "--model", "tiny", "--modes", "32-true,bf16-mixed", "--batch", "2",
-               "--seq", "16", "--repeats", "2", "--steps", "1", "--warmup", "1", "--threads", "1",
+    rc = main(["bench", "train", "--model", "tiny", "--modes", "32-true,bf16-mixed", "--batch-size", "2",
+               "--seq-len", "16", "--repeats", "2", "--steps", "1", "--warmup", "1", "--threads", "1",
                "--out", str(tmp_path)])
     assert rc == 0
     rows = list(csv.DictReader(open(tmp_path / "bench_train.csv")))
@@ -37,3 +37,32 @@ def test_bench_matmul_smoke(capsys):
                  "--min-time", "0.01", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "GFLOPS" in out and "bf16" in out and "1.00x" in out
+
+
+def _row(mode: str, ms: float, *, repeats: int, mem: float | None) -> dict:
+    # One repeat: min = median = max, and tokens/s * median / 1e3 can round below its own value.
+    return {"mode": mode, "tokens_per_s": 2 * 16 / (ms / 1e3) * (1 + 1e-16), "step_ms_median": ms,
+            "step_ms_min": ms if repeats == 1 else ms * 0.9, "step_ms_max": ms if repeats == 1 else ms * 1.2,
+            "repeats": repeats, "peak_mem_mb": mem}
+
+
+def test_bench_png_with_one_repeat_draws_no_error_bars_and_says_so(tmp_path):
+    from mixprec.bench.modes import bench_figure, write_png
+    rows = [_row("32-true", 3.3, repeats=1, mem=10.0), _row("bf16-mixed", 7.7, repeats=1, mem=12.0)]
+    fig = bench_figure(rows, "tiny")
+    throughput = fig.axes[0]
+    assert not throughput.collections and "no error bars" in throughput.get_title()
+    write_png(rows, tmp_path / "b.png", "tiny")              # crashed: 'yerr' must not contain negative values
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_png_error_bars_span_min_to_max_and_no_memory_panel_without_memory():
+    from mixprec.bench.modes import bench_figure
+    rows = [_row("32-true", 10.0, repeats=3, mem=None)]
+    fig = bench_figure(rows, "tiny")
+    assert len(fig.axes) == 1                                  # --no-memory: no empty panel
+    (bars,) = fig.axes[0].collections                          # the error bar LineCollection
+    (segment,) = bars.get_segments()
+    tokens = 2 * 16
+    assert segment[:, 1].min() == pytest.approx(tokens / 0.012)
+    assert segment[:, 1].max() == pytest.approx(tokens / 0.009)

@@ -170,7 +170,7 @@ def _bad_inputs(tmp_path):
         ("id >= vocab (per window)", id_too_big, {"index": 0}, r"token id 41 at position 5, outside the vocabulary \[0, 40\)"),
         ("npy negative id", npy_negative, {}, "negative token id -3"),
         ("npy 2-D", npy_2d, {}, "a token .npy must be a 1-D"),
-        ("max_length too long", too_short, {}, r"max_length=8 needs 9 tokens per sample but .*short.txt holds only 4"),
+        ("max_length too long", too_short, {}, r"sequence length of 8 \(seq_len, the dataset.s max_length\) needs 9 tokens per sample but .*short.txt holds only 4; lower seq_len"),
         ("files disagree on vocab", mixed_vocab, {}, "files disagree on the vocabulary"),
         ("vocab_size below declared", big_vocab, {"vocab_size": 300}, "declares a vocabulary of 50000 ids"),
     ]

@@ -2,6 +2,8 @@
 rank 0 alone reports and writes, and the run resumes from its checkpoint under torchrun too."""
 import csv
 import os
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -45,10 +47,15 @@ def test_torchrun_two_processes_train_and_resume(tmp_path):
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]              # one writer, no duplicates
     assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000004"
 
-    proc = torchrun("--resume", str(run), "max_steps=6")
-    assert proc.stderr.count("[mixprec] done: 6 steps") == 1
+    # The printed hint is the command for this launch: torchrun with the same number of ranks.
+    hint = next(l for l in proc.stderr.splitlines() if l.startswith("[mixprec] resume:"))
+    words = shlex.split(hint.split(":", 1)[1].split("  (")[0])
+    assert words == ["torchrun", "--nproc_per_node=2", "-m", "mixprec", "train", "--resume", str(run),
+                     "max_steps=8"]
+    proc = torchrun(*words[5:])             # as printed (on a free rendezvous port)
+    assert proc.stderr.count("[mixprec] done: 8 steps") == 1
     with open(run / "metrics.csv", newline="") as f:
-        assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3, 4, 5, 6]
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_torchrun_fsdp_bf16_mixed_trains_and_saves_full_weights(tmp_path):
@@ -64,3 +71,41 @@ def test_torchrun_fsdp_bf16_mixed_trains_and_saves_full_weights(tmp_path):
     # Full (unsharded) FP32 tensors: the FP32 shards are the master weights under FSDP2.
     assert weights["blocks.0.attn.qkv.weight"].shape == (192, 64)
     assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_sigint_to_torchrun_saves_on_every_rank_and_says_how_to_resume_under_torchrun(tmp_path):
+    """What `timeout -s INT torchrun ...` does: torchrun alone gets the signal (its workers run in
+    sessions of their own) and forwards it; the workers save, exit 130, and rank 0 prints the
+    torchrun resume command and the one line about torchrun's own traceback. While it trains, one
+    rank holds the run folder's lock."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+    from gated import GatedRun
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).resolve().parents[2].joinpath("README.md").read_text() * 4)
+    run = tmp_path / "my run"
+    job = GatedRun("step:3", "model=tiny", f"data={corpus}", "seq_len=32", "batch_size=4",
+                   "max_steps=1000", "ckpt_interval=0", "log_interval=1", "eval_interval=0",
+                   "progress=false", "audit=false", f"run_dir={run}",
+                   launcher=("-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"))
+    try:
+        pids = {job.wait_for("GATE step:3").split("pid=")[1].strip() for _ in range(2)}
+        # Both ranks wait before step 3; one of them (rank 0) holds the run folder's lock.
+        from mixprec.errors import ConfigError
+        from mixprec.runs.lock import RunLock
+        with pytest.raises(ConfigError, match="is in use by pid") as held:
+            RunLock.acquire(run)
+        assert str(held.value).split("in use by pid ")[1].split()[0] in pids
+        job.signal(signal.SIGINT)                    # to torchrun, as timeout/Ctrl-C do
+        job.wait_for("finishing this step and saving a checkpoint")
+        job.release()
+        job.release()
+        code, out = job.finish()
+    finally:
+        job.kill()
+    assert code != 0, out[-3000:]                   # torchrun's own status (1): see docs/distributed.md
+    hint = shlex.join(["torchrun", "--nproc_per_node=2", "-m", "mixprec", "train", "--resume", str(run)])
+    assert f"mixprec: stopped by SIGINT at step 3; checkpoint saved in " in out
+    assert f"continue with: {hint}" in out, out[-3000:]
+    assert "mixprec: every rank saved and exits 130; torchrun's own report may follow" in out
+    assert (run / "checkpoints" / "step-00000003" / "meta.json").is_file()

@@ -109,7 +109,7 @@ def test_parse_count():
 
 def test_compare_prints_modes_side_by_side(capsys):
     rc = main(["estimate", "--params", "1B", "--tokens", "1T", "--gpu", "H100", "--gpus", "8", "--mfu", "0.5",
-               "--seq", "4096", "--no-attention-flops", "--compare", "32-true,bf16-mixed,fp8-blockwise"])
+               "--seq-len", "4096", "--no-attention-flops", "--compare", "32-true,bf16-mixed,fp8-blockwise"])
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if "bf16-mixed" in line and "fp8-blockwise" in line)

@@ -228,3 +228,21 @@ def test_inf_made_in_the_second_micro_batchs_backward_is_attributed_to_its_modul
     ev = locate_nonfinite(tiny, _micro_batch_step(tiny, xs))
     assert (ev.module, ev.direction, ev.tensor) == ("blocks.1.fc2", "backward", "grad_input")
     assert ev.micro_batch == 1
+
+
+def test_a_too_large_loss_scale_is_traced_to_the_layer_not_the_whole_model():
+    """The scaled loss overflows the head's FP16 output-gradient (the cast back to FP16 is the
+    model's own code): the origin is the head, never ``<Transformer>``."""
+    from mixprec.models import Transformer
+    torch.manual_seed(0)
+    model = Transformer.from_preset("tiny")
+    x = torch.randint(0, 256, (2, 16))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.float16):
+            _, loss = model(x, x)
+        (loss.float() * 1e30).backward()
+        return loss
+
+    ev = locate_nonfinite(model, step)
+    assert (ev.module, ev.direction, ev.tensor, ev.kind) == ("head", "backward", "grad_output", "inf")

@@ -1,4 +1,4 @@
-"""8-bit Adam moments (mixprec.optim.moments): block-wise int8 and FP8 E4M3 with range expansion.
+"""8-bit Adam moments (mixprec.optim.moments): block-wise int8 and FP8 E4M3 / E5M2 with range expansion.
 
 Numerics against FP32 with stated tolerances: one encode/decode keeps the first moment within
 2.5 % (relative L2) and never turns a positive second moment into zero; a short training run
@@ -16,7 +16,7 @@ from mixprec.optim import AdamW
 from mixprec.optim import moments as M
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-e5m2"])
 def test_one_round_trip_keeps_the_moments_close_and_v_positive(fmt):
     g = torch.Generator().manual_seed(0)
     p = torch.zeros(3000)
@@ -67,7 +67,7 @@ def _run(moments: str, steps: int = 60, split: bool | None = None, mode: str = "
     return model, opt, losses
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-e5m2"])
 def test_training_with_8bit_moments_tracks_fp32_moments(fmt):
     ref = _run("fp32")[2]
     got = _run(fmt)[2]
@@ -110,3 +110,74 @@ def test_split_masters_with_8bit_moments_are_bit_identical_to_full_masters(fmt):
 def test_unknown_moments_format_is_refused():
     with pytest.raises(mp.errors.ConfigError, match="moments must be one of"):
         AdamW([torch.nn.Parameter(torch.ones(2))], moments="int4")
+
+
+def test_8bit_moments_cost_at_most_2_004_bytes_per_param_with_16_bit_scales():
+    # int8: 1 + 1 byte of codes, one BF16 scale per 1024-element block and moment
+    assert M.state_bytes("int8") == pytest.approx(2 + 2 * 2 / 1024) and M.state_bytes("int8") < 2.004
+    st = M.new_state(torch.zeros(3000), "int8")
+    assert st["exp_avg_scale"].dtype == torch.bfloat16 and st["exp_avg_scale"].shape == (3,)
+    fp8 = M.new_state(torch.zeros(3000), "fp8-e5m2")
+    assert fp8["exp_avg"].dtype == torch.float8_e5m2 and fp8["exp_avg_scale"].shape == (12, 2)
+
+
+def test_bf16_block_scale_is_rounded_up_so_no_code_overflows():
+    g = torch.Generator().manual_seed(4)
+    x = torch.full((1024,), 0.5)
+    x[7] = 1.0 + 2.0 ** -10               # not a BF16 value: rounding the scale to nearest would clip it
+    st = [M.new_state(x, "int8")]
+    M.encode_(st, "exp_avg", [x], "int8", g)
+    out = torch.empty_like(x)
+    M.decode_(st, "exp_avg", [out], "int8")
+    assert st[0]["exp_avg_scale"].float().item() >= x[7].item()
+    assert out[7].item() == pytest.approx(x[7].item(), rel=1 / 127)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-e5m2"])
+def test_loaded_8bit_moments_stay_8_bit(fmt):
+    # torch's Optimizer.load_state_dict casts every state tensor to the param dtype (FP32): the
+    # codes came back as 4-byte floats before the fix.
+    model, opt, _ = _run(fmt, steps=2)
+    twin = AdamW(model.parameters(), lr=3e-3, moments=fmt, seed=2)
+    twin.load_state_dict(opt.state_dict())
+    lay = M.LAYOUTS[fmt]
+    for st in twin.state_dict()["state"].values():
+        assert (st["exp_avg"].dtype, st["exp_avg_sq"].dtype) == lay.codes
+        assert st["exp_avg_scale"].dtype == torch.bfloat16
+
+
+def test_checkpoint_of_the_fp32_scale_layout_is_converted_on_load(monkeypatch):
+    monkeypatch.setitem(M.LAYOUTS, "int8", M._LEGACY["int8"])      # save in the earlier layout
+    model, opt, _ = _run("int8", steps=3)
+    sd = opt.state_dict()
+    old = {i: st for i, st in sd["state"].items()}
+    assert next(iter(old.values()))["exp_avg_scale"].dtype == torch.float32
+    wide_old = {}
+    for i, st in old.items():
+        w = torch.empty(st["exp_avg"].shape)
+        M.decode_([st], "exp_avg", [w], "int8", layout=M._LEGACY["int8"])
+        wide_old[i] = w
+    monkeypatch.undo()
+    twin = AdamW(model.parameters(), lr=3e-3, moments="int8", seed=2)
+    twin.load_state_dict(sd)
+    for i, st in twin.state_dict()["state"].items():
+        assert st["exp_avg_scale"].dtype == torch.bfloat16 and st["exp_avg"].dtype == torch.int8
+        w = torch.empty(st["exp_avg"].shape)
+        M.decode_([st], "exp_avg", [w], "int8")
+        scale = wide_old[i].abs().max().item()
+        assert (w - wide_old[i]).abs().max().item() <= 2 * scale / 127 + 1e-12   # one re-rounding
+
+
+def test_fp8_checkpoint_into_an_e5m2_optimizer_is_refused():
+    model, opt, _ = _run("fp8", steps=1)
+    twin = AdamW(model.parameters(), lr=3e-3, moments="fp8-e5m2")
+    with pytest.raises(mp.errors.CheckpointError, match="moments=fp8-e5m2"):
+        twin.load_state_dict(opt.state_dict())
+
+
+def test_fp32_moment_checkpoint_loads_into_8bit_moments():
+    model, opt, _ = _run("fp32", steps=2)
+    twin = AdamW(model.parameters(), lr=3e-3, moments="int8", seed=2)
+    twin.load_state_dict(opt.state_dict())
+    st = next(iter(twin.state_dict()["state"].values()))
+    assert st["exp_avg"].dtype == torch.int8 and st["exp_avg_sq"].dtype == torch.uint8

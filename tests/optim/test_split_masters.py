@@ -215,3 +215,15 @@ def test_moments_need_mixprecs_adamw():
     with pytest.raises(ConfigError, match="moments=bf16 needs mixprec's AdamW"):
         mp.Precision("bf16-true").make_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}],
                                                  sharded=True, moments="bf16")
+
+
+def test_split_masters_under_fsdp2_say_why_they_do_nothing():
+    """FSDP2's FP32 shards are the masters (4 bytes per parameter, the same as split masters'
+    2 + 2): the step is torch's AdamW on them, and the notes (the run's start lines) say so."""
+    prec = mp.Precision("bf16-true")
+    opt = prec.make_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}], sharded=True)
+    assert type(opt) is torch.optim.AdamW
+    assert any("nothing to split under FSDP2" in n for n in prec.notes)
+    quiet = mp.Precision("bf16-true")
+    quiet.make_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}], sharded=True, split_masters=False)
+    assert not any("FSDP2" in n for n in quiet.notes)

@@ -169,3 +169,61 @@ def test_a_loss_spike_restores_the_snapshot_and_promotes_the_layer_that_stands_o
     assert actions[1].switch.module == "blocks.0.proj" and "sigma" in actions[1].message
     assert all(torch.equal(v, snap[k]) for k, v in net.state_dict().items())
     assert sched.get_last_lr() == lr                                # the LR schedule rewinds too
+
+
+MARK = 255
+
+
+class _Spiky(_Net):
+    """``_faulty_net("fp8")``'s fault, and a loss 50x larger on a batch of only ``MARK`` tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def fault(module, args, output):
+            if isinstance(module, Fp8Linear):
+                return torch.full_like(output, float("nan"))
+        self.get_submodule(FAULTY).register_forward_hook(fault)
+
+    def forward(self, idx, targets):
+        loss = super().forward(idx, targets)
+        return loss * 50 if bool((idx == MARK).all()) else loss
+
+
+def _spiky_fit(run, resume=False):
+    data = _loader()
+    data[6] = (torch.full((4, 16), MARK), data[6][1])          # step 7's batch spikes the loss
+    trainer = mp.Trainer(_Spiky(), mixed_precision="fp8-tensorwise", max_steps=10, run_dir=str(run),
+                         progress=False, audit=False, guard=True, guard_every=0, guard_window=3,
+                         ckpt_interval=1, keep_last=20, log_interval=1, lr=1e-3)
+    trainer.fit(data, resume=resume)
+    return trainer
+
+
+def _guard_records(run, after):
+    return [(e["step"], e.get("module"), e.get("guard") or e.get("action"))
+            for e in _events(run) if e["step"] > after and (e["kind"] == "guard" or "guard" in e)]
+
+
+def test_a_resumed_guarded_run_decides_and_trains_exactly_as_the_uninterrupted_one(tmp_path):
+    """Steps 1-2 skip (promoted at 2: two consecutive origins), step 7 spikes (restored to the
+    snapshot of step 6, its window holds steps 4-6). Resuming after step 1 needs the origin count,
+    after step 6 the loss window and the snapshot: without them the resumed run promotes at 3 /
+    does not see the spike."""
+    import shutil
+    straight = _spiky_fit(tmp_path / "straight")
+    done = [(a.kind, a.step) for a in straight.guard.actions]
+    assert done[0] == ("promote", 2) and ("restore", 7) in done
+    for k in (1, 6):
+        run = tmp_path / f"from-{k}"
+        name = f"step-{k:08d}"
+        shutil.copytree(tmp_path / "straight" / "checkpoints" / name, run / "checkpoints" / name)
+        (run / "checkpoints" / "latest").write_text(name + "\n")
+        resumed = _spiky_fit(run, resume=True)
+        assert [(a.kind, a.step, a.message) for a in resumed.guard.actions] == \
+            [(a.kind, a.step, a.message) for a in straight.guard.actions if a.step > k], k
+        assert _guard_records(run, k) == _guard_records(tmp_path / "straight", k)
+        a, b = straight.model.state_dict(), resumed.model.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), k
+        assert resumed.precision.layer_formats == straight.precision.layer_formats
+        assert resumed.scheduler.last_epoch == straight.scheduler.last_epoch

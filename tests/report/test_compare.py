@@ -37,6 +37,7 @@ def test_report_overlays_runs_with_differences_against_the_first(tmp_path, capsy
     assert "32-true (p=f32,c=f32,o=f32,r=f32; master weights off" in lines[0]
     assert "loss scaling off)" in lines[0]
     page = (tmp_path / "cmp" / "compare.html").read_text()
-    assert "fp8-tensorwise" in page and "val loss vs first (%)" in page
-    for name in ("loss", "val_loss", "loss_relative", "skipped", "fp8_share"):
+    assert "fp8-tensorwise" in page and "val loss vs first at step 4 (%)" in page
+    assert "final loss vs first&#x27;s final (%)" in page and "4 of 4 (complete)" in page
+    for name in ("loss", "val_loss", "loss_relative", "skipped", "fp8_share", "lr"):
         assert (tmp_path / "cmp" / f"compare_{name}.png").is_file(), name

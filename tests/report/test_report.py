@@ -108,12 +108,12 @@ def test_folder_without_metrics_or_rows_is_a_one_line_error(tmp_path):
 
 def _capture_figures(monkeypatch) -> dict:
     """Keep the matplotlib figures the report saves, by file name, to inspect legends and axes."""
-    figures, save = {}, report._save
+    figures, save = {}, report.save
 
     def keep(fig, path):
         figures[path.name] = fig
         return save(fig, path)
-    monkeypatch.setattr(report, "_save", keep)
+    monkeypatch.setattr(report, "save", keep)
     return figures
 
 
@@ -150,17 +150,16 @@ def test_no_loss_scale_plot_when_the_precision_does_not_scale(tmp_path):
     assert (tmp_path / "report" / "loss_scale.png").exists()
 
 
-def test_throughput_plot_draws_one_line_with_tokens_and_mfu_scales(tmp_path, monkeypatch):
-    # MFU is tokens/s times a constant: two lines would lie on top of each other (a new-user
-    # trial saw only the MFU line), so one line is drawn with an MFU scale on the right.
+def test_throughput_plot_draws_tokens_and_mfu_in_separate_panels(tmp_path, monkeypatch):
+    # MFU is tokens/s times a constant: on one axis the two lines lie on top of each other (a
+    # new-user trial saw only the MFU line), so each has its own panel over the same steps.
     figures = _capture_figures(monkeypatch)
     _fake_run(tmp_path, numerics=False)
     assert _run_cli(str(tmp_path)) == 0
     fig = figures["throughput.png"]
-    assert sum(len(a.get_lines()) for a in fig.axes) == 1
-    labels = [a.get_ylabel() for a in fig.axes] + [
-        c.get_ylabel() for a in fig.axes for c in a.child_axes]
-    assert "tokens/s" in labels and "MFU (%)" in labels
+    assert [len(a.get_lines()) for a in fig.axes] == [1, 1]
+    assert [a.get_ylabel() for a in fig.axes] == ["tokens/s", "MFU (%)"]
+    assert list(fig.axes[1].get_lines()[0].get_ydata()) == pytest.approx([20.0] * 9)
 
 
 def test_activation_and_gradient_heat_maps_list_layers_in_the_same_order(tmp_path, monkeypatch):

@@ -1,9 +1,11 @@
 """Checkpoint save/load: bitwise round trips, tied weights, crash safety, corruption, pruning, RNG."""
 from __future__ import annotations
 
+import io
 import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,10 +145,72 @@ def test_full_disk_gives_one_line_error_and_leaves_no_tmp(tmp_path, monkeypatch)
     msg = str(info.value)
     assert "\n" not in msg
     assert "could not save checkpoint step-00000006" in msg
-    assert "no space left on device; free space or set keep_last lower" in msg
+    assert "no space left on device writing" in msg and "needed ~" in msg and "MiB" in msg
+    assert "keep_last=" in msg and "run_dir=" in msg
     assert "step-00000005 is intact" in msg
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert load_checkpoint(tmp_path)[2]["step"] == 5
+
+
+class _FillingDisk(io.RawIOBase):
+    """A file whose writes fail with ENOSPC after the first few, as on a disk that fills up."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.writes += 1
+        if self.writes > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return len(b)
+
+
+def test_torch_zip_writer_error_on_a_full_disk_reads_no_space_left(tmp_path, monkeypatch):
+    """torch.save says `[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0` when
+    the disk fills (its zip writer swallows the OSError): that is a full disk too."""
+    model, state = _trained_state()
+    save_checkpoint(tmp_path, 5, model_state=model.state_dict(), train_state=state)
+    real_save = torch.save
+
+    def save_on_a_full_disk(obj, f, *a, **k):
+        real_save(obj, _FillingDisk(), *a, **k)     # raises torch's own RuntimeError
+
+    monkeypatch.setattr(ckpt.torch, "save", save_on_a_full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, 6, model_state=model.state_dict(), train_state=state)
+    msg = str(info.value)
+    assert "\n" not in msg and "inline_container" not in msg
+    assert "no space left on device writing" in msg and "step-00000005 is intact" in msg
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert load_checkpoint(tmp_path)[2]["step"] == 5
+
+
+@pytest.mark.parametrize("code", [errno.EDQUOT, errno.EROFS, errno.EACCES])
+def test_quota_read_only_and_permission_errors_are_one_line(tmp_path, monkeypatch, code):
+    model, state = _trained_state()
+
+    def refuse(*a, **k):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(ckpt, "save_file", refuse)
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(tmp_path, 1, model_state=model.state_dict(), train_state=state)
+    msg = str(info.value)
+    assert "\n" not in msg and str(tmp_path / "checkpoints") in msg
+    assert ("no space left" in msg) == (code == errno.EDQUOT)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_too_little_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+    model, state = _trained_state()
+    save_checkpoint(tmp_path, 5, model_state=model.state_dict(), train_state=state)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 100))
+    with pytest.raises(CheckpointError, match=r"no space left on device writing .*free 0 MiB"):
+        save_checkpoint(tmp_path, 6, model_state=model.state_dict(), train_state=state)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-00000005"]
 
 
 _KILLED_SAVER = textwrap.dedent("""

@@ -1,0 +1,3 @@
+"""The version of mixprec: the one place it is written (pyproject.toml reads it from here)."""
+
+__version__ = "0.3.0"

@@ -1,0 +1,27 @@
+"""A loss scale still backing off from a too-large init_scale is not reported as divergence, and
+"pick a safer precision" is not suggested under 32-true."""
+import pytest
+
+from mixprec.cli.main import main
+
+TINY = ["model=tiny", "seq_len=16", "batch_size=2", "log_interval=1", "eval_interval=0", "eval_batches=1",
+        "progress=false", "audit=false", "trace_nonfinite=false", "warmup_steps=0"]
+
+
+def test_too_large_init_scale_says_lower_init_scale_not_lower_lr(tmp_path, capsys):
+    rc = main(["train", *TINY, "--precision", "16-mixed", "init_scale=1e30", "max_steps=30",
+               f"run_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert rc == 3, err[-2000:]
+    line = next(line for line in err.splitlines() if line.startswith("mixprec: error:"))
+    assert "still backing off from init_scale=1e+30" in line and "lower init_scale" in line
+    assert "lower lr" not in line and "diverged" not in line
+
+
+def test_real_divergence_under_32_true_does_not_suggest_a_safer_precision(tmp_path, capsys):
+    rc = main(["train", *TINY, "--precision", "32-true", "lr=1e12", "clip_grad_norm=none", "max_steps=40",
+               f"run_dir={tmp_path / 'r'}"])
+    err = capsys.readouterr().err
+    assert rc == 3, err[-2000:]
+    line = next(line for line in err.splitlines() if line.startswith("mixprec: error:"))
+    assert "training diverged" in line and "lower lr" in line and "safer precision" not in line

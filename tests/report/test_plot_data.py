@@ -1,0 +1,124 @@
+"""What the report pictures draw, read back from the matplotlib artists (issue #30 items 3, 5, 20):
+the loss scale at every step it changed, skip markers where they overflowed, labelled comparisons,
+legends outside the curves, events marked, honest axes."""
+from __future__ import annotations
+
+import pytest
+
+from mixprec.report import compare, report
+from mixprec.report.compare import compare_summary, load_run, write_comparison
+from mixprec.runs.metrics import MetricsLogger
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every figure the report saves, by file name (the artists as drawn)."""
+    figures = {}
+    for module in (report, compare):
+        real = module.save
+
+        def keep(fig, path, real=real):
+            figures[path.name] = fig
+            return real(fig, path)
+        monkeypatch.setattr(module, "save", keep)
+    return figures
+
+
+def _run(path, *, steps: int, max_steps: int, final: float, skips: range = range(0),
+         events: tuple = (), log_interval: int = 10, precision: str = "16-mixed") -> None:
+    """A run folder as a trainer writes it: rows every ``log_interval`` steps, one ``skip`` record
+    per skipped step (the scale halves on each), the scale 2^30 at the start."""
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(f'precision = "{precision}"\nmax_steps = {max_steps}\n')
+    scale, total = 2.0 ** 30, 0
+    with MetricsLogger(path, tensorboard=False) as log:
+        log.event({"kind": "start", "step": 0, "precision": precision, "message": "device: cpu x 1"})
+        for step in range(1, steps + 1):
+            if step in skips:
+                log.event({"kind": "skip", "step": step, "loss_scale_before": scale,
+                           "loss_scale_after": scale / 2, "message": f"step {step} skipped"})
+                scale, total = scale / 2, total + 1
+            for e in events:
+                if e["step"] == step:
+                    log.event(e)
+            if step % log_interval == 0 or step == steps:
+                loss = final + (steps - step) * 0.01
+                log.log(step, loss=loss, val_loss=loss + 0.1, lr=1e-3 * step / steps, loss_scale=scale,
+                        skipped=step in skips, skipped_total=total, tokens_per_s=1000.0 + step,
+                        mfu=0.01 * (1 + step / steps), peak_mem_mb=300.0 + step, time_s=0.1)
+
+
+def test_loss_scale_plot_draws_every_back_off_between_logged_rows(tmp_path, drawn):
+    _run(tmp_path / "run", steps=20, max_steps=20, final=3.0, skips=range(1, 10))
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    ax = drawn["loss_scale.png"].axes[0]
+    line, marks = ax.lines[0], ax.lines[1]
+    by_step = dict(zip(line.get_xdata(), line.get_ydata()))
+    # The scale halved at each of steps 1-9 (only the row at step 10 logged it, as 2^21).
+    assert [by_step[s] for s in range(0, 10)] == [2.0 ** (30 - s) for s in range(0, 10)]
+    assert list(marks.get_xdata()) == list(range(1, 10))               # every skipped step
+    assert list(marks.get_ydata()) == [2.0 ** (31 - s) for s in range(1, 10)]  # at the scale it overflowed
+
+
+def test_comparison_says_what_it_compares_and_that_a_run_is_incomplete(tmp_path, capsys):
+    _run(tmp_path / "ref", steps=2000, max_steps=2000, final=3.215, log_interval=40)
+    _run(tmp_path / "short", steps=320, max_steps=2000, final=3.014, log_interval=40)
+    _run(tmp_path / "stop", steps=400, max_steps=2000, final=3.1, log_interval=40,
+         events=({"kind": "interrupted", "step": 400, "message": "stopped by SIGINT at step 400"},))
+    ref, short, stop = compare_summary([load_run(tmp_path / n) for n in ("ref", "short", "stop")])
+    assert short["final loss vs first's final (%)"] == pytest.approx(100 * (3.014 / 3.215 - 1))
+    # The other comparison names its step in the column header: the last step all runs reached.
+    at_320 = 100 * (3.014 / (3.215 + (2000 - 320) * 0.01) - 1)
+    assert short["loss vs first at step 320 (%)"] == pytest.approx(at_320)
+    assert "loss vs first (%)" not in short
+    assert ref["steps"] == "2000 of 2000 (complete)"
+    assert short["steps"] == "320 of 2000 (incomplete: still running, or killed)"
+    assert stop["steps"] == "400 of 2000 (stopped)"
+    one = report.summarize(load_run(tmp_path / "short")["rows"], [], {"max_steps": 2000})
+    assert one["steps"] == "320 of 2000 (incomplete: still running, or killed)"
+
+
+def test_comparison_legends_are_short_and_outside_the_axes(tmp_path, drawn):
+    long = "fp8-tensorwise"
+    for name in ("a", "b", "c"):
+        _run(tmp_path / name, steps=30, max_steps=30, final=3.0, precision=long)
+    write_comparison([tmp_path / n for n in "abc"], tmp_path / "cmp")
+    fig = drawn["compare_loss.png"]
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b", "c"]       # no precision strings
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    box, axes_box = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.y1 <= axes_box.y0                                              # under the axes: covers no curve
+    saved = fig.get_tightbbox(renderer)                                       # what bbox_inches="tight" writes
+    assert saved.x0 <= box.x0 / fig.dpi and box.x1 / fig.dpi <= saved.x1
+
+
+def test_skipped_count_axis_starts_at_zero_with_integer_ticks_or_says_none(tmp_path, drawn):
+    for name in ("a", "b"):
+        _run(tmp_path / name, steps=20, max_steps=20, final=3.0)
+    write_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+    ax = drawn["compare_skipped.png"].axes[0]
+    assert ax.get_ylim() == (0.0, 1.0)                                        # was -0.04..0.04
+    assert any(t.get_text() == "no skipped steps" for t in ax.texts)
+    assert all(float(t).is_integer() for t in ax.get_yticks())
+
+
+def test_single_run_pictures_lr_separate_mfu_memory_label_events_and_titles(tmp_path, drawn):
+    _run(tmp_path / "run", steps=40, max_steps=40, final=3.0, skips=range(5, 7),
+         events=({"kind": "start", "step": 20, "message": "resumed"},
+                 {"kind": "format", "step": 30, "module": "fc", "from": "fp8-tensorwise", "to": "bf16",
+                  "message": "re-plan"}))
+    html = report.write_report(tmp_path / "run", tmp_path / "out").read_text()
+    lr = drawn["lr.png"].axes[0].lines[0]
+    assert list(lr.get_ydata()) == pytest.approx([1e-3 * s / 40 for s in (10, 20, 30, 40)])
+    throughput = drawn["throughput.png"].axes
+    assert [a.get_ylabel() for a in throughput] == ["tokens/s", "MFU (%)"]    # two panels, not one axis
+    assert "RSS" in drawn["memory.png"].axes[0].get_title()                   # says what it measures
+    loss = drawn["loss.png"].axes[0]
+    marked = {tuple(l.get_xdata())[0]: l.get_label() for l in loss.lines if l.get_linestyle() == "--"}
+    assert marked == {20: "resumed", 30: "re-plan"}
+    ticks = [l for l in loss.lines if l.get_label() == "skipped step"]
+    assert list(ticks[0].get_xdata()) == [5, 6]
+    assert "<figcaption>Learning rate</figcaption>" in html and "<figcaption>lr</figcaption>" not in html

@@ -1,0 +1,214 @@
+"""A resumed run trains at what it prints and records (lr, schedule, max_steps), says which
+checkpoint it uses and why, starts over a folder with no checkpoint, and tells a Python user the
+Python way out; the position of the data follows a batch_size/seq_len change honestly."""
+import csv
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec.errors import ConfigError
+from mixprec.optim.schedule import WarmupCosine
+from mixprec.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_run_safety import InfAfter, _regressor_batches  # noqa: E402
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+
+def batches(n=32):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, generator=g)) for _ in range(n)]
+
+
+QUIET = dict(mixed_precision="32-true", progress=False, audit=False, log_interval=1, eval_interval=0)
+
+
+def metrics_lr(run: Path) -> dict[int, float]:
+    with open(run / "metrics.csv", newline="") as f:
+        return {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_resume_with_a_new_lr_schedule_and_max_steps_trains_at_the_new_schedule(tmp_path):
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=6, lr=1e-3, warmup_steps=2, ckpt_interval=3,
+           run_dir=str(run), **QUIET)
+    # Extend the finished run with new settings: the cosine is re-stretched to step 20.
+    trainer = Trainer(Regressor(), max_steps=20, lr=0.01, warmup_steps=5, run_dir=str(run), **QUIET)
+    trainer.fit(batches(), resume=True)
+    curve = WarmupCosine(5, 20, 0.1)
+    # metrics.csv's lr after step s is the LR of step s+1: lr * curve(s) (no step was skipped).
+    logged = metrics_lr(run)
+    assert all(logged[s] == pytest.approx(0.01 * curve(s), rel=1e-12) for s in range(7, 21))
+    assert logged[7] > 5 * 0.01 * 0.1          # not the floor: the longer run's LR at step 7
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * curve(20), rel=1e-12)
+    assert all(g["initial_lr"] == 0.01 for g in trainer.optimizer.param_groups)
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert (saved["lr"], saved["warmup_steps"], saved["max_steps"]) == (0.01, 5, 20)
+    said = [e["message"] for e in events(run) if e["kind"] == "schedule"]
+    assert said == [f"resumed schedule: lr {1e-3 * WarmupCosine(2, 6, 0.1)(6):.4g} -> "
+                    f"{0.01 * curve(6):.4g} at step 6 (lr=0.01, warmup_steps=5, min_lr_ratio=0.1, "
+                    "cosine to step 20)"]
+
+
+def test_resume_with_unchanged_settings_keeps_the_lr_bit_for_bit(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    mp.fit(Regressor(), batches(), max_steps=8, lr=1e-3, warmup_steps=2, run_dir=str(straight), **QUIET)
+    mp.fit(Regressor(), batches(), max_steps=8, lr=1e-3, warmup_steps=2, run_dir=str(split),
+           ckpt_interval=3, **QUIET)
+    # Step 3's checkpoint, resumed with the same settings: the same LRs, exactly.
+    mp.fit(Regressor(), batches(), max_steps=8, lr=1e-3, warmup_steps=2, run_dir=str(split),
+           **QUIET, resume=str(split / "checkpoints" / "step-00000003"))
+    assert metrics_lr(split) == metrics_lr(straight)
+    assert not [e for e in events(split) if e["kind"] == "schedule"]
+    # Resuming from an earlier checkpoint says the newer ones (steps 6, 8) will be replaced.
+    said = [e["message"] for e in events(split) if e["kind"] == "checkpoint"]
+    assert said == ["resuming from step-00000003; the newer checkpoints step-00000006, step-00000008 are from the "
+                    "run's earlier course: each is replaced when this run saves its step"]
+
+
+def test_max_steps_below_the_checkpoint_is_refused_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), **QUIET)
+    with pytest.raises(ConfigError, match="checkpoint is at step 4, past max_steps=2; resume with max_steps=4"):
+        mp.fit(Regressor(), batches(), max_steps=2, run_dir=str(run), resume=True, **QUIET)
+
+
+def test_an_incomplete_newest_checkpoint_is_named_and_kept_not_skipped_silently(tmp_path):
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=4, ckpt_interval=2, run_dir=str(run), **QUIET)
+    ckpts = run / "checkpoints"
+    (ckpts / "step-00000004" / "meta.json").unlink()       # `latest` names it
+    mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), resume=True, **QUIET)
+    notes = [e for e in events(run) if e["kind"] == "checkpoint"]
+    assert len(notes) == 1 and notes[0]["step"] == 2
+    assert notes[0]["message"].startswith("resuming from step-00000002, the newest complete checkpoint: "
+                                          "step-00000004 has no meta.json")
+    # The run saved step 4 again; the incomplete folder is kept under another name.
+    assert (ckpts / "incomplete-step-00000004" / "model.safetensors").is_file()
+    assert (ckpts / "step-00000004" / "meta.json").is_file()
+
+
+def _killed_before_its_first_save(run: Path) -> None:
+    """What a run killed before its first checkpoint leaves: its config and metrics, no checkpoint."""
+    run.mkdir()
+    (run / "config.toml").write_text('precision = "32-true"\nmax_steps = 4\n')
+    (run / "metrics.csv").write_text("step,loss\n1,0.5\n")
+
+
+def test_a_folder_without_a_checkpoint_is_refused_with_the_python_way_out(tmp_path):
+    run = tmp_path / "run"
+    _killed_before_its_first_save(run)
+    with pytest.raises(ConfigError) as err:
+        mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), **QUIET)
+    assert f"continue it with `fit(..., run_dir={str(run)!r}, resume=True)`" in str(err.value)
+    assert "pass overwrite=True" in str(err.value) and "mixprec train" not in str(err.value)
+    assert (run / "metrics.csv").read_text() == "step,loss\n1,0.5\n"          # nothing lost
+
+
+def test_resuming_a_folder_without_a_checkpoint_starts_it_over_and_says_so(tmp_path):
+    run = tmp_path / "run"
+    _killed_before_its_first_save(run)
+    result = mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), resume=True, **QUIET)
+    assert result.steps == 4
+    restart = [e for e in events(run) if e["kind"] == "restart"]
+    assert len(restart) == 1 and "holds no complete checkpoint" in restart[0]["message"]
+    assert sorted(metrics_lr(run)) == [1, 2, 3, 4]
+
+
+def test_fit_records_the_model_and_the_batch_shape_in_config_toml(tmp_path):
+    run = tmp_path / "run"
+    x, y = torch.randn(32, 4), torch.randn(32)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    mp.fit(Regressor(), loader, max_steps=1, run_dir=str(run), **QUIET)
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert saved["model"] == f"fit: {Regressor.__module__}.Regressor"
+    assert saved["batch_size"] == 8
+
+
+# --- the data position after a batch_size or seq_len change -------------------------------------
+
+def _loader(n=40, batch_size=4):
+    ds = torch.utils.data.TensorDataset(torch.arange(n), torch.arange(n))
+    return mp.data.DistributedDataLoader(ds, batch_size, seed=0, rank=0, world_size=1)
+
+
+def _first_batch(loader):
+    return next(iter(loader))[0].tolist()
+
+
+def test_a_batch_size_change_continues_the_epoch_exactly_when_it_divides_the_position():
+    a = _loader(batch_size=4)
+    it = iter(a)
+    seen = [next(it)[0].tolist() for _ in range(3)]            # 12 samples consumed
+    state = a.state_dict()
+    straight = [x for b in seen for x in b] + [x for b in [next(it)[0].tolist() for _ in range(3)] for x in b]
+    b = _loader(batch_size=6)
+    b.load_state_dict(state)
+    assert "batch_size 4 -> 6" in b.resume_note
+    assert _first_batch(b) == straight[12:18]                 # the next 6 samples, in order
+    c = _loader(batch_size=5)
+    with pytest.raises(ConfigError, match="resume with batch_size=4 or one that divides 12"):
+        c.load_state_dict(state)
+
+
+def test_a_changed_sample_count_goes_on_from_the_next_epoch_and_says_so():
+    a = _loader(n=40)
+    it = iter(a)
+    next(it)
+    state = a.state_dict()
+    b = _loader(n=80)                                          # seq_len halved: twice the samples
+    b.load_state_dict(state)
+    assert b.epoch == 1 and "from the start of epoch 1" in b.resume_note
+
+
+def test_the_divergence_message_names_a_resume_with_a_lower_lr_that_takes_effect(tmp_path):
+    from mixprec.errors import TrainingDiverged
+    run = tmp_path / "r"
+    with pytest.raises(TrainingDiverged) as err:
+        mp.fit(InfAfter(good=15), _regressor_batches(60), mixed_precision="32-true", max_steps=60,
+               warmup_steps=5, lr=1e-3, log_interval=10, run_dir=str(run), progress=False,
+               audit=False, trace_nonfinite=False, ckpt_interval=10)
+    ckpt = run / "checkpoints" / "step-00000010"
+    hint = f"fit(..., run_dir={str(run)!r}, resume={str(ckpt)!r}, lr=0.0005)"
+    assert str(err.value).endswith(hint) and "mixprec train" not in str(err.value)
+    # Followed as printed, the lower lr is the one the schedule now uses.
+    trainer = Trainer(InfAfter(good=10**6), mixed_precision="32-true", max_steps=12, warmup_steps=5,
+                      lr=5e-4, log_interval=1, run_dir=str(run), progress=False, audit=False)
+    trainer.fit(_regressor_batches(60), resume=str(ckpt))
+    assert metrics_lr(run)[11] == pytest.approx(5e-4 * WarmupCosine(5, 12, 0.1)(11), rel=1e-12)
+
+
+def test_a_resume_with_your_own_optimizer_keeps_its_learning_rates(tmp_path):
+    run = tmp_path / "run"
+
+    def model_and_adam():
+        model = Regressor()
+        return model, torch.optim.AdamW([{"params": [model.lin.weight], "lr": 3e-3},
+                                         {"params": [model.lin.bias], "lr": 1e-2}])
+    model, opt = model_and_adam()
+    mp.fit(model, batches(), optimizer=opt, max_steps=4, warmup_steps=0, min_lr_ratio=1.0,
+           ckpt_interval=2, run_dir=str(run), **QUIET)
+    model, opt = model_and_adam()
+    mp.fit(model, batches(), optimizer=opt, max_steps=6, warmup_steps=0, min_lr_ratio=1.0,
+           run_dir=str(run), resume=True, **QUIET)
+    assert [g["lr"] for g in opt.param_groups] == [3e-3, 1e-2]     # not fit()'s default lr
+    assert set(metrics_lr(run).values()) == {3e-3}
