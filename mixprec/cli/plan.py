@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from mixprec.errors import ConfigError
 
@@ -50,23 +51,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", default=None, help="plot (default: the plan file's name, .png)")
 
 
-def run(args: argparse.Namespace) -> int:
+def model_and_batches(cfg, from_run: str | None, n: int) -> tuple[Any, list, Any]:
+    """The settings' model (with a run's weights when ``from_run``), its first ``n`` training
+    batches and the strategy: what ``mixprec plan`` and ``mixprec whatif`` measure on."""
     from mixprec.cli.train import build_run
+    model, train_loader, _, strategy = build_run(cfg)
+    if from_run:
+        from mixprec.runs.checkpoint import load_checkpoint
+        state, _, _ = load_checkpoint(from_run)
+        model.load_state_dict(state)
+    batches = []
+    for batch in train_loader:
+        batches.append(batch)
+        if len(batches) == n:
+            break
+    return model, batches, strategy
+
+
+def run(args: argparse.Namespace) -> int:
     from mixprec.plan.planner import plan_precision, split_heldout
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
         raise ConfigError("--batches must be >= 1")
     cfg, _ = load_config(args.config, parse_overrides(args.settings))
-    model, train_loader, _, strategy = build_run(cfg)
-    if args.from_run:
-        from mixprec.runs.checkpoint import load_checkpoint
-        state, _, _ = load_checkpoint(args.from_run)
-        model.load_state_dict(state)
-    batches = []
-    for batch in train_loader:
-        batches.append(batch)
-        if len(batches) == args.batches:
-            break
+    model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
     base = args.base or cfg.precision
     print(f"[mixprec] planning the Linear layers of model "
           f"{cfg.model} on {len(batches)} batches of {cfg.batch_size}x{cfg.seq_len} tokens "

@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.plan.whatif import what_if
-    from mixprec.cli.train import build_run
+    from mixprec.cli.plan import model_and_batches
     from mixprec.policy.overrides import write_plan
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
@@ -51,16 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.tolerance < 100:
         raise ConfigError("--tolerance is in percent of the loss, between 0 and 100")
     cfg, _ = load_config(args.config, parse_overrides(args.settings))
-    model, train_loader, _, strategy = build_run(cfg)
-    if args.from_run:
-        from mixprec.runs.checkpoint import load_checkpoint
-        state, _, _ = load_checkpoint(args.from_run)
-        model.load_state_dict(state)
-    batches = []
-    for batch in train_loader:
-        batches.append(batch)
-        if len(batches) == args.batches:
-            break
+    model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
     print(f"[mixprec] what-if for the Linear layers of model {cfg.model} on {len(batches)} batches "
           f"of {cfg.batch_size}x{cfg.seq_len} tokens (weights: "
           f"{args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)

@@ -50,8 +50,8 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.policy.dtypes import dtype_name, format_info
-from mixprec.precision.rules import TORCH_NORM_TYPES as _NORM_TYPES
 from mixprec.precision.rules import is_gate as _is_gate
+from mixprec.precision.rules import norm_statistics_fp32 as _norm_statistics_fp32
 from mixprec.precision.rules import is_norm as _is_norm
 from mixprec.policy.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
                                        cuda_supports_fp8, describe_cpu)
@@ -190,7 +190,7 @@ def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding
             gates.append(fqn)
         eps = getattr(module, "eps", None)
         if is_norm and isinstance(eps, float) and eps > 0:
-            fp32_math = isinstance(module, _NORM_TYPES) or getattr(module, "keep_in_fp32", False)
+            fp32_math = _norm_statistics_fp32(module)
             calc = torch.float32 if fp32_math or dt is None else dt
             fi = format_info(calc)
             if eps <= fi.smallest_subnormal / 2 or eps < fi.tiny:

@@ -168,8 +168,10 @@ class NumericsMonitor:
     """Per-layer activation / gradient / update range statistics on every ``every``-th step.
 
     ``compute_dtype`` is the format the ranges are checked against: a dtype or its name (``fp16``,
-    ``bf16``, ``e4m3``, ``e5m2``), or a :class:`~mixprec.Policy` (its compute dtype; an FP8 policy
-    checks activations against E4M3 and gradients against E5M2). ``grad_dtype`` overrides the
+    ``bf16``, ``e4m3``, ``e5m2``), or a :class:`~mixprec.Precision` / :class:`~mixprec.Policy`: then each
+    module is checked against the format it runs in, read from the per-layer table
+    (``Precision.range_formats``: an FP8 layer's activations against E4M3, gradients against E5M2;
+    a layer overridden to FP32 against FP32). ``grad_dtype`` overrides the
     gradient format. ``module_filter_fn(module, fqn) -> bool`` picks the modules (default: leaf
     modules that own parameters)::
 
@@ -188,19 +190,27 @@ class NumericsMonitor:
                  module_filter_fn: Callable[[nn.Module, str], bool] | None = None) -> None:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"NumericsMonitor every={every!r} must be a positive integer (steps between samples)")
+        per_layer: dict[str, tuple[torch.dtype, torch.dtype]] = {}
         try:
             act = grad = parse_dtype(compute_dtype)  # type: ignore[arg-type]
         except (ConfigError, AttributeError):
-            # A Precision, a Policy or a policy name ("16-mixed", "p=f32,c=bf16"): FP8 modes check
-            # activations against E4M3 and gradients against E5M2.
+            # A Precision, a Policy or a policy name ("16-mixed", "p=f32,c=bf16"): each layer is
+            # checked against the format it runs in, from the per-layer table (FP8 layers:
+            # activations against E4M3, gradients against E5M2; per-layer overrides included).
             precision = compute_dtype if isinstance(compute_dtype, Precision) else Precision(compute_dtype)
             act, grad = precision.activation_format, precision.gradient_format
+            per_layer = precision.range_formats(model)
         self.act_dtype: torch.dtype = act
         self.grad_dtype: torch.dtype = parse_dtype(grad_dtype) if grad_dtype is not None else grad
         format_info(self.act_dtype), format_info(self.grad_dtype)  # validate: floating formats only
         self.every = every
         filt = module_filter_fn or _default_filter
         self.modules: dict[str, nn.Module] = {n: m for n, m in model.named_modules() if filt(m, n)}
+        g_fixed = grad_dtype is not None
+        self.formats: dict[str, tuple[torch.dtype, torch.dtype]] = {
+            n: (per_layer.get(n, (act, grad))[0], self.grad_dtype if g_fixed else per_layer.get(n, (act, grad))[1])
+            for n in self.modules}
+        """Per monitored module: the (activation, gradient) formats its ranges are checked against."""
         self._current: Sample | None = None
         self.last_rows: list[NumericsRow] = []
 
@@ -228,7 +238,7 @@ class NumericsMonitor:
             self.last_rows = s.finish()
 
     def _make_hook(self, name: str, s: Sample):
-        act_dt, grad_dt = self.act_dtype, self.grad_dtype
+        act_dt, grad_dt = self.formats[name]
 
         def on_grad(g: torch.Tensor) -> None:
             s.add(name, "grad", grad_dt, g.numel(), range_counts(g, grad_dt))

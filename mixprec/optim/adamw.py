@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
-from mixprec.optim import moments as _moments
+from mixprec.optim import moments as _moments, registry
 from mixprec.optim.master import MasterWeights, _normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 
@@ -256,6 +256,8 @@ class AdamW(MasterWeights):
         split_masters: FP32 masters of BF16 params stored as the param plus a 16-bit remainder
             (``None``: on, the default; ``False``: full FP32 masters). Bit-identical either way;
             see mixprec.optim.master.
+        master_params: exactly the params that get FP32 masters (the per-layer table's set,
+            ``Precision.master_params(model)``); ``None``: by dtype, see ``MasterWeights``.
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).
@@ -278,6 +280,7 @@ class AdamW(MasterWeights):
         seed: int | None = None,
         split_masters: bool | None = None,
         moments: str | None = None,
+        master_params: Iterable[Tensor] | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         params = _normalise_groups(params)
@@ -300,18 +303,18 @@ class AdamW(MasterWeights):
             if fused:
                 raise ConfigError(f"fused=True is torch's FP32-moment kernel; with moments={moments} leave it unset")
             super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
-                             split=split_masters, moments_dtype=torch.float32, moments=moments,
+                             split=split_masters, master_params=master_params, moments_dtype=torch.float32, moments=moments,
                              stochastic_rounding=stochastic_rounding, seed=seed, **common)
             return
         if moments_dtype == torch.float32:
             super().__init__(torch.optim.AdamW, params, param_dtype=param_dtype if fp16_params else None,
-                             split=split_masters, foreach=foreach, fused=fused, **common)
+                             split=split_masters, master_params=master_params, foreach=foreach, fused=fused, **common)
             return
         if fused:
             raise ConfigError("fused=True keeps moments in the param dtype; with moments_dtype=torch.bfloat16 "
                               "leave fused unset (the BF16-moment path always uses foreach ops)")
         super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
-                         split=split_masters, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+                         split=split_masters, master_params=master_params, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if self._unmarked_vectors is not None:
@@ -324,14 +327,14 @@ def _unmarked_vectors(params: list[Tensor]) -> list[Tensor]:
     """The 1-D floating parameters (norm weights, biases) ``fp16_params=True`` is about to store in
     16 bits when *nothing* marks which parameters stay FP32.
 
-    An optimizer sees parameters, not modules: it keeps a parameter FP32 only when it carries
-    ``keep_in_fp32`` (mixprec's own norms and gates do; :func:`mixprec.precision.mark_fp32_params`
-    and ``mixprec.Precision.setup`` mark the rest). A Hugging Face model has no marks, so its
+    An optimizer sees parameters, not modules: it keeps a parameter FP32 only when the decider
+    recorded it so (``mixprec.optim.registry.kept_fp32``: :func:`mixprec.precision.mark_fp32_params`
+    and ``mixprec.Precision.setup`` record the table's FP32 islands). A Hugging Face model has no marks, so its
     ``LlamaRMSNorm``/``LayerNorm`` weights would go to 16 bits with the matrices. They are not
     kept FP32 here behind the user's back: a 16-bit Linear fed by an FP32 norm fails in a plain
     forward (``mat1 and mat2 must have the same dtype``) unless an autocast converts the inputs.
     """
-    if any(getattr(p, "keep_in_fp32", False) for p in params):
+    if any(registry.kept_fp32(p) for p in params):
         return []
     return [p for p in params if p.dim() == 1 and p.dtype == torch.float32]
 
@@ -339,8 +342,8 @@ def _unmarked_vectors(params: list[Tensor]) -> list[Tensor]:
 def _warn_vectors_in_16_bits(vectors: list[Tensor], params: list[Tensor], dtype: torch.dtype) -> None:
     """At the first step, one line if those parameters are still 16-bit and still unmarked
     (``Precision.setup`` and ``fit()`` restore and mark the norms in between: no warning then)."""
-    low = [p for p in vectors if p.dtype == dtype and not getattr(p, "keep_in_fp32", False)]
-    if not low or any(getattr(p, "keep_in_fp32", False) for p in params):
+    low = [p for p in vectors if p.dtype == dtype and not registry.kept_fp32(p)]
+    if not low or any(registry.kept_fp32(p) for p in params):
         return
     name, mode = ("float16", "16-true") if dtype == torch.float16 else ("bfloat16", "bf16-true")
     warnings.warn(

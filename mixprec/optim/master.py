@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mixprec.optim import registry, split as _split
+from mixprec.optim.split import SplitSteps, resolve_split
 from mixprec.errors import CheckpointError, ConfigError
 
 __all__ = ["MasterWeights"]
@@ -73,7 +74,7 @@ def _normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> li
     return out
 
 
-class MasterWeights(torch.optim.Optimizer):
+class MasterWeights(SplitSteps, torch.optim.Optimizer):
     """Step any ``torch.optim`` optimizer on FP32 masters of low-precision model parameters.
 
     Args:
@@ -90,6 +91,14 @@ class MasterWeights(torch.optim.Optimizer):
             elementwise ``mixprec.optim.parts.SEPARABLE`` ones, or a class declaring
             ``mixprec_chunk_exact = True``). ``True`` refuses other optimizers; ``False`` keeps
             full FP32 masters.
+        master_params: the parameters that get a separate FP32 master, exactly these: the per-layer
+            table's ``master`` column (``Precision.master_params(model)``; ``Precision.setup``
+            passes it). Listed FP32 params are converted to ``param_dtype`` when it is given;
+            unlisted params are their own master (stepped in place, in their dtype). ``None``
+            (a hand-built optimizer): every floating param not in ``master_dtype`` gets one, and
+            with ``param_dtype`` every FP32 param except those the decider recorded as kept FP32
+            (``mixprec.optim.registry.kept_fp32``: ``Precision.setup``/``cast_module`` and
+            ``mark_fp32_params`` record the table's FP32 islands there).
 
     It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
     ``state`` are the inner optimizer's own objects, holding the masters, so editing
@@ -106,6 +115,7 @@ class MasterWeights(torch.optim.Optimizer):
         master_dtype: torch.dtype = torch.float32,
         param_dtype: torch.dtype | None = None,
         split: bool | None = None,
+        master_params: Iterable[Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -122,7 +132,7 @@ class MasterWeights(torch.optim.Optimizer):
                               "use torch.float16 or torch.bfloat16")
         self.master_dtype = master_dtype
         self.param_dtype = param_dtype
-        self.split = _resolve_split(split, optimizer_cls, master_dtype)
+        self.split = resolve_split(split, optimizer_cls, master_dtype)
         self._lo: dict[int, Tensor] = {}      # id(placeholder master) -> int16 remainder
         self._ties: dict[int, Tensor] = {}    # id(placeholder master) -> flat indices of the ties
         self._deferred: _split.DeferredGrads | None = None
@@ -136,6 +146,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._model_of: dict[int, Tensor] = {}  # id(separate master) -> model param
         self._pending: set[int] = set()   # split masters with a grad, not yet widened this step
         self._wide: set[int] = set()      # split masters holding FP32 values right now
+        self._wanted: set[int] | None = None if master_params is None else {id(p) for p in master_params}
 
         master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
@@ -160,8 +171,7 @@ class MasterWeights(torch.optim.Optimizer):
         if not p.is_leaf:
             raise ConfigError("can't optimize a non-leaf tensor; pass the model's parameters")
         self._all_model_params.append(p)
-        keep = getattr(p, "keep_in_fp32", False)  # tagged by mixprec.precision.mark_fp32_params
-        if not p.is_floating_point() or (p.dtype == self.master_dtype and (self.param_dtype is None or keep)):
+        if not p.is_floating_point() or not self._needs_master(p):
             self._master_of[id(p)] = p  # its own master
             return p
         master = p.detach().to(self.master_dtype, copy=True).requires_grad_(p.requires_grad)
@@ -176,20 +186,14 @@ class MasterWeights(torch.optim.Optimizer):
         self._master_of[id(p)] = master
         return master
 
-    def _make_split(self, p: Tensor, exact: Tensor) -> Tensor:
-        """Keep ``exact`` as ``p`` + remainder; return the (storage-free) placeholder master the
-        inner optimizer keys its state by. It holds FP32 values only inside the step."""
-        lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
-        ties = _split.split_(exact, p.data, lo)
-        holder = torch.empty(0, dtype=self.master_dtype, device=p.device).requires_grad_(p.requires_grad)
-        self._lo[id(holder)], self._ties[id(holder)] = lo, ties
-        return holder
-
-    def _is_split(self, m: Tensor) -> bool:
-        return id(m) in self._lo
-
-    def _join(self, p: Tensor, m: Tensor) -> Tensor:
-        return _split.join(p.detach(), self._lo[id(m)], self._ties[id(m)])
+    def _needs_master(self, p: Tensor) -> bool:
+        """A separate master for ``p``: the given set decides; without one, its dtype does (and,
+        when converting, the decider's record of FP32 islands)."""
+        if self._wanted is not None:
+            return id(p) in self._wanted and (p.dtype != self.master_dtype or self.param_dtype is not None)
+        if p.dtype != self.master_dtype:
+            return True
+        return self.param_dtype is not None and not registry.kept_fp32(p)
 
     def _alias_inner(self) -> None:
         """Share the inner optimizer's ``param_groups`` list and ``state`` dict (not copies)."""
@@ -218,6 +222,11 @@ class MasterWeights(torch.optim.Optimizer):
         """The separate masters (one per low-precision param), in param-group order. A split
         master is joined into a fresh FP32 tensor (a copy: writing to it changes nothing)."""
         return [self.master_of(p) for p in self._model_params]
+
+    @property
+    def split_count(self) -> int:
+        """How many parameters keep a split master (the parameter + a 16-bit remainder)."""
+        return len(self._lo)
 
     def master_of(self, param: Tensor) -> Tensor:
         """The FP32 master of a model param (the param itself when it is already in the master
@@ -295,62 +304,6 @@ class MasterWeights(torch.optim.Optimizer):
                 self._deferred = None
         return [m.grad for group in self.param_groups for m in group["params"] if m.grad is not None]
 
-    def deferred_grads(self) -> _split.DeferredGrads | None:
-        """The step's gradients without FP32 copies of the split ones (mixprec.optim.split), or
-        None when nothing is deferred (no split masters with a grad): then use ``master_grads()``.
-        Same object until ``step()`` or ``zero_grad()``."""
-        if self._deferred is not None:
-            return self._deferred
-        self._prepare_grads()
-        if not self._pending:
-            return None
-        entries = []
-        for group in self.param_groups:
-            for m in group["params"]:
-                if id(m) in self._pending:
-                    entries.append(("low", self._model_of[id(m)].grad))
-                elif m.grad is not None:
-                    entries.append(("own", m.grad))
-        self._deferred = _split.DeferredGrads(low=[g for k, g in entries if k == "low"],
-                                              own=[g for k, g in entries if k == "own"], entries=entries)
-        return self._deferred
-
-    def _widen(self, masters: list[Tensor]) -> None:
-        """Give split ``masters`` their FP32 values and FP32 grads (unscale/clip factors applied)."""
-        todo = [m for m in masters if id(m) in self._pending]
-        if not todo:
-            return
-        params = [self._model_of[id(m)] for m in todo]
-        factors = self._deferred.factors if self._deferred is not None else []
-        with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
-            grads = _split.widen([p.grad for p in params], factors)
-        for dev in {p.device for p in params}:
-            idx = [i for i, p in enumerate(params) if p.device == dev]
-            ws = _split.join_many([params[i].detach() for i in idx], [self._lo[id(todo[i])] for i in idx],
-                                  [self._ties[id(todo[i])] for i in idx])
-            for i, w in zip(idx, ws):
-                todo[i].data = w
-        for m, g in zip(todo, grads):
-            m.grad = g
-            self._wide.add(id(m))
-            self._pending.discard(id(m))
-
-    @torch.no_grad()
-    def _narrow(self, masters: list[Tensor], *, store: bool) -> None:
-        """Split wide masters back into their params (``store``) or just drop the FP32 copies."""
-        wide = [m for m in masters if id(m) in self._wide]
-        for m in wide:
-            m.grad = None                  # freed before the split's temporaries are made
-        if store and wide:
-            for dev in {m.device for m in wide}:
-                ms = [m for m in wide if m.device == dev]
-                ties = _split.split_many_([m.data for m in ms], [self._model_of[id(m)].data for m in ms],
-                                          [self._lo[id(m)] for m in ms])
-                for m, t in zip(ms, ties):
-                    self._ties[id(m)] = t
-        for m in wide:
-            m.data = torch.empty(0, dtype=m.dtype, device=m.device)
-            self._wide.discard(id(m))
 
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
              parts: Sequence[Sequence[Tensor]] | None = None,
@@ -396,46 +349,6 @@ class MasterWeights(torch.optim.Optimizer):
             self._deferred.closed = True
             self._deferred = None
 
-    def _step_split(self, parts: Sequence[Sequence[Tensor]] | None,
-                    around: Callable[[int], contextlib.AbstractContextManager] | None) -> None:
-        """The step with split masters: per param group and device, chunks of at most
-        ``split.CHUNK_NUMEL`` elements are widened, stepped by the inner optimizer over a view of
-        the groups holding only that chunk, and split back (the BF16-moment AdamW draws its
-        rounding noise per chunk of the same boundaries, so it steps bit-identically too)."""
-        inner, whole = self._inner, self._inner.param_groups
-        units: Sequence[Sequence[Tensor] | None] = [None] if parts is None else parts
-        stepped = {id(m) for m in self._stepped[1]}
-        try:
-            for i, unit in enumerate(units):
-                keep = None if unit is None else {id(self._master_of[id(p)]) for p in unit}
-                with (around(i) if around is not None else contextlib.nullcontext()):
-                    for gi, group in enumerate(whole):
-                        ms = [m for m in group["params"] if (keep is None or id(m) in keep)
-                              and (m.grad is not None or id(m) in self._pending)]
-                        by_device: dict[torch.device, list[Tensor]] = {}
-                        for m in ms:
-                            by_device.setdefault(m.device, []).append(m)
-                        for dev_ms in by_device.values():
-                            numels = [self._model_of[id(m)].numel() if id(m) in self._model_of else m.numel()
-                                      for m in dev_ms]
-                            for a, b in _split.chunks(numels):
-                                chunk = dev_ms[a:b]
-                                self._widen(chunk)
-                                inner.param_groups = [{**g, "params": chunk if j == gi else []}
-                                                      for j, g in enumerate(whole)]
-                                inner.step()
-                                self._store_chunk(chunk, stepped)
-        finally:
-            inner.param_groups = whole
-
-    @torch.no_grad()
-    def _store_chunk(self, chunk: list[Tensor], stepped: set[int]) -> None:
-        with record_function("mixprec.master_copy_back"):
-            self._narrow([m for m in chunk if id(m) in self._wide], store=True)
-            full = [m for m in chunk if id(m) in stepped and not self._is_split(m)
-                    and self._model_of.get(id(m)) is not None]
-            if full:
-                torch._foreach_copy_([self._model_of[id(m)] for m in full], full)
 
     def _step_parts(self, parts: Sequence[Sequence[Tensor]],
                     around: Callable[[int], contextlib.AbstractContextManager] | None,
@@ -548,20 +461,3 @@ class MasterWeights(torch.optim.Optimizer):
         kind = f"{len(self._lo)} split" if self._lo else str(len(self._masters))
         return (f"{type(self).__name__}({type(self._inner).__name__}, {kind} masters in "
                 f"{self.master_dtype}, {len(self._all_model_params)} params)")
-
-
-def _resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
-                   master_dtype: torch.dtype) -> bool:
-    """Whether split masters are used: only where the chunked step is exact (see ``split``)."""
-    if split is False:
-        return False
-    from mixprec.optim.parts import SEPARABLE
-    exact = (issubclass(optimizer_cls, SEPARABLE) or getattr(optimizer_cls, "mixprec_chunk_exact", False)
-             or getattr(optimizer_cls, "mixprec_separable", None) is True)
-    if master_dtype != torch.float32:
-        exact = False
-    if split and not exact:
-        raise ConfigError(f"split=True needs FP32 masters and an elementwise optimizer (AdamW, Adam, SGD, "
-                          f"...) whose step can be issued chunk by chunk; {optimizer_cls.__name__} with "
-                          f"{master_dtype} masters is not one. Use split=False (full FP32 masters)")
-    return exact

@@ -66,6 +66,7 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
+from mixprec.plan.measure import layer_alone, linear_names, losses_with, reference_pass
 from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB, apply_gates
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
 from mixprec.plan.verify import enforce_budget, forward_losses, fp32_copy
@@ -74,65 +75,6 @@ from mixprec.policy.overrides import parse_format
 __all__ = ["plan_precision", "DEFAULT_CANDIDATES", "split_heldout"]
 
 DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "fp8-tensorwise", "fp8-blockwise")
-
-
-def _reference(model: nn.Module, batches: Sequence[Any], objective: Callable, names: list[str],
-               seed: int) -> tuple[list[float], dict[str, list[tuple[torch.Tensor, ...]]]]:
-    """The FP32 pass: losses; per Linear and batch its (input, output, output gradient)."""
-    seen: dict[str, list[list[torch.Tensor]]] = {n: [] for n in names}
-    mods = dict(model.named_modules())
-
-    def hook(name):
-        def fn(module, args, output):
-            rec = [args[0].detach(), output.detach()]
-            seen[name].append(rec)
-            if output.requires_grad:
-                output.register_hook(lambda g: rec.append(g.detach()))
-        return fn
-
-    handles = [mods[n].register_forward_hook(hook(n)) for n in names]
-    losses = []
-    model.zero_grad(set_to_none=True)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for batch in batches:
-                loss = objective(model, batch).float()
-                (loss / len(batches)).backward()
-                losses.append(float(loss.detach()))
-    finally:
-        for h in handles:
-            h.remove()
-    model.zero_grad(set_to_none=True)
-    return losses, {n: [tuple(r) for r in v] for n, v in seen.items()}
-
-
-def _local(layer: nn.Module, records: list[tuple[torch.Tensor, ...]],
-           outputs: list[torch.Tensor] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(output, weight gradient, input gradient) of ``layer`` on its recorded FP32 inputs, with the
-    recorded FP32 output gradients flowing into it: the layer alone, everything around it exact.
-    (Measured for the FP32 layer too, so a weight shared with another module, a tied head,
-    compares like with like.) The layer's own ``forward`` runs, not its hooks: the recorded inputs
-    are what reached ``forward``, after any pre-hook, so running a pre-hook again would apply it
-    twice. ``outputs``, when given, receives each record's output as the layer returned it (its
-    dtype and shape), for :class:`mixprec.plan.whatif` to replay."""
-    layer.zero_grad(set_to_none=True)
-    outs, dxs = [], []
-    with torch.enable_grad():
-        for rec in records:
-            x = rec[0].detach().requires_grad_(len(rec) > 2)
-            y = layer.forward(x)
-            outs.append(y.detach().float().flatten())
-            if outputs is not None:
-                outputs.append(y.detach())
-            if len(rec) > 2:
-                y.backward(rec[2].to(y.dtype))
-                dxs.append(x.grad.detach().float().flatten())
-    g = layer.weight.grad
-    g = None if g is None else g.detach().float().clone()
-    layer.zero_grad(set_to_none=True)
-    return torch.cat(outs), g, (torch.cat(dxs) if dxs else None)
 
 
 def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str, which: int) -> float:
@@ -161,33 +103,6 @@ def _fisher_change(records: list[tuple[torch.Tensor, ...]], ref_out: torch.Tenso
         start += g.numel()
         total += 0.5 * n * float((g.square() * err.square()).sum())
     return total / len(records)
-
-
-@torch.no_grad()
-def linear_names(model: nn.Module, layers: Sequence[str] | None = None) -> list[str]:
-    """The model's ``nn.Linear`` names, limited to ``layers`` when given (an unknown name is
-    refused in one line, with the closest match)."""
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if layers is not None:
-        unknown = [n for n in layers if n not in names]
-        if unknown:
-            from mixprec.errors import closest
-            raise ConfigError(f"no Linear named '{unknown[0]}'{closest(unknown[0], names)}")
-        names = [n for n in names if n in layers]
-    return names
-
-
-def _losses_with(model: nn.Module, name: str, variant: nn.Module, batches: Sequence[Any],
-                 objective: Callable, seed: int) -> list[float]:
-    """Forward losses of ``model`` with the Linear ``name`` temporarily replaced by ``variant``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
-    original = getattr(parent, child)
-    setattr(parent, child, variant)
-    try:
-        return forward_losses(model, batches, objective, seed)
-    finally:
-        setattr(parent, child, original)
 
 
 def split_heldout(batches: Sequence[Any], heldout: Sequence[Any] | None) -> tuple[list, list]:
@@ -271,7 +186,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
     names = linear_names(ref_model, layers)
-    ref_losses, records = _reference(ref_model, calib, objective, names, seed)
+    ref_losses, records = reference_pass(ref_model, calib, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
     # One copy per format with every eligible Linear in that format (the FP8 rules refuse some):
     # each trial swaps one of its layers into the FP32 model.
@@ -296,7 +211,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
         m.flops_share = m.flops_per_token / total
     for i, m in enumerate(measures):
         rec = records[m.name]
-        ref_out, ref_grad, ref_dx = _local(mods[m.name], rec)
+        ref_out, ref_grad, ref_dx = layer_alone(mods[m.name], rec)
         for f in cands:
             if f == "fp32":
                 m.sqnr_out[f] = m.sqnr_grad[f] = m.sqnr_dgrad[f] = float("inf")
@@ -307,13 +222,13 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
                 m.unavailable[f] = refused[f][m.name]
                 continue
             variant = variants[f].get_submodule(m.name)
-            out, grad, dx = _local(variant, rec)
+            out, grad, dx = layer_alone(variant, rec)
             m.sqnr_out[f] = sqnr_db(ref_out, out)
             m.loss_change_est[f] = _fisher_change(rec, ref_out, out) / ref_loss
             m.sqnr_grad[f] = sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else float("nan")
             m.sqnr_dgrad[f] = sqnr_db(ref_dx, dx) if dx is not None and ref_dx is not None else float("nan")
             m.flush_in[f], m.flush_grad[f] = _flushed(rec, f, 0), _flushed(rec, f, 2)
-            losses = _losses_with(ref_model, m.name, variant, calib, objective, seed)
+            losses = losses_with(ref_model, m.name, variant, calib, objective, seed)
             m.loss_change[f] = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
         say(f"[{i + 1}/{len(measures)}] {m.name}")
     del variants, records

@@ -43,7 +43,7 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
-from mixprec.plan.planner import _local, _losses_with, _reference, linear_names
+from mixprec.plan.measure import layer_alone, linear_names, losses_with, reference_pass
 from mixprec.policy.overrides import is_micro, parse_format
 
 __all__ = ["what_if", "WhatIfReport", "WhatIfRow", "FormatCell", "WHATIF_FORMATS"]
@@ -274,7 +274,7 @@ def _range_stats(fmt: str, layer: nn.Module, records: list[tuple[torch.Tensor, .
 class _Replay(nn.Module):
     """Stands in for a layer in the loss pass: the layer's input there is the FP32 prefix's, the
     one recorded (only this layer changes format), so its output is the one already computed on
-    that record by :func:`_local`. Returned as is when the input equals the record (checked,
+    that record by :func:`mixprec.plan.measure.layer_alone`. Returned as is when the input equals the record (checked,
     exactly); anything else (another call order, a non-deterministic prefix) runs the layer."""
 
     def __init__(self, layer: nn.Module, records: list[tuple[torch.Tensor, ...]],
@@ -336,7 +336,7 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     if not linear_names(ref_model):
         raise ConfigError("the model has no nn.Linear layer to ask about")
     names = linear_names(ref_model, layers)
-    ref_losses, records = _reference(ref_model, batches, objective, names, seed)
+    ref_losses, records = reference_pass(ref_model, batches, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
 
     variants: dict[str, nn.Module] = {}
@@ -354,16 +354,16 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     mods = dict(ref_model.named_modules())
     rows = [WhatIfRow(n, 6 * mods[n].in_features * mods[n].out_features) for n in names]
     for i, row in enumerate(rows):
-        ref_out, ref_grad, _ = _local(mods[row.name], records[row.name])
+        ref_out, ref_grad, _ = layer_alone(mods[row.name], records[row.name])
         for f in fmts:
             if row.name in refused[f]:
                 row.cells[f] = FormatCell(available=False, reason=refused[f][row.name])
                 continue
             variant = variants[f].get_submodule(row.name)
             raw: list[torch.Tensor] = []
-            out, grad, _ = _local(variant, records[row.name], raw)
+            out, grad, _ = layer_alone(variant, records[row.name], raw)
             replay = _Replay(variant, records[row.name], raw)
-            losses = _losses_with(ref_model, row.name, replay, batches, objective, seed)
+            losses = losses_with(ref_model, row.name, replay, batches, objective, seed)
             change = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
             under, sat = _range_stats(f, variant, records[row.name])
             peak = _peak(spec, f)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mixprec.optim import registry
 from mixprec.policy.policy import PRESETS, Policy
 from mixprec.precision.rules import keep_fp32_reason
 
@@ -42,7 +43,8 @@ def cast_module(module: nn.Module, policy: Policy, *,
             target = _F32 if keep_fp32_reason(policy, qname, sub) is not None else policy.param_dtype
         for p in own:
             if target == _F32:
-                p.keep_in_fp32 = True   # read by MasterWeights: no 16-bit copy, no extra master
+                p.keep_in_fp32 = True   # for user code; optimizers read the record below
+                registry.keep_fp32([p])  # MasterWeights' fallback: no 16-bit copy, no extra master
             if p.is_floating_point() and p.dtype != target:
                 master = master_of(p) if master_of is not None else None
                 exact = master is not None and master.dtype == target
@@ -57,7 +59,7 @@ def mark_fp32_params(module: nn.Module, policy: Policy | None = None) -> nn.Modu
     """Tag the parameters of modules kept in FP32 with ``param.keep_in_fp32 = True``.
 
     Optimizers only see parameters, not modules: ``mixprec.optim.AdamW(model.parameters(),
-    fp16_params=True)`` reads this tag to leave norm and gate parameters in FP32 while it stores
+    fp16_params=True)`` reads this record (``mixprec.optim.registry.kept_fp32``) to leave norm and gate parameters in FP32 while it stores
     the rest in 16 bits. ``policy`` defaults to the standard rules (norm types and modules with a
     truthy ``keep_in_fp32``). Returns ``module``.
     """
@@ -66,4 +68,5 @@ def mark_fp32_params(module: nn.Module, policy: Policy | None = None) -> nn.Modu
         if keep_fp32_reason(policy, qname, sub) is not None:
             for p in sub.parameters(recurse=False):
                 p.keep_in_fp32 = True
+            registry.keep_fp32(sub.parameters(recurse=False))
     return module

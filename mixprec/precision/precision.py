@@ -10,8 +10,8 @@ what each layer is         the rule book, :mod:`mixprec.precision.rules`
 every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model)
 storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
                             ``keep_fp32_names`` stay FP32: :meth:`Precision.keep_fp32_reason`)
-FP32 master weights         :attr:`Precision.keeps_masters`; :meth:`setup` wraps or builds the
-                            optimizer accordingly
+FP32 master weights         :attr:`Precision.keeps_masters`; which params: the table's ``master``
+                            column, :meth:`Precision.master_params`, handed to ``MasterWeights``
 FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
 micro-format GEMMs          :meth:`Precision.micro_config` (MXFP8 / MXFP4 / NVFP4 recipes and
                             their options); :meth:`setup` swaps eligible Linears
@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = ["Precision", "OptimizerSpec", "prepare_fp8"]
 
 _F32 = torch.float32
+_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW = (torch.bfloat16, torch.float16)
 _TRUE_MODE = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 
@@ -122,6 +123,9 @@ class Precision:
         self.fp8_report = None
         self.micro_report = None
         """What the micro-format conversion did (:class:`mixprec.formats.MicroConversionReport`)."""
+        self.table: LayerTable | None = None
+        """The per-layer table of the model :meth:`setup` set up (:meth:`resolve` at the end of
+        it, refreshed when a layer's format changes); what FSDP2's islands are read from."""
         self.layer_formats: dict[str, str] = {}
         """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
         self.last_grad_norm: torch.Tensor | None = None
@@ -231,6 +235,23 @@ class Precision:
         """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
         return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
 
+    def range_formats(self, model: nn.Module) -> dict[str, tuple[torch.dtype, torch.dtype]]:
+        """Per module of the table, the formats its activations and gradients must fit, from the
+        format it actually computes in: E4M3/E5M2 for an ``fp8-*`` layer, FP32/BF16/FP16 for a
+        layer running in that format (a per-layer override included), else the mode's
+        (:attr:`activation_format`, :attr:`gradient_format`): norms (FP32 statistics, output in
+        the mode's format), embeddings, block-scaled formats."""
+        mode = (self.activation_format, self.gradient_format)
+        out = {}
+        for row in self.resolve(model):
+            if row.compute.startswith("fp8-"):
+                out[row.name] = (FP8_E4M3, FP8_E5M2)
+            elif row.compute in _PLAIN and row.kind != "norm":
+                out[row.name] = (_PLAIN[row.compute],) * 2
+            else:
+                out[row.name] = mode
+        return out
+
     @property
     def peak_format(self) -> str:
         """The format whose dense matmul peak is the denominator of MFU, in ``fit()``'s metrics and
@@ -309,6 +330,8 @@ class Precision:
         from mixprec.precision.layer_formats import swap_layer
         got = swap_layer(self, model, qualified_name, fmt)
         self.layer_formats[qualified_name] = got
+        if self.table is not None:
+            self.table = self.resolve(model)
         return got
 
     def apply_layer_formats(self, model: nn.Module, formats: dict[str, str]) -> None:
@@ -386,6 +409,18 @@ class Precision:
                                  fp32_island=keep is not None, master=master,
                                  why="; ".join(why) or "the mode"))
         return LayerTable(self.name, tuple(rows))
+
+    def master_params(self, model: nn.Module) -> list[torch.Tensor]:
+        """The parameters the per-layer table gives FP32 masters (its ``master`` column), in
+        ``model.parameters()`` order: the set :meth:`setup` hands ``MasterWeights``. A parameter
+        shared by several modules (a tied head) gets one if any of its rows says so."""
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        wanted: set[int] = set()
+        for row in self.resolve(model):
+            if row.master:
+                wanted.update(id(p) for p in model.get_submodule(row.name).parameters(recurse=False))
+        return [p for p in model.parameters() if id(p) in wanted]
 
     def describe(self, model: nn.Module | None = None) -> str:
         """With ``model``: the per-layer table of every decision for it (:meth:`resolve`), to
@@ -470,6 +505,7 @@ class Precision:
                         master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
         self.apply_formats(model)
         setattr(model, _SETUP_TAG, self._identity())
+        self.table = self.resolve(model)
         return model
 
     @property
@@ -522,15 +558,17 @@ class Precision:
                   for g in optimizer.param_groups]
         self.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
                           "(mixprec.optim.MasterWeights)")
-        return MasterWeights(type(optimizer), groups, **defaults)
+        return MasterWeights(type(optimizer), groups, master_params=self.master_params(model), **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
                        split_masters: bool = True, moments: str = "fp32",
+                       model: nn.Module | None = None,
                        **adamw_options: Any) -> torch.optim.Optimizer:
         """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
         into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
         ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
-        masters (torch's AdamW, FP32 moments only)."""
+        masters (torch's AdamW, FP32 moments only). ``model``: masters exactly for the table's set
+        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``)."""
         from mixprec.optim.moments import MOMENTS
         if moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
@@ -542,8 +580,10 @@ class Precision:
             if sharded and split_masters and self.keeps_masters:
                 self.notes.append(_FSDP2_NO_SPLIT)
             return torch.optim.AdamW(param_groups, **adamw_options)
-        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, **adamw_options)
-        if opt.split:
+        masters = self.master_params(model) if model is not None else None
+        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
+                    **adamw_options)
+        if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
             self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
                               "remainder, no FP32 master gradients (bit-identical)")
         return opt

@@ -64,6 +64,12 @@ def is_norm(module: nn.Module) -> bool:
     return all(p.dim() == 1 for p in module.parameters(recurse=False))
 
 
+def norm_statistics_fp32(module: nn.Module) -> bool:
+    """Whether a norm computes its statistics in FP32 whatever its dtype: torch's norm types
+    (autocast runs them in FP32) and modules declaring ``keep_in_fp32`` (mixprec's norms upcast)."""
+    return isinstance(module, TORCH_NORM_TYPES) or bool(getattr(module, "keep_in_fp32", False))
+
+
 def is_gate(qualified_name: str, module: nn.Module) -> bool:
     """True for an MoE gate/router, by its name or its class name."""
     return (_last(qualified_name).lower() in GATE_NAMES

@@ -144,14 +144,17 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         if not self.is_distributed or isinstance(model, FSDPModule):
             return model
         precision = self.precision
-        if precision is not None:
-            precision.setup_module(model, sharded=True)   # casts only modes without masters
+        if precision is not None and Precision.setup_identity(model) is None:
+            # FSDPStrategy used on its own (fit() and a hand loop set the model up first): the
+            # one set-up, sharded (casts only modes without masters).
+            precision.setup_module(model, sharded=True)
         self._broadcast_from_main(model)
         mp = fsdp_mixed_precision(precision)
         islands: set[str] = set()   # parameter names (fully_shard replaces the tensors)
         island = precision.fsdp_island_policy() if precision is not None else None
         if island is not None:
-            for qname in precision.resolve(model).islands:   # the per-layer table's FP32 islands
+            table = precision.table if precision.table is not None else precision.resolve(model)
+            for qname in table.islands:   # the FP32 islands of the table Precision.setup produced
                 if not qname:
                     continue                                 # the root is sharded last, below
                 module = model.get_submodule(qname)

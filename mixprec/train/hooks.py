@@ -2,7 +2,8 @@
 
 A :class:`StepHook` may wrap parts of a training step and act after it; every method defaults to
 doing nothing. The trainer keeps them in one list, ``Trainer.hooks``, built by ``prepare()`` and
-``fit()`` from the configuration (numerics monitor, re-planner, stuck-scale watch, profiler), and
+``fit()`` from the configuration (numerics monitor, re-planner, stuck-scale watch, profiler,
+guard), and
 calls them in list order; ``step`` is always the number of the step being taken (1-based)::
 
     with hook.around_step(trainer, step):          # the whole step (the profiler)
@@ -11,6 +12,8 @@ calls them in list order; ``step`` is always the number of the step being taken 
         with hook.around_update(trainer, step):    # precision.step: unscale, check, clip, step
             ...
     hook.after_step(trainer, step, out, origin)    # out: StepOutput; origin: the traced inf/NaN
+                                                   # (trainer.step_event / .step_batches: the same
+                                                   # step's traced event and micro-batches)
     hook.close()                                   # the run ended
 
 The overlapped optimizer update is not a hook: it is part of the step itself (an argument of
@@ -22,7 +25,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook"]
+__all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook", "GuardHook"]
 
 
 class StepHook:
@@ -110,3 +113,26 @@ class ProfilerHook(StepHook):
 
     def close(self) -> None:
         self.profiler.finish()                    # a run shorter than warm-up + steps
+
+
+class GuardHook(StepHook):
+    """Guarded training (:class:`mixprec.plan.guard.TrainingGuard`): promote a layer that made
+    inf/NaN or lost precision, restore the in-memory snapshot on a loss spike, stop when no safer
+    format is left. Last in the list: a restore replaces weights the other hooks just measured.
+
+    The one hook that needs more than ``after_step``'s arguments: the traced event's module
+    (``trainer.step_event``) and a re-run of the step's forward for its probe
+    (``trainer.replay_forward``, over ``trainer.step_batches``)."""
+
+    def __init__(self, guard: Any) -> None:
+        self.guard = guard
+
+    def after_step(self, trainer, step, out, origin):
+        from mixprec.plan.guard import StepOutcome
+        event = trainer.step_event
+        outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
+                              event.module if event is not None else None)
+        for action in self.guard.after_step(outcome, probe=trainer.replay_forward):
+            trainer.events.guard(action)
+            if action.kind == "give-up":
+                trainer._stop_if_diverged(action.message)   # exit 3, as a diverged run

@@ -42,7 +42,8 @@ from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
                                    refuse_changes_to_ready_precision, refuse_two_modes)
 from mixprec.train.health import RunHealth, seed_everything
-from mixprec.train.hooks import NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook, StepHook
+from mixprec.train.hooks import (GuardHook, NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook,
+                                 StepHook)
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput
@@ -127,6 +128,10 @@ class Trainer:
         self.hooks: list[StepHook] = []
         """The optional per-step helpers, in call order (mixprec.train.hooks)."""
         self.guard = None
+        self.step_batches: list[Batch] = []
+        """The micro-batches of the step just taken (for hooks that re-run its forward)."""
+        self.step_event: Any = None
+        """The traced inf/NaN origin of the step just taken (a ``NonFiniteEvent``), or None."""
 
     @property
     def policy(self) -> Policy:
@@ -182,7 +187,8 @@ class Trainer:
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
                                                       betas=(cfg.beta1, cfg.beta2),
                                                       split_masters=cfg.split_masters,
-                                                      moments=cfg.moments)
+                                                      moments=cfg.moments,
+                                                      model=strategy.unwrap(self.model))
             # What a restore must not take from the checkpoint: this run's settings win.
             self._group_settings = [{k: g[k] for k in ("weight_decay", "betas") if k in g}
                                     for g in self.optimizer.param_groups]
@@ -228,6 +234,9 @@ class Trainer:
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
                                        config=cfg.guard_config(),   # ranks vote (MAX) alike
                                        agree=strategy.all_reduce_max if strategy.world_size > 1 else None)
+
+        if self.guard is not None:
+            self.hooks.append(GuardHook(self.guard))   # last: it may restore what others measured
 
     # ------------------------------------------------------------------ the step
 
@@ -635,27 +644,17 @@ class Trainer:
             self.events.skip(self.step, out, event)
             if event is not None:
                 origin = f"{event.module} (rank {event.rank})" if event.rank is not None else event.module
+        self.step_batches, self.step_event = batches, event
         for hook in self.hooks:
             hook.after_step(self, self.step, out, origin)
-        if self.guard is not None:
-            self._run_guard(batches, out, event)
-
-    def _run_guard(self, batches: list[Batch], out: StepOutput, event: Any) -> None:
-        """Guarded training (mixprec/plan/guard.py): promote a bad layer, restore on a spike."""
-        from mixprec.plan.guard import StepOutcome
-        outcome = StepOutcome(self.step, float(out.loss), out.skipped,      # host sync: the loss
-                              event.module if event is not None else None)
-        for action in self.guard.after_step(outcome, probe=lambda: self._forward(batches)):
-            self.events.guard(action)
-            if action.kind == "give-up":
-                self._stop_if_diverged(action.message)
 
     @torch.no_grad()
-    def _forward(self, micro_batches: list[Batch]) -> None:
-        """The forward of a step again, without backward (the guard's hooks measure it)."""
+    def replay_forward(self) -> None:
+        """The forward of the step just taken again, without backward (the guard's probe: its
+        hooks measure it)."""
         self.settle()
         model = self.strategy.unwrap(self.model)
-        for batch in micro_batches:
+        for batch in self.step_batches:
             self.batch_loss(model, batch)
 
 

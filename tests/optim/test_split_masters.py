@@ -227,3 +227,12 @@ def test_split_masters_under_fsdp2_say_why_they_do_nothing():
     quiet = mp.Precision("bf16-true")
     quiet.make_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}], sharded=True, split_masters=False)
     assert not any("FSDP2" in n for n in quiet.notes)
+
+
+@pytest.mark.parametrize("precision, said", [("32-true", False), ("bf16-mixed", False), ("bf16-true", True)])
+def test_the_split_note_is_said_only_where_a_bf16_parameter_has_a_split_master(precision, said):
+    """Every run, 32-true included, used to print "FP32 masters of BF16 parameters split"."""
+    prec = mp.Precision(precision)
+    model = prec.setup_module(torch.nn.Linear(4, 4))
+    prec.make_optimizer([{"params": list(model.parameters())}], model=model)
+    assert any("masters of BF16 parameters split" in n for n in prec.notes) is said

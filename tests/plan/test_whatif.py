@@ -165,20 +165,20 @@ def test_replayed_layer_outputs_give_the_same_losses_as_running_the_layer(fmt):
     # in place, bit for bit, and every call must have been replayed.
     import copy
     from mixprec.models.objective import make_objective
-    from mixprec.plan.planner import _local, _losses_with, _reference
+    from mixprec.plan.measure import layer_alone, losses_with, reference_pass
     from mixprec.plan.whatif import _Replay
     torch.manual_seed(0)
     net, batches = _Net(), _batches()
     ref = copy.deepcopy(net)
     mp.Precision("32-true").setup(ref)
     objective = make_objective(ref, mp.Precision("32-true"), None)
-    _, records = _reference(ref, batches, objective, [OUTLIER], 0)
+    _, records = reference_pass(ref, batches, objective, [OUTLIER], 0)
     trial = copy.deepcopy(net)
     mp.Precision("32-true", overrides=(("*", fmt),)).setup(trial)
     variant = trial.get_submodule(OUTLIER)
     raw: list[torch.Tensor] = []
-    _local(variant, records[OUTLIER], raw)
+    layer_alone(variant, records[OUTLIER], raw)
     replay = _Replay(variant, records[OUTLIER], raw)
-    assert _losses_with(ref, OUTLIER, replay, batches, objective, 0) == \
-        _losses_with(ref, OUTLIER, variant, batches, objective, 0)
+    assert losses_with(ref, OUTLIER, replay, batches, objective, 0) == \
+        losses_with(ref, OUTLIER, variant, batches, objective, 0)
     assert replay.replayed == len(batches)
