@@ -9,14 +9,19 @@ dtype, and BF16 is emulated, tens of times slower, on CPUs without BF16 instruct
 recipe's "last blocks in BF16" is then written as an explicit ``fp32`` override of the last
 ``ceil(16 %)`` of the blocks (an explicit ``nvfp4`` override is otherwise obeyed as written).
 
-    python benchmarks/micro_fidelity.py --model tiny --steps 1000 --seeds 0,1 \
-        --modes 32-true,mxfp8,mxfp4,nvfp4,nvfp4-plain
+    python benchmarks/micro_fidelity.py --model tiny --steps 1000 --batch 4 --seeds 0,1,2 \
+        --modes 32-true,nvfp4,bf16-mixed,mxfp8,nvfp4-plain,mxfp4 --json runs.jsonl
+    python benchmarks/micro_fidelity.py --model tiny --steps 1000 --summarize runs.jsonl
+
+Seeds run in the outer loop and the modes alternate inside it; on a machine with more cores, run
+one process per seed (``--seeds 0``, ``--seeds 1``, ... with the same ``--json``) and summarize.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,18 +56,57 @@ def train(mode: str, seed: int, args: argparse.Namespace, run_dir: str) -> dict:
     cmd = [sys.executable, "-m", "mixprec", "train", *mode_args(mode, layers),
            f"model={args.model}", f"max_steps={args.steps}", f"seq_len={args.seq}",
            f"batch_size={args.batch}", "eval_interval=0", f"eval_batches={args.eval_batches}",
-           "ckpt_interval=0", "log_interval=10", f"lr={args.lr}", f"warmup_steps={args.steps // 10}",
+           "ckpt_interval=0", "log_interval=1", f"lr={args.lr}", f"warmup_steps={args.steps // 10}",
            "progress=false", "audit=false", f"seed={seed}", f"run_dir={run_dir}"]
     start = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run(cmd, capture_output=True, text=True)
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     if done.returncode != 0:
         sys.stderr.write(done.stdout + done.stderr)
         return {"mode": mode, "seed": seed, "val": math.nan, "rc": done.returncode}
     rows = read_metrics(run_dir)
     vals = [float(r["val_loss"]) for r in rows if r.get("val_loss") not in (None, "")]
     skipped = max((int(r.get("skipped_total") or 0) for r in rows), default=0)
+    losses = [float(r["loss"]) for r in rows if r.get("loss") not in (None, "")]
+    last = losses[-100:]
     return {"mode": mode, "seed": seed, "val": vals[-1] if vals else math.nan, "rc": 0,
-            "skipped": skipped, "wall_s": time.perf_counter() - start, "cmd": " ".join(cmd[1:])}
+            "final": losses[-1] if losses else math.nan,
+            "last100": statistics.fmean(last) if last else math.nan,
+            "finite": all(math.isfinite(v) for v in losses), "skipped": skipped,
+            "wall_s": time.perf_counter() - start, "cpu_s": cpu_s, "cmd": " ".join(cmd[1:])}
+
+
+def _ms(vals: list[float]) -> str:
+    vals = [v for v in vals if math.isfinite(v)]
+    if not vals:
+        return "n/a"
+    sd = statistics.stdev(vals) if len(vals) > 1 else math.nan
+    return f"{statistics.fmean(vals):.4f} ± {sd:.4f}"
+
+
+def summarize(results: list[dict], args: argparse.Namespace) -> None:
+    """Per mode: mean ± sd over seeds of the final validation loss, the final training loss and
+    the mean training loss of the last 100 steps; the change of the validation mean against the
+    reference (``--reference``); the noise band is the reference's and ``32-true``'s sd."""
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["mode"], []).append(r)
+    print(f"\n{args.model}, {args.steps} steps, batch {args.batch} x {args.seq}, lr {args.lr}, "
+          f"seeds {args.seeds}")
+    print(f"| mode | runs | val loss | final train loss | last-100 train loss | val vs {args.reference} "
+          f"| non-finite / skipped | CPU s per run |")
+    print("|---|---|---|---|---|---|---|---|")
+    ref = [r["val"] for r in by.get(args.reference, [])]
+    ref_mean = statistics.fmean(ref) if ref else math.nan
+    for mode, rs in by.items():
+        val = [r["val"] for r in rs]
+        rel = 100 * (statistics.fmean(val) / ref_mean - 1) if ref else math.nan
+        bad = sum(not r.get("finite", True) for r in rs), sum(r.get("skipped", 0) for r in rs)
+        print(f"| {mode} | {len(rs)} | {_ms(val)} | {_ms([r.get('final', math.nan) for r in rs])} | "
+              f"{_ms([r.get('last100', math.nan) for r in rs])} | {rel:+.2f}% | {bad[0]} / {bad[1]} | "
+              f"{statistics.fmean(r.get('cpu_s', math.nan) for r in rs):.0f} |")
 
 
 def main() -> int:
@@ -76,7 +120,16 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-batches", type=int, default=40)
     p.add_argument("--json", default=None, help="append one JSON line per run here")
+    p.add_argument("--reference", default="bf16-mixed",
+                   help="the mode the others are compared with (32-true where BF16 is too slow)")
+    p.add_argument("--summarize", default=None, metavar="JSONL",
+                   help="only print the table of the runs in this --json file")
     args = p.parse_args()
+    if args.summarize:
+        rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line]
+        summarize([r for r in rows if r.get("model", args.model) == args.model
+                   and r.get("steps", args.steps) == args.steps], args)
+        return 0
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in [int(s) for s in args.seeds.split(",")]:
@@ -87,19 +140,7 @@ def main() -> int:
                 if args.json:
                     with open(args.json, "a") as fh:
                         fh.write(json.dumps({**r, "model": args.model, "steps": args.steps}) + "\n")
-    by = {}
-    for r in results:
-        by.setdefault(r["mode"], {})[r["seed"]] = r["val"]
-    seeds = sorted({r["seed"] for r in results})
-    print(f"\n{args.model}, {args.steps} steps, batch {args.batch} x {args.seq}, lr {args.lr}")
-    print("| mode | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | vs 32-true (mean) |")
-    print("|---|" + "---|" * (len(seeds) + 2))
-    ref = by.get("32-true", {})
-    for mode, vals in by.items():
-        mean = statistics.fmean(vals.values())
-        rel = [100 * (vals[s] / ref[s] - 1) for s in vals if s in ref]
-        print(f"| {mode} | " + " | ".join(f"{vals.get(s, math.nan):.4f}" for s in seeds) +
-              f" | {mean:.4f} | {statistics.fmean(rel) if rel else math.nan:+.2f}% |")
+    summarize(results, args)
     return 0
 
 

@@ -53,14 +53,16 @@ def reference_pass(model: nn.Module, batches: Sequence[Any], objective: Callable
     return losses, {n: [tuple(r) for r in v] for n, v in seen.items()}
 
 
-def layer_alone(layer: nn.Module, records: list[tuple[torch.Tensor, ...]]
-           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def layer_alone(layer: nn.Module, records: list[tuple[torch.Tensor, ...]],
+                outputs: list[torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(output, weight gradient, input gradient) of ``layer`` on its recorded FP32 inputs, with the
     recorded FP32 output gradients flowing into it: the layer alone, everything around it exact.
     (Measured for the FP32 layer too, so a weight shared with another module, a tied head,
     compares like with like.) The layer's own ``forward`` runs, not its hooks: the recorded inputs
     are what reached ``forward``, after any pre-hook, so running a pre-hook again would apply it
-    twice."""
+    twice. ``outputs``, when given, receives each record's output as the layer returned it (its
+    dtype and shape), for the what-if report's loss pass to replay."""
     layer.zero_grad(set_to_none=True)
     outs, dxs = [], []
     with torch.enable_grad():
@@ -68,6 +70,8 @@ def layer_alone(layer: nn.Module, records: list[tuple[torch.Tensor, ...]]
             x = rec[0].detach().requires_grad_(len(rec) > 2)
             y = layer.forward(x)
             outs.append(y.detach().float().flatten())
+            if outputs is not None:
+                outputs.append(y.detach())
             if len(rec) > 2:
                 y.backward(rec[2].to(y.dtype))
                 dxs.append(x.grad.detach().float().flatten())

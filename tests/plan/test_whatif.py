@@ -156,3 +156,29 @@ def test_gpu_table_has_blackwell_fp4_peaks_and_hopper_refuses_fp4():
     assert [format_peak_kind(f) for f in ("nvfp4", "mxfp4", "mxfp8", "fp8-rowwise", "bf16", "fp32")] == \
         ["fp4", "fp4", "fp8", "fp8", "bf16", "fp32"]
     assert peak_kind(mp.Precision("nvfp4")) == "fp4" and peak_kind(mp.Precision("mxfp8")) == "fp8"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "fp8-tensorwise"])
+def test_replayed_layer_outputs_give_the_same_losses_as_running_the_layer(fmt):
+    # The loss pass reuses the variant's outputs on the recorded FP32 inputs (computed once for
+    # the SQNR) instead of running the variant again: the losses must be those of the layer run
+    # in place, bit for bit, and every call must have been replayed.
+    import copy
+    from mixprec.models.objective import make_objective
+    from mixprec.plan.measure import layer_alone, losses_with, reference_pass
+    from mixprec.plan.whatif import _Replay
+    torch.manual_seed(0)
+    net, batches = _Net(), _batches()
+    ref = copy.deepcopy(net)
+    mp.Precision("32-true").setup(ref)
+    objective = make_objective(ref, mp.Precision("32-true"), None)
+    _, records = reference_pass(ref, batches, objective, [OUTLIER], 0)
+    trial = copy.deepcopy(net)
+    mp.Precision("32-true", overrides=(("*", fmt),)).setup(trial)
+    variant = trial.get_submodule(OUTLIER)
+    raw: list[torch.Tensor] = []
+    layer_alone(variant, records[OUTLIER], raw)
+    replay = _Replay(variant, records[OUTLIER], raw)
+    assert losses_with(ref, OUTLIER, replay, batches, objective, 0) == \
+        losses_with(ref, OUTLIER, variant, batches, objective, 0)
+    assert replay.replayed == len(batches)
