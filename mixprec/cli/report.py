@@ -49,10 +49,19 @@ def _compare(args: argparse.Namespace) -> int:
     html_path = write_comparison(args.run_dir, args.out)
     rows = compare_summary([load_run(Path(d)) for d in args.run_dir])
     keys = list(rows[0])
-    print(" | ".join(keys))
+    # The table shows each mode by name (its whole description is listed under it), with columns
+    # aligned, so three runs read at a glance.
+    cells = [["-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
+              f"{r[k]:.4g}" if isinstance(r[k], float) else
+              str(r[k]).split(" (", 1)[0] if k == "precision" else str(r[k]) for k in keys]
+             for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    print(" | ".join(k.ljust(w) for k, w in zip(keys, widths)).rstrip())
+    for c in cells:
+        print(" | ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+    print("precision of each run:")
     for r in rows:
-        print(" | ".join("-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
-                         f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+        print(f"  {r['run']}: {r['precision']}")
     print(f"comparison: {html_path}")
     print(f"plots:      {html_path.parent}/compare_*.png")
     return 0

@@ -90,7 +90,8 @@ def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, l
     for r in runs:
         s = _series(r["rows"], key)
         if keep(s):
-            line, = ax.plot(list(s), list(s.values()), marker=style, ms=4, label=r["name"])
+            line, = ax.plot(list(s), list(s.values()), marker=style, ms=4, label=r["name"],
+                            color=r["colour"])
             mark_events(ax, r["events"], skips=False, colour=line.get_color(), run=r["name"])
     if not ax.lines:
         return None
@@ -99,6 +100,8 @@ def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, l
 
 
 def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
+    for i, r in enumerate(runs):            # one colour per run in every picture
+        r["colour"] = f"C{i % 10}"
     paths = [_overlay(runs, "loss", "train loss", "loss", out, "compare_loss.png"),
              _overlay(runs, "val_loss", "validation loss", "loss", out, "compare_val_loss.png",
                       style="o"),
@@ -110,7 +113,8 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         s = _series(r["rows"], "loss")
         common = sorted(set(s) & set(rs))
         if common:
-            ax.plot(common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"])
+            ax.plot(common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"],
+                    color=r["colour"])
     if ax.lines:
         ax.axhline(0, color="#888", lw=0.8)
         legend_below(ax)
@@ -120,7 +124,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for r in runs:
         s = _series(r["rows"], "skipped_total")
         if s and any(s.values()):
-            ax.step(list(s), list(s.values()), where="post", label=r["name"])
+            ax.step(list(s), list(s.values()), where="post", label=r["name"], color=r["colour"])
         counts += list(s.values())
     if counts:
         integer_count_axis(ax, counts)
@@ -131,7 +135,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for r in runs:
         steps, scale = scale_series(r["rows"], r["events"])
         if scale and any(v != 1 for v in scale):
-            ax.step(steps, scale, where="post", label=r["name"])
+            ax.step(steps, scale, where="post", label=r["name"], color=r["colour"])
     if ax.lines:
         ax.set_yscale("log", base=2)
         legend_below(ax)
@@ -142,7 +146,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
             n = len(r["layers"])
             share = [100 * sum(r["formats"][name][t].startswith("fp8") for name in r["layers"]) / n
                      for t in range(r["last"] + 1)]
-            ax.step(range(r["last"] + 1), share, where="post", label=r["name"])
+            ax.step(range(r["last"] + 1), share, where="post", label=r["name"], color=r["colour"])
     if any(max(line.get_ydata(), default=0) > 0 for line in ax.lines):   # no FP8 anywhere: no picture
         ax.set_ylim(-2, 102)
         legend_below(ax)

@@ -30,12 +30,17 @@ def test_report_overlays_runs_with_differences_against_the_first(tmp_path, capsy
                      eval_interval=2, ckpt_interval=0)
     assert main(["report", str(runs[0]), str(runs[1]), "-o", str(tmp_path / "cmp")]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith(("fp32 |", "fp8 |"))]
-    assert lines[0].split(" | ")[4] == "+0.00"                      # the reference against itself
+    lines = [line for line in out.splitlines() if line.startswith(("fp32 ", "fp8 "))]
+    header = out.splitlines()[0]
+    assert lines[0].split(" | ")[4].strip() == "+0.00"              # the reference against itself
     assert "1 fp8-tensorwise" in lines[1]                           # fc in FP8, the head not
-    # The whole description, which itself contains "; " (it was cut at the first one).
-    assert "32-true (p=f32,c=f32,o=f32,r=f32; master weights off" in lines[0]
-    assert "loss scaling off)" in lines[0]
+    # Columns line up (three runs read at a glance): every row's bars stand where the header's do.
+    bars = [i for i, ch in enumerate(header) if ch == "|"]
+    assert all([i for i, ch in enumerate(line) if ch == "|"] == bars for line in lines)
+    assert lines[0].split(" | ")[1].strip() == "32-true"           # the mode's name in the table,
+    # and its whole description under it (which itself contains "; ": it was once cut there).
+    assert "  fp32: 32-true (p=f32,c=f32,o=f32,r=f32; master weights off" in out
+    assert "loss scaling off)" in out
     page = (tmp_path / "cmp" / "compare.html").read_text()
     assert "fp8-tensorwise" in page and "val loss vs first at step 4 (%)" in page
     assert "final loss vs first&#x27;s final (%)" in page and "4 of 4 (complete)" in page

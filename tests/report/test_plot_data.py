@@ -95,6 +95,23 @@ def test_comparison_legends_are_short_and_outside_the_axes(tmp_path, drawn):
     assert saved.x0 <= box.x0 / fig.dpi and box.x1 / fig.dpi <= saved.x1
 
 
+def test_each_run_keeps_its_colour_in_every_comparison_picture(tmp_path, drawn):
+    """The relative-loss plot has no line for the reference, so its lines took the colour cycle
+    from the start: run b was orange in the loss plot and blue there."""
+    for name, final in (("a", 3.0), ("b", 3.1), ("c", 3.2)):
+        _run(tmp_path / name, steps=30, max_steps=30, final=final)
+    write_comparison([tmp_path / n for n in "abc"], tmp_path / "cmp")
+
+    def colours(png):
+        return {line.get_label(): line.get_color() for line in drawn[png].axes[0].get_lines()
+                if line.get_label() in "abc"}
+    loss = colours("compare_loss.png")
+    assert len(set(loss.values())) == 3
+    for png in ("compare_val_loss.png", "compare_lr.png", "compare_loss_relative.png"):
+        assert all(loss[run] == c for run, c in colours(png).items()), png
+    assert set(colours("compare_loss_relative.png")) == {"b", "c"}
+
+
 def test_skipped_count_axis_starts_at_zero_with_integer_ticks_or_says_none(tmp_path, drawn):
     for name in ("a", "b"):
         _run(tmp_path / name, steps=20, max_steps=20, final=3.0)
