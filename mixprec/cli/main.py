@@ -19,6 +19,7 @@ import importlib
 import signal
 import sys
 
+from mixprec import hints
 from mixprec.errors import MixprecError, RunInterrupted
 from mixprec.train.signals import Aborted, StopRequest
 
@@ -152,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             return getattr(e, "exit_code", 2)
         finally:
             signals.ending = True
+            # A caller that runs the CLI in-process (tests, notebooks) and then calls fit() gets
+            # Python hints again, not this command's shell ones or its run folder.
+            hints.from_command_line(False)
+            hints.set_run_dir(None)
 
 
 _OS_FIXES = {

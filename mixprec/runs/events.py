@@ -117,7 +117,7 @@ class RunEvents:
         reports = [(name, r) for name, r in (("fp8", fp8_report), ("micro", precision.micro_report))
                    if r is not None]
         full = lines + [f"{name}: {r}" for name, r in reports]
-        lines += [f"{name}: {str(r).splitlines()[0]}" for name, r in reports]
+        lines += [f"{name}: {str(r).partition(chr(10))[0]}" for name, r in reports]   # whole first line
         if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
             why = {n: w for _, r in reports for n, w in getattr(r, "skipped", [])}
             table = ["layer formats:", *(f"  {row}" + (f"  ({why[n]})" if n in why else "")

@@ -212,3 +212,19 @@ def test_a_resume_with_your_own_optimizer_keeps_its_learning_rates(tmp_path):
            run_dir=str(run), resume=True, **QUIET)
     assert [g["lr"] for g in opt.param_groups] == [3e-3, 1e-2]     # not fit()'s default lr
     assert set(metrics_lr(run).values()) == {3e-3}
+
+
+def test_fit_after_an_in_process_cli_run_gives_python_hints_again(tmp_path, capsys):
+    """The hints module remembered `mixprec train`'s command-line mode for the rest of the
+    process, so a fit() after an in-process CLI call (a notebook, the test suite) told a Python
+    user to run `mixprec train --resume` (found when files shared a test process)."""
+    from mixprec.cli.main import main
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world, some text to train on. " * 400)
+    assert main(["train", "model=tiny", f"data={corpus}", "seq_len=16", "batch_size=2", "max_steps=1",
+                 "eval_interval=0", "progress=false", "audit=false", f"run_dir={tmp_path / 'cli'}"]) == 0
+    run = tmp_path / "run"
+    _killed_before_its_first_save(run)
+    with pytest.raises(ConfigError) as err:
+        mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), **QUIET)
+    assert f"continue it with `fit(..., run_dir={str(run)!r}, resume=True)`" in str(err.value)
