@@ -23,7 +23,7 @@ from torch.autograd.profiler import record_function
 
 from mixprec import hints
 from mixprec.data.position import resumable
-from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged, excerpt
+from mixprec.errors import CheckpointError, ConfigError, RunInterrupted, TrainingDiverged, excerpt
 from mixprec.models.objective import add_tokens, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
@@ -391,6 +391,16 @@ class Trainer:
             None if resume is True else Path(resume))
         if folder is None or not (folder / "config.toml").is_file() or ckpt.list_checkpoints(folder):
             return False
+        # Saves are atomic (a temp folder renamed into place), so a step folder without its
+        # meta.json was damaged after it was written: the run did save. Starting over would
+        # replace its metrics and checkpoints; refuse and change nothing.
+        damaged = sorted(p.name for p in (folder / "checkpoints").glob("step-*") if p.is_dir()) \
+            if (folder / "checkpoints").is_dir() else []
+        if damaged:
+            raise CheckpointError(
+                f"{folder} holds checkpoint folder(s) {', '.join(damaged)} but none is complete "
+                f"({ckpt.META_FILE} missing): nothing was changed; restore the missing file, or pass "
+                f"{hints.overwrite()} to delete this run and start over")
         self._notes.append((f"{folder} holds no complete checkpoint (the run stopped before its first "
                             "save): starting it over from step 0 with these settings; its old "
                             "metrics and events are replaced", "restart"))

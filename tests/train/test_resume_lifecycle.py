@@ -228,3 +228,20 @@ def test_fit_after_an_in_process_cli_run_gives_python_hints_again(tmp_path, caps
     with pytest.raises(ConfigError) as err:
         mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), **QUIET)
     assert f"continue it with `fit(..., run_dir={str(run)!r}, resume=True)`" in str(err.value)
+
+
+def test_a_run_whose_only_checkpoint_lost_its_meta_is_refused_and_nothing_is_replaced(tmp_path):
+    """A finished run whose only checkpoint folder lost meta.json was 'started over from step 0'
+    on resume, replacing its metrics and checkpoint (found by a new-user trial)."""
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=4, run_dir=str(run), ckpt_interval=4, **QUIET)
+    (run / "checkpoints" / "step-00000004" / "meta.json").unlink()
+    metrics = (run / "metrics.csv").read_text()
+    from mixprec.errors import CheckpointError
+    with pytest.raises(CheckpointError) as err:
+        mp.fit(Regressor(), batches(), max_steps=6, run_dir=str(run), resume=True, **QUIET)
+    message = str(err.value)
+    assert "step-00000004" in message and "nothing was changed" in message and "\n" not in message
+    assert "overwrite=True" in message
+    assert (run / "metrics.csv").read_text() == metrics
+    assert (run / "checkpoints" / "step-00000004" / "model.safetensors").is_file()
