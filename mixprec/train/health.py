@@ -55,7 +55,10 @@ class RunHealth:
     def backing_off_message(*, init_scale: float, scale: float, skipped: int) -> str:
         return (f"the loss scale is still backing off from init_scale={init_scale:g} ({skipped} skipped "
                 f"steps, now {scale:g}) while the loss is finite: this is not divergence; lower "
-                f"init_scale (e.g. init_scale={max(scale, 1.0):g})")
+                f"init_scale (e.g. init_scale={min(max(scale, 1.0), 2.0 ** 16):g})")
+    # The scale it reached is what to suggest, but never above 2^16 (torch's and mixprec's
+    # default): from init_scale=1e30 the scale is still ~1e24 when the run is stopped, and
+    # following "init_scale=9.5e+23" failed again (found by a new-user trial).
 
 
 def seed_everything(seed: int) -> None:

@@ -25,3 +25,13 @@ def test_real_divergence_under_32_true_does_not_suggest_a_safer_precision(tmp_pa
     assert rc == 3, err[-2000:]
     line = next(line for line in err.splitlines() if line.startswith("mixprec: error:"))
     assert "training diverged" in line and "lower lr" in line and "safer precision" not in line
+
+
+def test_the_suggested_init_scale_is_never_above_the_default():
+    """Stopped while backing off from init_scale=1e30, the message suggested init_scale=9.53674e+23,
+    which fails again when followed."""
+    from mixprec.train.health import RunHealth as Guard
+    message = Guard.backing_off_message(init_scale=1e30, scale=9.53674e23, skipped=20)
+    assert message.endswith("(e.g. init_scale=65536)")
+    assert Guard.backing_off_message(init_scale=2.0 ** 20, scale=512.0, skipped=11).endswith(
+        "(e.g. init_scale=512)")
