@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="alternated rounds over the modes")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per mode per repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode before timing")
-    parser.add_argument("--clip", type=float, default=None, help="gradient clipping in mixprec modes")
+    parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this value in mixprec modes (default: no clipping)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-mode memory processes")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default: torch's); 1 is steadier on a shared machine")

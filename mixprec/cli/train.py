@@ -224,6 +224,9 @@ def build_run(cfg: TrainConfig):
         kwargs = {"grad_compression": cfg.grad_compression, "topk_ratio": cfg.topk_ratio}
     strategy = get_strategy(cfg.strategy, **kwargs)
     vocab = cfg.vocab_size
+    if cfg.val_data is not None and not Path(cfg.val_data).exists():
+        raise DataError(f"val_data path {cfg.val_data} does not exist; check the path (or omit "
+                        "val_data= to validate on a held-out part of the training data)")
     if cfg.data is None:
         corpus = builtin_corpus()
         train_ds = TokenDataset(corpus.train_path, cfg.seq_len, vocab_size=vocab)

@@ -62,7 +62,9 @@ class FitConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay (AdamW)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay (beta1)."""
     beta2: float = 0.95
+    """AdamW's second-moment decay (beta2; torch's AdamW defaults to 0.999)."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; the loss is divided by this number."""
     clip_grad_norm: float | None = 1.0
@@ -235,13 +237,17 @@ class TrainConfig(FitConfig):
     """With ``model=hf:PATH``: start from the weights of this local ``save_pretrained`` folder
     (safetensors) instead of a random init."""
     num_layers: int | None = None
+    """Transformer blocks; None = the model preset's."""
     d_model: int | None = None
+    """Model width; None = the model preset's."""
     num_heads: int | None = None
+    """Attention heads; None = the model preset's."""
     num_experts: int | None = None
     """MoE experts per MLP (0: dense)."""
     norm: str | None = None
     """``layernorm`` or ``rmsnorm``."""
     dropout: float | None = None
+    """Dropout probability; None = the model preset's."""
     gradient_checkpointing: bool = False
     """Recompute block activations in backward to save memory."""
     data: str | None = None
@@ -249,6 +255,7 @@ class TrainConfig(FitConfig):
     val_data: str | None = None
     """Validation data; None = a held-out split of ``data`` (``val_fraction``)."""
     val_fraction: float = 0.05
+    """Share of ``data`` held out for validation when ``val_data`` is not given."""
     seq_len: int = 128
     """Tokens per sample."""
     max_seq_len: int | None = None

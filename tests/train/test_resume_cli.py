@@ -104,8 +104,12 @@ def _resolve(*settings: str, resume: Path | None = None):
 def test_val_data_without_data_is_used_so_a_missing_file_is_refused():
     from mixprec.cli.train import build_run
     cfg, _, _ = _resolve("model=tiny", "val_data=/nope.txt")
-    with pytest.raises(DataError, match="/nope.txt does not exist"):
+    with pytest.raises(DataError, match="/nope.txt does not exist") as err:
         build_run(cfg)
+    # The way out it names is true: omitting val_data= validates on held-out training data (it
+    # said "omit it to use the built-in corpus", found by a new-user trial).
+    assert "omit val_data= to validate on a held-out part of the training data" in str(err.value)
+    assert "built-in corpus" not in str(err.value)
 
 
 @pytest.mark.parametrize("extra", [[], ["val_data=v.txt", "data=d.txt"]])
