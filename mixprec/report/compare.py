@@ -22,7 +22,7 @@ from mixprec.report.figures import (caption, figure, integer_count_axis, legend_
                                     save, scale_series)
 from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
-from mixprec.runs.read import read_run, run_progress
+from mixprec.runs.read import read_run, run_progress, run_scales_loss
 
 __all__ = ["write_comparison", "compare_summary", "load_run"]
 
@@ -74,7 +74,7 @@ def compare_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             counts[f] = counts.get(f, 0) + 1
         row.update({
             "skipped steps": totals[-1] if totals else 0,
-            "final loss scale": final(scales),
+            "final loss scale": None if run_scales_loss(r["config"]) is False else final(scales),
             "layer formats": ", ".join(f"{n} {f}" for f, n in counts.items()) or "-",
             "format switches": sum(e.get("kind") == "format" for e in r["events"]),
         })

@@ -27,7 +27,7 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.report.figures import (caption, figure, legend_below, mark_events, memory_label, save,
                                     scale_series, skip_events)
-from mixprec.runs.read import read_run_config, run_precision, run_progress, start_field
+from mixprec.runs.read import read_run_config, run_precision, run_progress, run_scales_loss, start_field
 from mixprec.runs.metrics import (METRICS_FILE, is_finite_number, read_events, read_metrics,
                                    read_numerics)
 
@@ -95,14 +95,7 @@ def _scaling_off(rows: list[dict[str, Any]], config: dict[str, Any]) -> bool:
     _, scale = _values(rows, "loss_scale")
     if scale and all(v == 1.0 for v in scale):
         return True
-    name = config.get("precision")
-    if isinstance(name, str) and name != "auto":
-        from mixprec.precision import Precision
-        try:
-            return not Precision(name).scales_loss
-        except ValueError:
-            return False
-    return False
+    return run_scales_loss(config) is False
 
 
 def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],

@@ -48,6 +48,19 @@ def run_precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str |
     return config.get("precision")
 
 
+def run_scales_loss(config: dict[str, Any]) -> bool | None:
+    """Whether the run's precision scales the loss (asked of ``Precision``); None when the
+    config does not name a mode that can be asked (``auto`` recorded unresolved, or unknown)."""
+    name = config.get("precision")
+    if not isinstance(name, str) or name == "auto":
+        return None
+    from mixprec.precision import Precision
+    try:
+        return Precision(name).scales_loss
+    except ValueError:
+        return None
+
+
 def run_progress(config: dict[str, Any], events: list[dict[str, Any]], last: int) -> str:
     """How far the run got, in words: ``60 of 60 (complete)``, ``320 of 2000 (stopped: ...)``,
     ``(diverged)``, or ``(incomplete: still running, or killed)`` when nothing recorded an end.
@@ -55,8 +68,10 @@ def run_progress(config: dict[str, Any], events: list[dict[str, Any]], last: int
     total = config.get("max_steps")
     ends = [e for e in events if e.get("kind") in ("interrupted", "diverged")
             and isinstance(e.get("step"), int) and e["step"] >= last]
-    head = f"{last} of {total}" if isinstance(total, int) else f"{last}"
-    if isinstance(total, int) and last >= total:
+    # A stop between two logged rows records the step it reached: that, not the last row's step.
+    reached = max([last, *(e["step"] for e in ends)])
+    head = f"{reached} of {total}" if isinstance(total, int) else f"{reached}"
+    if isinstance(total, int) and reached >= total:
         return f"{head} (complete)"
     if ends:                  # an end recorded at the last step (a resume past it trains on)
         end = ends[-1]

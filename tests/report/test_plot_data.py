@@ -3,6 +3,8 @@ the loss scale at every step it changed, skip markers where they overflowed, lab
 legends outside the curves, events marked, honest axes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from mixprec.report import compare, report
@@ -74,6 +76,15 @@ def test_comparison_says_what_it_compares_and_that_a_run_is_incomplete(tmp_path,
     assert ref["steps"] == "2000 of 2000 (complete)"
     assert short["steps"] == "320 of 2000 (incomplete: still running, or killed)"
     assert stop["steps"] == "400 of 2000 (stopped)"
+    # Stopped between two logged rows: the step it reached, not the last row's (it said 400).
+    _run(tmp_path / "mid", steps=400, max_steps=2000, final=3.1, log_interval=40)
+    with open(tmp_path / "mid" / "events.jsonl", "a") as f:          # the stop, between two rows
+        f.write(json.dumps({"kind": "interrupted", "step": 409, "message": "stopped by SIGINT"}) + "\n")
+    assert compare_summary([load_run(tmp_path / "mid")])[0]["steps"] == "409 of 2000 (stopped)"
+    # A mode without loss scaling shows no loss scale (it showed 1 for 32-true and bf16 runs).
+    _run(tmp_path / "fp32", steps=40, max_steps=40, final=3.0, precision="32-true")
+    fp32, fp16 = compare_summary([load_run(tmp_path / n) for n in ("fp32", "ref")])
+    assert fp32["final loss scale"] is None and fp16["final loss scale"] is not None
     one = report.summarize(load_run(tmp_path / "short")["rows"], [], {"max_steps": 2000})
     assert one["steps"] == "320 of 2000 (incomplete: still running, or killed)"
 
