@@ -192,6 +192,19 @@ class Trainer:
             # What a restore must not take from the checkpoint: this run's settings win.
             self._group_settings = [{k: g[k] for k in ("weight_decay", "betas") if k in g}
                                     for g in self.optimizer.param_groups]
+        if self._user_optimizer is not None:
+            kind = type(self._user_optimizer).__name__
+            self._notes.append((
+                f"optimizer: your {kind}, with its own settings (the lr/weight_decay/beta1/beta2 "
+                f"settings are not used; config.toml records the optimizer's)"
+                + ("" if self._user_scheduler is not None else
+                   f"; LR schedule: {cfg.warmup_steps} warm-up steps then cosine to "
+                   f"{cfg.min_lr_ratio:g}x over its LRs (pass lr_scheduler= for your own)"),
+                "optimizer"))
+        if self._user_scheduler is None and cfg.warmup_steps >= total_steps:
+            self._notes.append((f"warm-up ({cfg.warmup_steps} steps) is as long as the run ({total_steps} "
+                                f"steps): the LR never reaches its peak; set warmup_steps= below "
+                                f"{total_steps}", "schedule"))
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
             min_ratio=cfg.min_lr_ratio)
@@ -478,9 +491,15 @@ class Trainer:
         try:
             logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
             if main:  # the resolved precision ("auto" means something else on another machine)
-                resolved = dataclasses.replace(cfg, precision=self.precision.name)
+                resolved = dataclasses.replace(cfg, precision=self.precision.name,
+                                               **_optimizer_settings(self._user_optimizer))
+                mine = self._user_optimizer
+                used = ("" if mine is None else
+                        f"# optimizer: the caller's {type(mine).__name__}; lr, weight_decay and betas above are "
+                        f"its own where all its groups agree ({', '.join(_optimizer_settings(mine)) or 'none'}), "
+                        "the others were not used\n")
                 (self.run_dir / "config.toml").write_text(
-                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader))
+                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used)
         except OSError as e:
             fix = ("copy the run folder somewhere writable and resume from the copy" if resume else
                    "free some space or choose another run_dir=PATH")
@@ -666,6 +685,24 @@ class Trainer:
         model = self.strategy.unwrap(self.model)
         for batch in self.step_batches:
             self.batch_loss(model, batch)
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """The ``lr``/``weight_decay``/``beta1``/``beta2`` of a user's optimizer, for ``config.toml``
+    (what ran, not the unused defaults): each where every param group agrees on it."""
+    if optimizer is None:
+        return {}
+    groups = optimizer.param_groups
+    found: dict[str, float] = {}
+    for key, read in (("lr", lambda g: g.get("initial_lr", g.get("lr"))),
+                      ("weight_decay", lambda g: g.get("weight_decay", 0.0)),
+                      ("beta1", lambda g: (g.get("betas") or (None, None))[0]),
+                      ("beta2", lambda g: (g.get("betas") or (None, None))[1])):
+        values = {read(g) for g in groups}
+        if len(values) == 1 and isinstance(value := values.pop(), (int, float)) \
+                and not isinstance(value, bool):
+            found[key] = float(value)
+    return found
 
 
 def _what_fit_trained(cfg: FitConfig, model: nn.Module, loader: Any) -> str:

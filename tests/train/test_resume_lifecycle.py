@@ -245,3 +245,25 @@ def test_a_run_whose_only_checkpoint_lost_its_meta_is_refused_and_nothing_is_rep
     assert "overwrite=True" in message
     assert (run / "metrics.csv").read_text() == metrics
     assert (run / "checkpoints" / "step-00000004" / "model.safetensors").is_file()
+
+
+def test_a_callers_optimizer_is_recorded_as_it_ran_and_its_schedule_is_said(tmp_path, capsys):
+    """fit(optimizer=SGD(lr=0.05)) recorded lr = 0.001 and weight_decay = 0.1 (the unused
+    defaults) in config.toml, and wrapped the optimizer in warm-up + cosine without a word (found
+    by a new-user trial)."""
+    import tomllib
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    mp.fit(model, batches(), optimizer=opt, max_steps=4, warmup_steps=2, run_dir=str(tmp_path / "r"),
+           **QUIET)
+    saved = tomllib.loads((tmp_path / "r" / "config.toml").read_text())
+    assert saved["lr"] == 0.05 and saved["weight_decay"] == 0.0
+    assert "# optimizer: the caller's SGD" in (tmp_path / "r" / "config.toml").read_text()
+    err = capsys.readouterr().err
+    assert "optimizer: your SGD, with its own settings" in err
+    assert "LR schedule: 2 warm-up steps then cosine" in err and "warm-up (2 steps) is as long" not in err
+
+
+def test_a_warm_up_as_long_as_the_run_is_said(tmp_path, capsys):
+    mp.fit(Regressor(), batches(), max_steps=4, warmup_steps=20, run_dir=str(tmp_path / "r"), **QUIET)
+    assert "warm-up (20 steps) is as long as the run (4 steps)" in capsys.readouterr().err
