@@ -56,11 +56,13 @@ def get_strategy(name_or_obj=None, **kwargs):
         # one process MirroredStrategy is a single-device strategy anyway
         name = "mirrored" if read_env().distributed or kwargs else "single"
     classes = {"single": SingleDeviceStrategy, "mirrored": MirroredStrategy,
-               "ddp": MirroredStrategy, "fsdp": None}
+               "ddp": MirroredStrategy, "fsdp": "FSDPStrategy"}     # imported when asked for
     if name not in classes:
         raise ConfigError(f"unknown strategy {name_or_obj!r}; valid: {', '.join(STRATEGIES)}"
                           + closest(name, STRATEGIES))
-    cls = classes[name] or __getattr__("FSDPStrategy")
+    cls = classes[name]
+    if isinstance(cls, str):
+        cls = __getattr__(cls)
     if kwargs.get("grad_compression") not in (None, "none") and not cls.compresses_gradients:
         raise ConfigError(f"grad_compression={kwargs['grad_compression']} needs strategy=ddp (or auto): "
                           f"it is a DDP communication hook, and strategy={name} has none")

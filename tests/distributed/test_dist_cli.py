@@ -73,36 +73,49 @@ def test_torchrun_fsdp_bf16_mixed_trains_and_saves_full_weights(tmp_path):
     assert all(t.dtype == torch.float32 for t in weights.values())
 
 
+def _sigint_job(tmp_path: Path, run: Path, step: int, launcher: str, *, while_waiting=None):
+    """A 2-rank `mixprec train` under ``launcher`` (``torch.distributed.run`` or ``mixprec.launch``)
+    that both ranks hold before ``step``; then SIGINT to the launcher, as timeout/Ctrl-C do, and
+    the ranks go on to save. ``while_waiting(pids)`` runs while both ranks wait at the gate.
+    Returns (exit code, everything printed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+    from gated import GatedRun
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).resolve().parents[2].joinpath("README.md").read_text() * 4)
+    job = GatedRun(f"step:{step}", "model=tiny", f"data={corpus}", "seq_len=32", "batch_size=4",
+                   "max_steps=1000", "ckpt_interval=0", "log_interval=1", "eval_interval=0",
+                   "progress=false", "audit=false", f"run_dir={run}",
+                   launcher=("-m", launcher, "--nnodes=1", "--nproc_per_node=2",
+                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"))
+    try:
+        pids = {job.wait_for(f"GATE step:{step}").split("pid=")[1].strip() for _ in range(2)}
+        if while_waiting is not None:
+            while_waiting(pids)
+        job.signal(signal.SIGINT)
+        job.wait_for("finishing this step and saving a checkpoint")
+        job.release()
+        job.release()
+        return job.finish()
+    finally:
+        job.kill()
+
+
 def test_sigint_to_torchrun_saves_on_every_rank_and_says_how_to_resume_under_torchrun(tmp_path):
     """What `timeout -s INT torchrun ...` does: torchrun alone gets the signal (its workers run in
     sessions of their own) and forwards it; the workers save, exit 130, and rank 0 prints the
     torchrun resume command and the one line about torchrun's own traceback. While it trains, one
     rank holds the run folder's lock."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-    from gated import GatedRun
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(Path(__file__).resolve().parents[2].joinpath("README.md").read_text() * 4)
     run = tmp_path / "my run"
-    job = GatedRun("step:3", "model=tiny", f"data={corpus}", "seq_len=32", "batch_size=4",
-                   "max_steps=1000", "ckpt_interval=0", "log_interval=1", "eval_interval=0",
-                   "progress=false", "audit=false", f"run_dir={run}",
-                   launcher=("-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"))
-    try:
-        pids = {job.wait_for("GATE step:3").split("pid=")[1].strip() for _ in range(2)}
+
+    def lock_is_held_by_a_rank(pids):
         # Both ranks wait before step 3; one of them (rank 0) holds the run folder's lock.
         from mixprec.errors import ConfigError
         from mixprec.runs.lock import RunLock
         with pytest.raises(ConfigError, match="is in use by pid") as held:
             RunLock.acquire(run)
         assert str(held.value).split("in use by pid ")[1].split()[0] in pids
-        job.signal(signal.SIGINT)                    # to torchrun, as timeout/Ctrl-C do
-        job.wait_for("finishing this step and saving a checkpoint")
-        job.release()
-        job.release()
-        code, out = job.finish()
-    finally:
-        job.kill()
+
+    code, out = _sigint_job(tmp_path, run, 3, "torch.distributed.run", while_waiting=lock_is_held_by_a_rank)
     assert code != 0, out[-3000:]                   # torchrun's own status (1): see docs/distributed.md
     hint = shlex.join(["torchrun", "--nproc_per_node=2", "-m", "mixprec", "train", "--resume", str(run)])
     assert f"mixprec: stopped by SIGINT at step 3; checkpoint saved in " in out
@@ -115,26 +128,8 @@ def test_mixprec_launch_stopped_by_sigint_exits_130_in_one_line_with_its_own_res
     """`python -m mixprec.launch` is torchrun (same arguments, torch's launcher code) whose ending
     says what happened: after the workers saved it exits 130 with one line, where plain torchrun
     prints a SignalException traceback and exits 1 (the test above)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
-    from gated import GatedRun
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(Path(__file__).resolve().parents[2].joinpath("README.md").read_text() * 4)
     run = tmp_path / "run"
-    job = GatedRun("step:2", "model=tiny", f"data={corpus}", "seq_len=32", "batch_size=4",
-                   "max_steps=1000", "ckpt_interval=0", "log_interval=1", "eval_interval=0",
-                   "progress=false", "audit=false", f"run_dir={run}",
-                   launcher=("-m", "mixprec.launch", "--nnodes=1", "--nproc_per_node=2",
-                             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"))
-    try:
-        job.wait_for("GATE step:2")
-        job.wait_for("GATE step:2")
-        job.signal(signal.SIGINT)
-        job.wait_for("finishing this step and saving a checkpoint")
-        job.release()
-        job.release()
-        code, out = job.finish()
-    finally:
-        job.kill()
+    code, out = _sigint_job(tmp_path, run, 2, "mixprec.launch")
     assert code == 130, out[-3000:]
     assert "Traceback" not in out and "SignalException" not in out, out[-3000:]
     assert "mixprec.launch: stopped by SIGINT" in out
