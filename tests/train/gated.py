@@ -29,6 +29,7 @@ class GatedRun:
                                      stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
+        self.pending: list[str] = []        # further events found in a line already returned
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -37,7 +38,12 @@ class GatedRun:
         self.lines.put(None)
 
     def wait_for(self, text: str) -> str:
-        """Block until a line containing ``text`` arrives; return it."""
+        """Block until a line containing ``text`` arrives; return it from ``text`` on. Two
+        processes writing one pipe can run their lines together: each occurrence of ``text`` is
+        one event, and a later call returns the next one from the same line."""
+        for i, event in enumerate(self.pending):
+            if event.startswith(text):
+                return self.pending.pop(i)
         while True:
             try:
                 line = self.lines.get(timeout=EVENT_BOUND_S)
@@ -47,7 +53,9 @@ class GatedRun:
                 raise AssertionError(f"the worker ended before {text!r}:\n" + "".join(self.seen[-30:]))
             self.seen.append(line)
             if text in line:
-                return line
+                first, *more = [text + part for part in line.split(text)[1:]]
+                self.pending.extend(more)
+                return first
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)

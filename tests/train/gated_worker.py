@@ -22,7 +22,10 @@ import sys
 
 
 def gate(name: str) -> None:
-    print(f"GATE {name} pid={os.getpid()}", flush=True)
+    # One write(2) of the whole line: under torchrun every rank shares one pipe, and print()'s
+    # separate writes of text and newline let two ranks' lines run together into one.
+    sys.stdout.flush()
+    os.write(1, f"GATE {name} pid={os.getpid()}\n".encode())
     # One line, byte by byte from the file descriptor: under torchrun every rank shares the
     # launcher's stdin, and a buffered readline() could take both ranks' "go" lines at once.
     while os.read(0, 1) not in (b"\n", b""):
