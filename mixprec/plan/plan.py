@@ -52,6 +52,9 @@ class LayerMeasure:
     severity: dict[str, float] = field(default_factory=dict)
     """... and how far over its worst limit each is (> 1)."""
     chosen: str = "fp32"
+    current: str = "fp32"
+    """The format it computes in under the base mode, as the per-layer table says
+    (:meth:`mixprec.Precision.resolve`): the baseline of the plan's speed-up."""
 
     def sensitivity(self, fmt: str) -> tuple[int, float, float]:
         """The ranking key of ``fmt`` for this layer, larger = more sensitive: refused by a gate
@@ -88,7 +91,7 @@ class PrecisionPlan:
     step_time_fastest: float = 0.0
     """... with every layer in its fastest available candidate, ignoring the budget."""
     step_time_base: float = 0.0
-    """... with every layer in the base mode's own format."""
+    """... with every layer in the format the base mode runs it in (its ``current``)."""
     base_format: str = "fp32"
     """The base mode's own Linear format (``bf16`` under ``bf16-mixed``)."""
     spent: float = 0.0
@@ -146,7 +149,7 @@ class PrecisionPlan:
                           layers=[_finite(asdict(m)) for m in self.layers])
 
     def speedup(self) -> float:
-        """Predicted Linear-GEMM speed-up of the plan over every Linear in the base format."""
+        """Predicted Linear-GEMM speed-up of the plan over the base mode as it runs each Linear."""
         return self.step_time_base / self.step_time if self.step_time else 1.0
 
     def tradeoff(self) -> str:
@@ -154,7 +157,7 @@ class PrecisionPlan:
         where = "this machine" if self.target == "measure" else self.target
         held = (f"{100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens, "
                 if self.measured_heldout is not None else "")
-        return (f"predicted {self.speedup():.2f}x faster Linear GEMMs than all-{self.base_format} on "
+        return (f"predicted {self.speedup():.2f}x faster Linear GEMMs than {self.base} on "
                 f"{where}, for a measured loss change of {held}{100 * self.measured_calibration:.3g}% "
                 f"on {self.calibration_tokens} calibration tokens (budget {100 * self.budget:.3g}%)")
 
@@ -358,6 +361,6 @@ def update_times(plan: PrecisionPlan) -> None:
     plan.step_time = sum(t(m, m.chosen) for m in plan.layers)
     plan.step_time_fp32 = sum(t(m, "fp32") for m in plan.layers)
     base = plan.base_format if plan.base_format in thr else "fp32"
-    plan.step_time_base = sum(t(m, base) for m in plan.layers)
+    plan.step_time_base = sum(t(m, m.current if m.current in thr else base) for m in plan.layers)
     plan.step_time_fastest = sum(min(t(m, f) for f in thr if f in m.loss_change and f not in m.risky)
                                  for m in plan.layers)

@@ -66,7 +66,8 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
-from mixprec.plan.measure import layer_alone, linear_names, losses_with, reference_pass
+from mixprec.plan.measure import (format_variants, layer_alone, losses_with, planned_layers,
+                                  reference_pass)
 from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB, apply_gates
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
 from mixprec.plan.verify import enforce_budget, forward_losses, fp32_copy
@@ -185,27 +186,19 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
-    names = linear_names(ref_model, layers)
+    planned = planned_layers(base_precision, model, layers)
+    names = planned.names
+    if not names:
+        raise ConfigError("the model has no Linear layer to plan: "
+                          + ("; ".join(planned.notes) or "it has no nn.Linear"))
+    notes += planned.notes
     ref_losses, records = reference_pass(ref_model, calib, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
-    # One copy per format with every eligible Linear in that format (the FP8 rules refuse some):
-    # each trial swaps one of its layers into the FP32 model.
-    variants: dict[str, nn.Module] = {}
-    refused: dict[str, dict[str, str]] = {}
-    for f in cands:
-        if f == "fp32":
-            continue
-        trial = fp32_copy(model)
-        prec = Precision("32-true", device=device, overrides=(("*", f),))
-        prec.setup(trial)
-        trial.train()
-        variants[f] = trial
-        why = {n: r for rep in (prec.fp8_report, prec.micro_report) if rep is not None
-               for n, r in rep.skipped}
-        refused[f] = {n: why.get(n, f"runs {got}") for n, got in prec.layer_formats.items() if got != f}
+    variants, refused = format_variants(model, [f for f in cands if f != "fp32"], device)
 
     mods = dict(ref_model.named_modules())
-    measures = [LayerMeasure(n, 6 * mods[n].in_features * mods[n].out_features) for n in names]
+    measures = [LayerMeasure(n, 6 * mods[n].in_features * mods[n].out_features,
+                             current=planned.current[n]) for n in names]
     total = sum(m.flops_per_token for m in measures)
     for m in measures:
         m.flops_share = m.flops_per_token / total

@@ -28,7 +28,6 @@ FP8 GPU), so the answer does not need the target hardware; the speed-ups are the
 """
 from __future__ import annotations
 
-import copy
 import csv
 import math
 import time
@@ -43,7 +42,9 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
-from mixprec.plan.measure import layer_alone, linear_names, losses_with, reference_pass
+from mixprec.plan.measure import (format_variants, layer_alone, losses_with, planned_layers,
+                                  reference_pass)
+from mixprec.plan.verify import fp32_copy
 from mixprec.policy.overrides import is_micro, parse_format
 
 __all__ = ["what_if", "WhatIfReport", "WhatIfRow", "FormatCell", "WHATIF_FORMATS"]
@@ -329,27 +330,18 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     say = progress or (lambda s: None)
 
-    ref_model = copy.deepcopy(model)
+    ref_model = fp32_copy(model)
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
-    if not linear_names(ref_model):
-        raise ConfigError("the model has no nn.Linear layer to ask about")
-    names = linear_names(ref_model, layers)
+    planned = planned_layers(Precision("32-true", device=device), model, layers)
+    names = planned.names
+    if not names:
+        raise ConfigError("the model has no Linear layer to ask about: "
+                          + ("; ".join(planned.notes) or "it has no nn.Linear"))
     ref_losses, records = reference_pass(ref_model, batches, objective, names, seed)
     ref_loss = sum(ref_losses) / len(ref_losses)
-
-    variants: dict[str, nn.Module] = {}
-    refused: dict[str, dict[str, str]] = {}
-    for f in fmts:
-        trial = copy.deepcopy(model)
-        prec = Precision("32-true", device=device, overrides=(("*", f),))
-        prec.setup(trial)
-        trial.train()
-        variants[f] = trial
-        why = {n: r for rep in (prec.fp8_report, prec.micro_report) if rep is not None
-               for n, r in rep.skipped}
-        refused[f] = {n: why.get(n, f"runs {got}") for n, got in prec.layer_formats.items() if got != f}
+    variants, refused = format_variants(model, fmts, device)
 
     mods = dict(ref_model.named_modules())
     rows = [WhatIfRow(n, 6 * mods[n].in_features * mods[n].out_features) for n in names]
@@ -381,8 +373,9 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
         safe = [f for f in fmts if row.cells[f].available and row.cells[f].safe]
         row.choice = max(safe, key=lambda f: (row.cells[f].speedup, row.cells[f].sqnr_out)) if safe else "fp32"
 
-    report = WhatIfReport(rows=rows, formats=fmts, gpu=spec.name, tolerance=tolerance, loss=ref_loss)
-    chosen = copy.deepcopy(model)
+    report = WhatIfReport(rows=rows, formats=fmts, gpu=spec.name, tolerance=tolerance, loss=ref_loss,
+                          notes=list(planned.notes))
+    chosen = fp32_copy(model)
     Precision("32-true", device=device, overrides=report.overrides).setup(chosen)
     chosen.train()
     with torch.no_grad(), torch.random.fork_rng(devices=[]):

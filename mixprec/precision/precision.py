@@ -382,7 +382,8 @@ class Precision:
             keep = self.keep_fp32_reason(name, module)
             why = [f"kept FP32: {keep}"] if keep else []
             storage = _F32 if keep else self.param_dtype
-            if rules.is_gemm_layer(module):
+            per_layer = rules.is_gemm_layer(module)
+            if per_layer:
                 compute = self.format_for(name, module)
                 asked = self.requested_format(name)
                 if self.policy.override_for(name):
@@ -407,7 +408,8 @@ class Precision:
             rows.append(LayerRow(name=name, type=type(module).__name__, kind=kind,
                                  params=sum(p.numel() for p in own), storage=storage, compute=compute,
                                  fp32_island=keep is not None, master=master,
-                                 why="; ".join(why) or "the mode"))
+                                 why="; ".join(why) or "the mode",
+                                 per_layer=per_layer))
         return LayerTable(self.name, tuple(rows))
 
     def master_params(self, model: nn.Module) -> list[torch.Tensor]:

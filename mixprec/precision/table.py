@@ -41,6 +41,9 @@ class LayerRow:
     """Its parameters are updated through FP32 master copies."""
     why: str
     """The reasons, for a reader."""
+    per_layer: bool = False
+    """It takes a per-layer compute format (the rule book's ``is_gemm_layer``: a Linear or a
+    Hugging Face ``Conv1D``)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,18 @@ class LayerTable:
     def islands(self) -> list[str]:
         """Names of the modules kept in FP32."""
         return [r.name for r in self.rows if r.fp32_island]
+
+    @property
+    def formats(self) -> dict[str, str]:
+        """Layers that take a per-layer format and are not kept in FP32 -> the format each
+        computes in: what a planner may choose for (``mixprec plan``, ``what_if``)."""
+        return {r.name: r.compute for r in self.rows if r.per_layer and not r.fp32_island}
+
+    @property
+    def kept_fp32(self) -> dict[str, str]:
+        """Layers that would take a per-layer format but are kept in FP32 -> why (a gate, a
+        ``keep_in_fp32`` tag, ``keep_fp32_names``, a per-layer ``fp32``): no planner touches them."""
+        return {r.name: r.why for r in self.rows if r.per_layer and r.fp32_island}
 
     def __str__(self) -> str:
         head = ("module", "type", "kind", "params", "storage", "compute", "fp32", "master", "why")
