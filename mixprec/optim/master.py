@@ -34,6 +34,10 @@ coefficient are deferred into that widening (``deferred_grads()``, used by mixpr
 ``clip_grad_norm_``). ``master_grads()`` still works for other callers (``torch.amp.GradScaler``):
 it widens everything for that step, as before. Gradient accumulation is unchanged: autograd sums
 the micro-batches into the BF16 ``.grad``, exactly as with full masters.
+
+Where the rest lives: the split-master step in :mod:`mixprec.optim.split` (``SplitSteps``), saving
+and loading in :mod:`mixprec.optim.master_state` (``MasterState``); both are mixins of
+:class:`MasterWeights`, which holds the bookkeeping they read.
 """
 from __future__ import annotations
 
@@ -46,12 +50,11 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mixprec.optim import registry, split as _split
+from mixprec.optim.master_state import MasterState
 from mixprec.optim.split import SplitSteps, resolve_split
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.errors import ConfigError
 
 __all__ = ["MasterWeights"]
-
-_STATE_KEY = "master_weights"
 
 
 def _normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -74,7 +77,7 @@ def _normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> li
     return out
 
 
-class MasterWeights(SplitSteps, torch.optim.Optimizer):
+class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
     """Step any ``torch.optim`` optimizer on FP32 masters of low-precision model parameters.
 
     Args:
@@ -384,78 +387,6 @@ class MasterWeights(SplitSteps, torch.optim.Optimizer):
         if grads:
             with torch.no_grad():
                 torch._foreach_zero_(grads)
-
-    @torch.no_grad()
-    def sync_masters_from_model(self) -> None:
-        """Overwrite the masters with the model params (after loading model weights only)."""
-        full = [(m, p) for p, m in zip(self._model_params, self._masters) if not self._is_split(m)]
-        if full:
-            torch._foreach_copy_([m for m, _ in full], [p for _, p in full])
-        for m in self._masters:
-            if self._is_split(m):
-                self._lo[id(m)].zero_()
-                self._ties[id(m)] = _split.empty_ties(m.device)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus the masters (by flat param index), in FP32.
-
-        Like torch's, the returned tensors are references, not copies (split masters are joined
-        into fresh FP32 tensors, so the file is the same with and without split masters). Everything
-        in it loads with ``torch.load(..., weights_only=True)``.
-        """
-        sd = self._inner.state_dict()
-        index = {id(p): i for i, p in enumerate(self._all_model_params)}
-        sd[_STATE_KEY] = {
-            "dtype": str(self.master_dtype).removeprefix("torch."),
-            "index": [index[id(p)] for p in self._model_params],
-            "tensors": self.masters,
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the inner state and the masters, and round the masters into the model params.
-
-        A plain torch optimizer state dict (no masters in it) also loads: the masters are then
-        left as they are (call ``sync_masters_from_model()`` after loading the model weights).
-        """
-        sd = dict(state_dict)
-        saved = sd.pop(_STATE_KEY, None)
-        self.zero_grad()
-        try:
-            self._inner.load_state_dict(sd)
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"optimizer state does not match this optimizer ({exc}); load it into "
-                                  "an optimizer built over the same parameters in the same order") from None
-        self._alias_inner()
-        self._grads_ready = False
-        if saved is None:
-            return
-        n = len(self._all_model_params)
-        tensors, index = saved["tensors"], saved["index"]
-        if len(tensors) != len(index) or any(not 0 <= i < n for i in index):
-            raise CheckpointError("the saved master weights index params this optimizer does not have; "
-                                  "load the checkpoint into an optimizer over the same model")
-        dst_masters, src, model_params = [], [], []
-        with torch.no_grad():
-            for i, t in zip(index, tensors):
-                p = self._all_model_params[i]
-                if t.shape != p.shape:
-                    raise CheckpointError(f"saved master #{i} has shape {tuple(t.shape)} but the param has "
-                                          f"{tuple(p.shape)}; load the checkpoint into the same model architecture")
-                m = self._master_of[id(p)]
-                if self._is_split(m):
-                    w = t.to(device=p.device, dtype=torch.float32, copy=True)
-                    self._ties[id(m)] = _split.split_(w, p.data, self._lo[id(m)])
-                    continue
-                dst_masters.append(m)
-                src.append(t)
-                if m is not p:
-                    model_params.append(p)
-            if not dst_masters:
-                return
-            torch._foreach_copy_(dst_masters, src)
-            if model_params:
-                torch._foreach_copy_(model_params, [self._master_of[id(p)] for p in model_params])
 
     def __repr__(self) -> str:
         kind = f"{len(self._lo)} split" if self._lo else str(len(self._masters))
