@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB
+from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, is_micro, write_plan
 from mixprec.precision import Precision
 
@@ -166,32 +167,16 @@ class PrecisionPlan:
         gradient), the flushed share, the measured single-layer and the estimated loss change;
         the choice; then the whole plan: estimated and measured (calibration, held-out)."""
         fmts = [f for f in self._formats() if f != "fp32"]
-        w = max([22] + [len(m.name) for m in self.layers])     # Hugging Face names run long
-        cw = 42
-        head = f"{'layer':<{w}} {'flops':>6} " + " ".join(f"{_short(f):>{cw}}" for f in fmts) + "  chosen"
-        sub = f"{'':<{w}} {'share':>6} " + " ".join(
-            f"{'sqnr o/dx/dw dB flush% dloss% meas/est':>{cw}}" for _ in fmts)
-        lines = [head, sub]
-        for m in self.layers:
-            cells = []
-            for f in fmts:
-                if f in m.unavailable:
-                    cells.append(f"{'n/a':>{cw}}")
-                else:
-                    flush = 100 * max(m.flush_in.get(f, 0.0), m.flush_grad.get(f, 0.0))
-                    mark = "!" if f in m.risky else " "
-                    cells.append(f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_dgrad.get(f, float('nan')):>5.1f}/"
-                                 f"{m.sqnr_grad[f]:>5.1f} {flush:>6.2g}{mark}"
-                                 f"{100 * m.loss_change[f]:>8.2g}/{100 * m.loss_change_est[f]:<8.2g}")
-            lines.append(f"{m.name:<{w}} {100 * m.flops_share:>5.1f}% " + " ".join(cells) + f"  {m.chosen}")
-        counts: dict[str, int] = {}
-        for m in self.layers:
-            counts[m.chosen] = counts.get(m.chosen, 0) + 1
+        rows = [GridRow(name=m.name, lead=f"{100 * m.flops_share:.1f}%", choice=m.chosen,
+                        cells=[None if f in m.unavailable else _cell(m, f) for f in fmts])
+                for m in self.layers]
+        lines = layer_grid(rows, [_short(f) for f in fmts], what="sqnr o/dx/dw dB flush% dloss% meas/est",
+                           width=42, lead=("flops", "share"), name_width=22)  # HF names run long
         if any(m.risky for m in self.layers):
             lines.append(f"! refused by the sensitivity gates (an SQNR below {self.min_sqnr_db:g} dB or "
                          f"an output SQNR {self.max_sqnr_drop_db:g} dB below the other layers', or over "
                          f"{100 * self.max_flush:g}% flushed)")
-        lines.append(f"plan: {', '.join(f'{n} {f}' for f, n in counts.items())}; base {self.base}")
+        lines.append(f"plan: {format_counts(m.chosen for m in self.layers)}; base {self.base}")
         held = (f", measured {100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens"
                 if self.measured_heldout is not None else ", no held-out batch")
         lines.append(f"whole-plan loss change (% of {self.loss:.4f}): estimated "
@@ -247,6 +232,14 @@ class PrecisionPlan:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=100, bbox_inches="tight")
         return path
+
+
+def _cell(m: LayerMeasure, f: str) -> str:
+    """SQNRs out/dgrad/wgrad, the flushed share (``!``: refused by a gate), measured/estimated change."""
+    flush = 100 * max(m.flush_in.get(f, 0.0), m.flush_grad.get(f, 0.0))
+    mark = "!" if f in m.risky else " "
+    return (f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_dgrad.get(f, float('nan')):>5.1f}/{m.sqnr_grad[f]:>5.1f} "
+            f"{flush:>6.2g}{mark}{100 * m.loss_change[f]:>8.2g}/{100 * m.loss_change_est[f]:<8.2g}")
 
 
 def _short(fmt: str) -> str:

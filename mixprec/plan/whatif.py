@@ -42,6 +42,7 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
+from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.plan.measure import (format_variants, layer_alone, losses_with, planned_layers,
                                   reference_pass)
 from mixprec.plan.verify import fp32_copy
@@ -107,28 +108,12 @@ class WhatIfReport:
         return tuple((r.name, r.choice) for r in self.rows)
 
     def table(self) -> str:
-        w = max([12] + [len(r.name) for r in self.rows])
-        cw = 33
-        head = f"{'layer':<{w}} " + " ".join(f"{f:^{cw}}" for f in self.formats) + "  choice"
-        sub = f"{'':<{w}} " + " ".join(f"{'sqnr o/g dB  uf/sat %  dloss %  x':^{cw}}"
-                                          for _ in self.formats)
-        lines = [head, sub]
-        for r in self.rows:
-            cells = []
-            for f in self.formats:
-                c = r.cells[f]
-                if not c.available:
-                    cells.append(f"{'n/a':^{cw}}")
-                    continue
-                mark = " " if c.safe else "!"
-                cells.append(f"{c.sqnr_out:>4.1f}/{c.sqnr_grad:<4.1f} {100 * c.underflow:>4.1f}/"
-                             f"{100 * c.saturation:<4.1f} {100 * c.loss_change:>7.3f}{mark}"
-                             f"{c.speedup:>4.1f}")
-            lines.append(f"{r.name:<{w}} " + " ".join(f"{c:^{cw}}" for c in cells) + f"  {r.choice}")
-        counts: dict[str, int] = {}
-        for r in self.rows:
-            counts[r.choice] = counts.get(r.choice, 0) + 1
-        lines.append(f"choice: {', '.join(f'{n} {f}' for f, n in counts.items())}; measured loss change "
+        rows = [GridRow(name=r.name, choice=r.choice,
+                        cells=[_cell(r.cells[f]) if r.cells[f].available else None for f in self.formats])
+                for r in self.rows]
+        lines = layer_grid(rows, self.formats, what="sqnr o/g dB  uf/sat %  dloss %  x", width=33,
+                           align="^", choice="choice")
+        lines.append(f"choice: {format_counts(r.choice for r in self.rows)}; measured loss change "
                      f"of the whole choice {100 * self.choice_loss_change:.3f}% of {self.loss:.4f}; "
                      f"projected GEMM speed-up over bf16 on {self.gpu} {self.choice_speedup:.2f}x; "
                      f"'!' = unsafe (loss change above {100 * self.tolerance:.3g}%); took "
@@ -208,6 +193,13 @@ class WhatIfReport:
         p.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(p, dpi=110)
         return p
+
+
+def _cell(c: FormatCell) -> str:
+    """SQNRs out/grad, underflow/saturation, loss change (``!``: unsafe), projected speed-up."""
+    mark = " " if c.safe else "!"
+    return (f"{c.sqnr_out:>4.1f}/{c.sqnr_grad:<4.1f} {100 * c.underflow:>4.1f}/{100 * c.saturation:<4.1f} "
+            f"{100 * c.loss_change:>7.3f}{mark}{c.speedup:>4.1f}")
 
 
 def _speedup_label(rows: list[WhatIfRow], fmt: str) -> str:

@@ -12,34 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from dist_harness import run_distributed
+from guard_nets import Net, loader
 
 pytestmark = pytest.mark.distributed
 
 OUTLIER = "blocks.0.proj"
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int = 32, h: int = 64) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, h)
-        self.proj = nn.Linear(h, d)
-
-    def forward(self, x):
-        return x + self.proj(F.gelu(self.fc(self.norm(x))))
-
-
-class RankOneFaults(nn.Module):
+class RankOneFaults(Net):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(256, 32)
-        self.blocks = nn.ModuleList(_Block() for _ in range(2))
-        self.head = nn.Linear(32, 256)
         self.calls = 0
         boost = torch.ones(64)
         boost[[3, 40]] = 1e5
@@ -51,10 +35,7 @@ class RankOneFaults(nn.Module):
         self.blocks[0].proj.register_forward_pre_hook(outliers)
 
     def forward(self, idx, targets):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        loss = F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+        loss = super().forward(idx, targets)
         if torch.is_grad_enabled():          # a training step (the guard's replays run no_grad)
             self.calls += 1
             if self.calls == 7 and torch.distributed.get_rank() == 1:
@@ -66,9 +47,7 @@ def fit_job(rank: int, run_dir: str) -> dict:
     from mixprec.strategies import MirroredStrategy
     from mixprec.train import Trainer
 
-    g = torch.Generator().manual_seed(rank)
-    xs = [torch.randint(0, 256, (4, 16), generator=g) for _ in range(12)]
-    data = [(x, (7 * x + 3) % 256) for x in xs]
+    data = loader(seed=rank)
     trainer = Trainer(RankOneFaults(), strategy=MirroredStrategy(), mixed_precision="fp8-tensorwise",
                       max_steps=10, run_dir=run_dir, progress=False, audit=False, guard=True,
                       guard_every=2, guard_window=3, ckpt_interval=0, log_interval=1, lr=1e-3)

@@ -5,41 +5,15 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import mixprec as mp
 from mixprec.errors import ConfigError, TrainingDiverged
 from mixprec.formats import Fp8Linear
 from mixprec.plan.guard import GuardConfig, StepOutcome, TrainingGuard
 
+from guard_nets import Net as _Net, loader as _loader
+
 FAULTY = "blocks.1.fc"
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int = 32, h: int = 64) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, h)
-        self.proj = nn.Linear(h, d)
-
-    def forward(self, x):
-        return x + self.proj(F.gelu(self.fc(self.norm(x))))
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(256, 32)
-        self.blocks = nn.ModuleList(_Block() for _ in range(2))
-        self.head = nn.Linear(32, 256)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
 def _faulty_net(fails_in: str) -> _Net:
@@ -52,12 +26,6 @@ def _faulty_net(fails_in: str) -> _Net:
             return torch.full_like(output, float("nan"))
     net.get_submodule(FAULTY).register_forward_hook(fault)
     return net
-
-
-def _loader():
-    g = torch.Generator().manual_seed(0)
-    xs = [torch.randint(0, 256, (4, 16), generator=g) for _ in range(12)]
-    return [(x, (7 * x + 3) % 256) for x in xs]
 
 
 def _events(run):
