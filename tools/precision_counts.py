@@ -7,7 +7,10 @@
 * **import circles** and **upward imports**: ``tests/test_layers.py``'s own checks;
 * **files visited** (``--visits``): distinct mixprec files whose Python functions run while
   ``sys.setprofile`` watches one ``fit(Transformer tiny, precision="bf16-true", max_steps=1)``
-  (the whole fit, run folder included), and the distinct upward call edges among them.
+  (the whole fit, run folder included), and the distinct upward call edges among them;
+  **during one step only**: the same, counted only inside the second ``Trainer.train_step`` of a
+  ``max_steps=2`` fit (the path of a parameter through one step, after the first step's one-time
+  work); ``--list`` prints those files and edges.
 
 ``ROOT`` is a checkout's directory holding ``mixprec/`` (default: this one), so an older commit
 can be measured from ``git archive <commit> mixprec tests | tar -x -C DIR``.
@@ -53,15 +56,18 @@ def layer_counts(root: Path) -> tuple[int, int]:
     return len(circles), len(tl.violations(root / "mixprec"))
 
 
-def visits() -> tuple[int, int, int]:
-    """(files, rooms, upward call edges) while one bf16-true step of fit() runs (the mixprec that
-    ``import mixprec`` finds). An upward call edge is a distinct (caller file, callee file) pair
-    where a room calls into a room above it in tests/test_layers.py's order (a callback the
-    caller was handed, a lazy import's function)."""
+def visits(step_only: bool = False) -> tuple[int, int, int, list[str], list[tuple[str, str]]]:
+    """(files, rooms, upward call edges, the files, the edges) while one bf16-true ``fit()`` runs
+    (the mixprec that ``import mixprec`` finds): the whole ``max_steps=1`` fit, or
+    (``step_only``) only the second ``Trainer.train_step`` of a ``max_steps=2`` fit. An upward
+    call edge is a distinct (caller file, callee file) pair where a room calls into a room above
+    it in tests/test_layers.py's order (a callback the caller was handed, a lazy import's
+    function)."""
     import tempfile
 
     import torch
     import mixprec as mp
+    from mixprec.train.trainer import Trainer
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from test_layers import ORDER
     pkg = Path(mp.__file__).parent
@@ -79,9 +85,17 @@ def visits() -> tuple[int, int, int]:
     loader = [(x[:, :-1], x[:, 1:]) for x in data]
     seen: set[str] = set()
     upward: set[tuple[str, str]] = set()
+    step_code = Trainer.train_step.__code__
+    steps = {"entered": 0, "inside": not step_only}
 
     def prof(frame, event, arg):
-        if event != "call":
+        if step_only and frame.f_code is step_code:
+            if event == "call":
+                steps["entered"] += 1
+                steps["inside"] = steps["entered"] == 2
+            elif event == "return":
+                steps["inside"] = False
+        if event != "call" or not steps["inside"]:
             return
         f = frame.f_code.co_filename
         if not f.startswith(str(pkg)):
@@ -96,12 +110,15 @@ def visits() -> tuple[int, int, int]:
     with tempfile.TemporaryDirectory() as tmp:
         sys.setprofile(prof)
         try:
-            mp.fit(model, loader, precision="bf16-true", max_steps=1, run_dir=tmp, progress=False,
-                   ckpt_interval=0)
+            mp.fit(model, loader, precision="bf16-true", max_steps=2 if step_only else 1, run_dir=tmp,
+                   progress=False, ckpt_interval=0)
         finally:
             sys.setprofile(None)
-    rooms = {Path(f).relative_to(pkg).parts[0] for f in seen}
-    return len(seen), len(rooms), len(upward)
+    rel = sorted(Path(f).relative_to(pkg).as_posix() for f in seen)
+    rooms = {Path(f).parts[0] for f in rel}
+    edges = sorted((Path(a).relative_to(pkg).as_posix(), Path(b).relative_to(pkg).as_posix())
+                   for a, b in upward)
+    return len(seen), len(rooms), len(upward), rel, edges
 
 
 def main(argv: list[str]) -> None:
@@ -114,9 +131,15 @@ def main(argv: list[str]) -> None:
     circles, upward = layer_counts(root)
     print(f"import circles (beyond the allowed one): {circles}; upward imports: {upward}")
     if "--visits" in argv:
-        n, rooms, turns = visits()
-        print(f"fit(tiny, bf16-true, max_steps=1): {n} mixprec files visited in {rooms} rooms; "
-              f"{turns} upward call edges (caller file -> callee file in a room above)")
+        for step_only, what in ((False, "fit(tiny, bf16-true, max_steps=1)"),
+                                (True, "during one step only (the 2nd train_step)")):
+            n, rooms, turns, files, edges = visits(step_only)
+            print(f"{what}: {n} mixprec files visited in {rooms} rooms; {turns} upward call edges "
+                  "(caller file -> callee file in a room above)")
+            if "--list" in argv:
+                print("  files: " + ", ".join(files))
+                for a, b in edges:
+                    print(f"  upward: {a} -> {b}")
 
 
 if __name__ == "__main__":
