@@ -186,7 +186,13 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     Precision("32-true", device=device).setup(ref_model)
     ref_model.train()
     objective = make_objective(ref_model, Precision("32-true", device=device), loss_fn)
-    planned = planned_layers(base_precision, model, layers)
+    # The plan replaces the base's own per-layer overrides (a base given as plan:PATH): candidates
+    # and current formats are those of the base mode alone.
+    if base_precision.policy.overrides:
+        notes.append(f"the base's {len(base_precision.policy.overrides)} per-layer overrides are "
+                     f"replaced by this plan's")
+    planned = planned_layers(Precision(base_precision.policy.replace(overrides=()), device=device),
+                             model, layers)
     names = planned.names
     if not names:
         raise ConfigError("the model has no Linear layer to plan: "

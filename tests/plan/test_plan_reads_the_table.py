@@ -69,3 +69,12 @@ def test_the_what_if_asks_about_the_same_layers():
     report = mp.what_if(model, _batches(), formats=("bf16",), gpu="H100")
     assert [r.name for r in report.rows] == list(mp.Precision("32-true").resolve(model).formats)
     assert any(n.startswith("kept in FP32, not planned: gating") for n in report.notes)
+
+
+def test_a_base_plans_fp32_override_does_not_hide_a_layer_from_the_new_plan(tmp_path):
+    from mixprec.policy.overrides import write_plan
+    old = write_plan(tmp_path / "old.toml", "bf16-mixed", (("fc", "fp32"),))
+    plan = mp.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), base=f"plan:{old}",
+                             target="H100", seed=0)
+    assert list(plan.formats) == ["fc", "out"] and plan.base == "bf16-mixed"
+    assert "the base's 1 per-layer overrides are replaced by this plan's" in plan.notes
