@@ -32,7 +32,8 @@ Checks (``code``: severity):
   the device does not compute natively; the fix names the preset to use instead.
 
 * ``layer-formats``: info. With per-layer formats (overrides, or FP8 in some layers only), the
-  format every Linear computes in (as :meth:`mixprec.Precision.format_for` resolves it).
+  format every Linear computes in (the per-layer table's, :meth:`mixprec.Precision.resolve`: FP8
+  already refused where the rules keep a layer out, before or after set-up).
 * ``fp8-override-refused``: warning. An override asks FP8 for a layer the FP8 rules keep out
   (output head, gate, features not multiples of 16); the layer runs in the surrounding format.
 
@@ -218,7 +219,7 @@ def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding
 
 
 def _check_formats(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:
-    formats = {n: precision.format_for(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    formats = {r.name: r.compute for r in precision.resolve(model) if r.per_layer}   # the table's
     if len(set(formats.values())) > 1 or precision.policy.overrides:
         findings.append(Finding(
             code="layer-formats", severity="info",

@@ -61,3 +61,19 @@ def test_the_table_of_a_users_own_module_with_overrides():
     assert table["router"].kind == "gate" and table["router"].fp32_island
     assert table["norm"].compute == "fp32" and table.islands == ["body", "router", "norm"]
     assert "(root)" in str(table)
+
+
+def test_the_audits_layer_formats_are_the_tables_before_and_after_setup():
+    from mixprec.monitor.audit import audit
+    model = mp.Transformer.from_preset("tiny", num_layers=1)
+    precision = mp.Precision("bf16-mixed", overrides={"*": "fp8-tensorwise"})
+
+    def said():
+        found = next(f for f in audit(model, precision=precision) if f.code == "layer-formats")
+        return dict(kv.split("=") for kv in found.message.split(": ", 1)[1].split(", "))
+
+    before = said()                                     # the head is refused FP8 before set-up too
+    assert before == {r.name: r.compute for r in precision.resolve(model) if r.per_layer}
+    assert before["head"] == "bf16" and before["blocks.0.mlp.fc"] == "fp8-tensorwise"
+    precision.setup(model)
+    assert said() == before
