@@ -219,16 +219,16 @@ def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding
 
 
 def _check_formats(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:
-    formats = {r.name: r.compute for r in precision.resolve(model) if r.per_layer}   # the table's
+    table = [r for r in precision.resolve(model) if r.per_layer]
+    formats = {r.name: r.compute for r in table}
     if len(set(formats.values())) > 1 or precision.policy.overrides:
         findings.append(Finding(
             code="layer-formats", severity="info",
             message="Linear layers compute in: " + ", ".join(f"{n}={f}" for n, f in formats.items()),
             fix="change them with per-layer overrides (precision_overrides / [overrides]) or a plan "
                 "file from `mixprec plan`"))
-    report = precision.fp8_report
-    refused = [(n, why) for n, why in (report.skipped if report is not None else [])
-               if (precision.policy.override_for(n) or "").startswith("fp8-")]
+    refused = [(r.name, r.refused) for r in table
+               if r.refused and (precision.policy.override_for(r.name) or "").startswith("fp8-")]
     if refused:
         findings.append(Finding(
             code="fp8-override-refused", severity="warning",

@@ -383,6 +383,7 @@ class Precision:
             why = [f"kept FP32: {keep}"] if keep else []
             storage = _F32 if keep else self.param_dtype
             per_layer = rules.is_gemm_layer(module)
+            refused = None
             if per_layer:
                 compute = self.format_for(name, module)
                 asked = self.requested_format(name)
@@ -409,7 +410,7 @@ class Precision:
                                  params=sum(p.numel() for p in own), storage=storage, compute=compute,
                                  fp32_island=keep is not None, master=master,
                                  why="; ".join(why) or "the mode",
-                                 per_layer=per_layer))
+                                 per_layer=per_layer, refused=refused or ""))
         return LayerTable(self.name, tuple(rows))
 
     def master_params(self, model: nn.Module) -> list[torch.Tensor]:

@@ -44,6 +44,8 @@ class LayerRow:
     per_layer: bool = False
     """It takes a per-layer compute format (the rule book's ``is_gemm_layer``: a Linear or a
     Hugging Face ``Conv1D``)."""
+    refused: str = ""
+    """Why the FP8 rules refuse the FP8 format it asks for (``""``: nothing refused)."""
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,19 @@ def test_the_audits_layer_formats_are_the_tables_before_and_after_setup():
     assert before["head"] == "bf16" and before["blocks.0.mlp.fc"] == "fp8-tensorwise"
     precision.setup(model)
     assert said() == before
+
+
+def test_an_fp8_override_the_rules_refuse_is_warned_about_before_set_up_too():
+    from mixprec.monitor.audit import audit
+    model = mp.Transformer.from_preset("tiny", num_layers=1)
+    precision = mp.Precision("bf16-mixed", overrides={"head": "fp8-tensorwise"})
+    assert precision.resolve(model)["head"].refused == "output head tied to an embedding"
+
+    def warned():
+        return [f.message for f in audit(model, precision=precision) if f.code == "fp8-override-refused"]
+
+    before = warned()
+    assert before == ["overrides ask FP8 for layers the FP8 rules keep out: head (output head tied to "
+                      "an embedding), runs bf16"]
+    precision.setup(model)
+    assert warned() == before
