@@ -109,7 +109,7 @@ def planned_layers(precision: Precision, model: nn.Module, layers: Sequence[str]
     table keeps in FP32 with the table's reason."""
     table = precision.resolve(model)
     mods = dict(model.named_modules())
-    formats, kept = table.formats, table.kept_fp32
+    formats, kept = table.plannable, table.kept_fp32
     measured = {n: f for n, f in formats.items() if isinstance(mods[n], nn.Linear)}
     other = [n for n in formats if n not in measured]
     notes = []

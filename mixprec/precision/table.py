@@ -73,9 +73,9 @@ class LayerTable:
         return [r.name for r in self.rows if r.fp32_island]
 
     @property
-    def formats(self) -> dict[str, str]:
-        """Layers that take a per-layer format and are not kept in FP32 -> the format each
-        computes in: what a planner may choose for (``mixprec plan``, ``what_if``)."""
+    def plannable(self) -> dict[str, str]:
+        """Layers a planner may choose a format for (``mixprec plan``, ``what_if``): those that
+        take a per-layer format and are not kept in FP32 -> the format each computes in."""
         return {r.name: r.compute for r in self.rows if r.per_layer and not r.fp32_island}
 
     @property

@@ -48,8 +48,8 @@ def test_the_planners_candidates_are_the_tables_and_never_a_layer_kept_fp32():
     assert set(table.kept_fp32) == {"gating", "tagged"}
     plan = mp.plan_precision(model, _batches(), candidates=("fp32", "bf16"), base="bf16-mixed",
                              target="H100", seed=0)
-    assert list(plan.formats) == list(table.formats) == ["fc", "out"]
-    assert {m.name: m.current for m in plan.layers} == table.formats == {"fc": "bf16", "out": "bf16"}
+    assert list(plan.formats) == list(table.plannable) == ["fc", "out"]
+    assert {m.name: m.current for m in plan.layers} == table.plannable == {"fc": "bf16", "out": "bf16"}
     note = next(n for n in plan.notes if n.startswith("kept in FP32, not planned"))
     assert "gating (kept FP32: MoE gate/router)" in note and "tagged (kept FP32: keep_in_fp32)" in note
     assert "gating" not in dict(plan.overrides) and "tagged" not in dict(plan.overrides)
@@ -67,7 +67,7 @@ def test_asking_to_plan_a_layer_the_table_keeps_fp32_is_refused_in_one_line():
 def test_the_what_if_asks_about_the_same_layers():
     model = _model()
     report = mp.what_if(model, _batches(), formats=("bf16",), gpu="H100")
-    assert [r.name for r in report.rows] == list(mp.Precision("32-true").resolve(model).formats)
+    assert [r.name for r in report.rows] == list(mp.Precision("32-true").resolve(model).plannable)
     assert any(n.startswith("kept in FP32, not planned: gating") for n in report.notes)
 
 
