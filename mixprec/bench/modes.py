@@ -40,12 +40,12 @@ The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torch
 FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
-                             "fp8e5m2moments", "fp8acts")
+                             "fp8e5m2moments", "fp8acts", "ckpt")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
 (moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
-(fp8_activations=true), or several
+(fp8_activations=true), ``+ckpt`` (activation checkpointing of every block), or several
 (``bf16-mixed+overlap+compile``)."""
 
 
@@ -147,6 +147,7 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     from mixprec.train.trainer import Trainer
     mode, variants = split_variant(name)
     model, x, y = _model_and_batch(cfg, device)
+    model.gradient_checkpointing = "ckpt" in variants       # recompute each block in backward
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
                     overlap_optimizer="overlap" in variants, compile="compile" in variants,

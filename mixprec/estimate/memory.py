@@ -204,6 +204,17 @@ class ModelShape:
             n -= self.vocab_size * d                        # the token embedding (the head stays)
         return n - self.moe_layers * (self.num_experts - self.top_k) * self._mlp_params(self._ehidden)
 
+    def matrix_parameters(self) -> tuple[int, int]:
+        """(parameters in matrices whose rows hold ``d_model`` values, in matrices whose rows hold
+        the MLP's hidden width): the embedding, the head and the Linear weights; the rest are
+        vectors (norms, biases). 8-bit moments cost a block scale per row's block, and vectors
+        keep FP32 moments (mixprec.optim.moments)."""
+        d = self.d_model
+        wide = self._blocks(lambda moe: ((self.num_experts + self.shared_experts) * d * self._ehidden) if moe
+                            else d * self._hidden)                              # MLP down-projections
+        emb = (0 if self.tie_embeddings else self.vocab_size * d) + (self.max_seq_len * d if self.learned_positions else 0)
+        return self.matmul_weights() + emb - wide, wide
+
     def norm_parameters(self) -> int:
         """Norm weights (and biases): FP32 unless the policy says ``keep_norms_fp32=False``."""
         per = 2 if self.bias else 1
@@ -410,7 +421,15 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
     masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
     master_grads = 4 * min(low_p, CHUNK_NUMEL) if split else masters
-    moments = state_bytes(moments_dtype) * P if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
+    if optimizer != "adamw":
+        moments = 4 * P                                          # SGD: momentum buffer
+    elif shape is not None and is_quantized(moments_dtype):
+        # 8-bit moments: block scales per row's blocks; vectors (norms, biases) keep FP32 moments
+        narrow, wide = shape.matrix_parameters()
+        moments = (state_bytes(moments_dtype, row=shape.d_model) * narrow
+                   + state_bytes(moments_dtype, row=shape._hidden) * wide + 8 * (P - narrow - wide))
+    else:
+        moments = state_bytes(moments_dtype) * P
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
     # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks. Split masters
     # step one chunk at a time: its widened FP32 masters and the temporary.
