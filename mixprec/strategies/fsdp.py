@@ -246,9 +246,12 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         return stats
 
 
-def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The parameter name of each optimizer slot, in the optimizer's index order."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Every name of each optimizer slot's parameter (tied weights have several; the first is the
+    one FSDP2's gathered state uses), in the optimizer's index order."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -269,7 +272,7 @@ def _by_index(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping
     """A name-keyed (gathered FSDP2) optimizer state keyed by index for ``optimizer.load_state_dict``."""
     if state is None or not any(isinstance(k, str) for g in state["param_groups"] for k in g["params"]):
         return state
-    index = {n: i for i, n in enumerate(_names(model, optimizer))}
+    index = {n: i for i, aliases in enumerate(_names(model, optimizer)) for n in aliases}
     missing = [k for g in state["param_groups"] for k in g["params"] if k not in index]
     if missing:
         raise CheckpointError(f"the optimizer state names parameters this model does not have ({missing[0]}); "
@@ -281,7 +284,7 @@ def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping 
     """An index-keyed (one-process) optimizer state keyed by parameter name, as FSDP2 loads it."""
     if state is None or not any(isinstance(k, int) for g in state["param_groups"] for k in g["params"]):
         return state
-    names = _names(model, optimizer)
+    names = [aliases[0] for aliases in _names(model, optimizer)]
     out = _rekey(state, names.__getitem__)
     return {"state": out["state"], "param_groups": out["param_groups"]}   # what FSDP2's loader reads
 

@@ -234,3 +234,28 @@ def test_checkpoint_of_the_flat_block_layout_is_converted_on_load(monkeypatch):
         w = torch.empty(st["exp_avg"].shape)
         M.decode_([st], "exp_avg", [w], "int8")
         assert (w - wide[i]).abs().max().item() <= 2 * wide[i].abs().max().item() / 127 + 1e-12
+
+
+def test_a_name_keyed_sharded_state_loads_in_one_process_with_tied_weights():
+    """FSDP2's gathered optimizer state is keyed by parameter name (the first name of a tied
+    weight, ``wte.weight``); FSDPStrategy in one process maps it onto the optimizer's slots, so a
+    checkpoint saved at world size 2 resumes at 1 (found by resuming a tiny-model fsdp run)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from mixprec.optim.adamw import sharded_adamw
+    from mixprec.strategies import FSDPStrategy
+
+    def build():
+        torch.manual_seed(0)
+        model = mp.models.Transformer(num_layers=1, d_model=32, num_heads=2, max_seq_len=16)
+        return model, sharded_adamw(model.parameters(), moments="int8", lr=3e-3, seed=1)
+
+    model, opt = build()
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    opt.step()
+    named = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    assert "wte.weight" in named["state"]
+    twin, topt = build()
+    FSDPStrategy("32-true").load_optimizer_state_dict(twin, topt, named)
+    for a, b in zip(opt.state_dict()["state"].values(), topt.state_dict()["state"].values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
