@@ -540,7 +540,11 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
             b = r.bytes_per_parameter
             kept = [b["params"], b["grads"], b["masters"], b["moments"]]
             out.append(f"  {r.mode:<12} " + " + ".join(f"{v:.3f}" for v in kept) + f" = {sum(kept):.3f}")
-        from mixprec.optim.moments import arithmetic
+        from mixprec.optim.moments import arithmetic, is_quantized
         for name in dict.fromkeys(r.moments for r in rows):
             out.append(f"  moments {name}: {arithmetic(name)}")
+            here = next(r for r in rows if r.moments == name)
+            if is_quantized(name):
+                out.append(f"  moments {name} of this model: {here.bytes_per_parameter['moments']:.4f} bytes per "
+                           "parameter (its rows' blocks and its FP32 vectors counted)")
     return "\n".join(out)
