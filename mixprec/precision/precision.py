@@ -582,6 +582,9 @@ class Precision:
                                   "no masters and uses torch's AdamW; use moments=fp32")
             # FSDP2: its FP32 shards are the masters; the moments shard (and reshard) with them.
             from mixprec.optim.adamw import sharded_adamw
+            self.notes.append(f"FSDP2: mixprec's FP32-math AdamW steps the FP32 shards with moments={moments}"
+                              + (" (matrices; vectors keep FP32 moments), sharded and resharded with the "
+                                 "parameters" if moments != "bf16" else ""))
             return sharded_adamw(param_groups, moments=moments, **adamw_options)
         masters = self.master_params(model) if model is not None else None
         opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
