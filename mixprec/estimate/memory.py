@@ -357,7 +357,8 @@ def _largest_param(shape: ModelShape) -> int:
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
                     pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
-                    device: str | None = None, fp8_activations: bool = False) -> MemoryEstimate:
+                    device: str | None = None, fp8_activations: bool = False,
+                    loss_chunk: int = 0) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -384,6 +385,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     ``fp8_activations`` (``mixprec.nn.fp8_activations``): the inputs Linear layers save (``3d +
     hidden`` values per dense block and token, ``d`` for the head) take ``1 + 4/128`` bytes each
     instead of the compute dtype's; blocks under activation checkpointing are unchanged.
+
+    ``loss_chunk`` (``Transformer.loss_chunk``): the head and the FP32 loss run ``loss_chunk``
+    tokens at a time and are recomputed in backward: the loss buffers are one slice's, and no
+    log-softmax of the whole batch is kept (the final norm's output is, in the compute dtype).
     """
     from mixprec.precision import Precision
     from mixprec.policy.dtypes import parse_dtype
@@ -484,8 +489,12 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
             if not checkpointing:
                 kept -= (cb - fb) * (dense_layers * (3 * d + shape._hidden) + shape.moe_layers * 2 * d)
         head = 4 * (d + 2) + head_in * d + 4 * V + 8     # final norm, head input, log-softmax, token ids
+        loss_tokens = tokens
+        if loss_chunk:
+            head = 4 * (d + 2) + cb * d + 8              # the final norm's output is the slices' input
+            loss_tokens = min(tokens, loss_chunk)
         acts = tokens * (kept + recompute + head) / tp
-        loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        loss_buffers = loss_tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
         # Without recompute, a block's backward frees its saved tensors as it goes: what is in

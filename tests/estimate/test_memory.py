@@ -187,3 +187,12 @@ def test_cpu_fp32_attention_saves_ten_more_bytes_per_channel(mode, monkeypatch):
     monkeypatch.setattr(attention, "cpu_matrix_flags", lambda: ["avx512_bf16"])
     upcast, *_ = _saved_bytes(mode)
     assert upcast - base == pytest.approx(10 * shape.d_model * B * T * shape.num_layers, rel=0.02)
+
+
+def test_a_chunked_loss_keeps_one_slice_of_loss_buffers_and_no_batch_log_softmax():
+    shape = ModelShape.from_config(get_model_config("gpt-ref"))
+    V, tokens = shape.vocab_size, 8 * 256
+    plain = estimate_memory(shape, "32-true", batch=8, seq=256, device="cpu")
+    chunked = estimate_memory(shape, "32-true", batch=8, seq=256, device="cpu", loss_chunk=256)
+    assert plain.loss_buffers == tokens * 8 * V and chunked.loss_buffers == 256 * 8 * V
+    assert plain.activations - chunked.activations == tokens * 4 * V      # the log-softmax kept
