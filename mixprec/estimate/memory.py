@@ -397,6 +397,8 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:
         raise ConfigError("--batch-size, --seq-len and --gpus must be >= 1")
+    if loss_chunk < 0:
+        raise ConfigError(f"--loss-chunk must be >= 0 tokens (0: off), got {loss_chunk}")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
     from mixprec.optim.moments import MOMENTS, is_quantized, state_bytes

@@ -183,6 +183,8 @@ class Transformer(nn.Module):
     def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over the non-ignored targets, ``loss_chunk`` tokens at a time, each
         slice's head and log-softmax recomputed in backward (``torch.utils.checkpoint``)."""
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ConfigError(f"loss_chunk must be a number of tokens >= 0 (0: off), got {self.loss_chunk!r}")
         total = h.new_zeros((), dtype=torch.float32)
         for a in range(0, h.shape[0], self.loss_chunk):
             total = total + checkpoint(self._loss_sum, h[a:a + self.loss_chunk],
