@@ -497,6 +497,12 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
             loss_tokens = min(tokens, loss_chunk)
         acts = tokens * (kept + recompute + head) / tp
         loss_buffers = loss_tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        if loss_chunk:
+            # a slice's backward: its recomputed logits and log-softmax with their gradients
+            # (16 bytes per token and word), and the head's weight gradient of the slice before it
+            # is added to .grad (fitted to the one probe in docs/performance.md: 8 bytes per token
+            # and word, without the weight gradient, under-counted 32-true by 5 %)
+            loss_buffers = (loss_tokens * (16 * V + (cb * V if cb < 4 else 0)) + pb * V * d) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
         # Without recompute, a block's backward frees its saved tensors as it goes: what is in
