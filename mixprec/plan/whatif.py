@@ -13,7 +13,8 @@ the same modules and the same eligibility rules), and with *only* ``L`` in ``f``
   element format's largest value plus half its last step (the clamp changed them; with amax
   scaling this happens only where a power-of-two or E4M3 scale rounds down: MX and NVFP4);
 * loss change: the model's forward loss with ``L`` alone in ``f``, ``mean |loss_f - loss| /
-  loss`` over the batches (measured, not estimated);
+  loss`` over the batches (measured, not estimated; the blocks before ``L`` and ``L`` itself are
+  replayed from what was already computed, :class:`mixprec.plan.measure.Replay`, bit-identical);
 * projected GEMM speed-up on a GPU: the format's dense datasheet peak over BF16's
   (:data:`mixprec.estimate.gpus.GPUS`; 1.0 where the rules keep the layer out of the format).
 
