@@ -514,7 +514,8 @@ class Trainer:
         self._notes.clear()
         if hasattr(train_loader, "notice"):
             events.data_position(train_loader.notice(resumed_at=self.step if resume else None), self.step)
-        meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger)
+        meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger,
+                              note=lambda message: events.note(message, self.step, "mfu"))
         health = RunHealth(cfg, start_step=self.step)
         last_val = None
         last_out: StepOutput | None = None
@@ -550,7 +551,8 @@ class Trainer:
                     do_eval = val_loader is not None and (
                         (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
                     if do_eval:
-                        last_val = self.evaluate(val_loader, cfg.eval_batches)
+                        with meter.evaluating():          # not training time: out of tokens/s
+                            last_val = self.evaluate(val_loader, cfg.eval_batches)
                     meter.add(out, batches)
                     logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
@@ -559,7 +561,8 @@ class Trainer:
                                          val_loss=last_val if do_eval else None)
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
                                         lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
-                                        samples_per_s=meter.last_sps)
+                                        samples_per_s=meter.last_sps,
+                                        steps=meter.last_steps, log_interval=cfg.log_interval)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
