@@ -738,6 +738,11 @@ def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable
     arguments are :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``,
     ``clip_grad_norm``, ``run_dir``, ...).
 
+    Without an ``optimizer``, ``fit()`` builds AdamW with language-model defaults, not torch's:
+    ``betas=(0.9, 0.95)`` (torch's and ``mixprec.optim.AdamW``'s beta2 is 0.999) and
+    ``weight_decay=0.1`` (torch's 0.01); ``config.toml`` records the values it trained with. An
+    ``optimizer`` you pass keeps its own settings, and ``config.toml`` records those.
+
     ``mixed_precision`` (or the ``precision`` field; default ``auto``, the best safe mode) is a
     mode name, a ``Policy``, or a ready :class:`~mixprec.Precision`, which keeps its own settings:
     ``init_scale``, ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_stuck_scale``,
