@@ -500,6 +500,9 @@ class Trainer:
                         "the others were not used\n")
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used)
+                from mixprec.models.hf import is_hf_spec, keep_run_config
+                if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
+                    keep_run_config(cfg.model, self.run_dir)
         except OSError as e:
             fix = ("copy the run folder somewhere writable and resume from the copy" if resume else
                    "free some space or choose another run_dir=PATH")
