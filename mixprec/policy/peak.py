@@ -31,12 +31,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _operands(n: int, count: int) -> list[torch.Tensor]:
+    """Random ``n x n`` FP32 CPU matrices from a generator of their own: a measurement, taken in
+    the middle of a run (the meter's re-measure), must not move the run's random stream (dropout
+    masks after a resume would differ from an uninterrupted run's)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, n, generator=g) for _ in range(count)]
+
+
 def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: int = 1024,
                  min_time: float = 0.2, warmup: int = 2) -> float:
     """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on ``device`` (timed, synchronised)."""
     device = torch.device(device)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    a, b = (x.to(device=device, dtype=dtype) for x in _operands(n, 2))
     for _ in range(warmup):
         a @ b
     _sync(device)
@@ -53,8 +60,8 @@ def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: i
 def _fp8_flops(n: int, device: torch.device, min_time: float) -> float:
     """Real FP8 GEMM via ``torch._scaled_mm`` (tensorwise scales), CUDA with FP8 tensor cores."""
     import time
-    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
+    a, b = (x.to(device=device).to(torch.float8_e4m3fn) for x in _operands(n, 2))
+    b = b.t()                                                           # column-major operand
     one = torch.ones((), device=device)
     mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
     for _ in range(3):
