@@ -40,7 +40,8 @@ class IntervalMeter:
         # The peak of the format the mode's GEMMs run in (fp8 for fp8-*), as `mixprec estimate`
         # uses; None where this device has no such GEMMs (emulated): MFU is then not measured.
         self.peak = format_peak_flops(precision.peak_format, self.device)
-        self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
+        self.counted_flops = hasattr(model, "flops_per_token")
+        self.flops_per_token = (model.flops_per_token() if self.counted_flops
                                 else 6 * sum(p.numel() for p in model.parameters()))
         self.refreshed = False
         self.last_tps: float | None = 0.0
@@ -98,9 +99,12 @@ class IntervalMeter:
             mfu = tps / strategy.world_size * self.flops_per_token / self.peak
         if mfu is not None and mfu > 1.0:
             # Still above the measured peak: the peak cannot be trusted here; no MFU from now on.
-            self.note(f"MFU not measured from step {step} on: this run's {mfu:.0%} of the measured "
-                      f"{precision.peak_format.upper()} peak ({self.peak / 1e9:.1f} GFLOP/s) means the "
-                      "peak measurement is not this machine's peak (other jobs were running?)")
+            counted = ("the model's flops_per_token()" if self.counted_flops
+                       else "6 x parameters, embeddings included")
+            self.note(f"MFU not measured from step {step} on: {mfu:.0%} of the measured "
+                      f"{precision.peak_format.upper()} peak ({self.peak / 1e9:.1f} GFLOP/s), so the "
+                      f"peak (measured while other jobs ran?) or the FLOPs per token ({counted}) "
+                      "is not this run's")
             self.peak = mfu = None
         self.logger.log(step, epoch=epoch, loss=loss, val_loss=val_loss,
                         lr=lr, loss_scale=precision.scale,
