@@ -185,3 +185,16 @@ def test_resume_purges_tensorboard_events_after_the_resumed_step(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_the_steps_a_row_averages_and_its_evaluation_time_reach_tensorboard_too(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as log:
+        log.log(10, loss=3.0, steps=10, time_s=1.0)
+        log.log(12, loss=2.0, steps=2, time_s=0.2, eval_s=4.0)     # a short row after a resume
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/steps")] == [(10, 10.0), (12, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/eval_s")] == [(12, 4.0)]
+    assert [r["steps"] for r in read_metrics(tmp_path)] == [10, 2]
