@@ -257,8 +257,8 @@ def estimate(model: str | ModelSpec, *, tokens: float | str, gpu: str = "H800", 
             from mixprec.policy.peak import format_peak_flops, no_peak_reason
             peak = format_peak_flops(policy.peak_format, "cpu")  # as fit()'s MFU; cached on disk
             if peak is None:
-                raise ConfigError(f"no {policy.peak_format.upper()} peak to measure on this CPU "
-                                  f"({no_peak_reason(policy.peak_format, 'cpu')}); give --peak-tflops")
+                raise ConfigError(f"no {policy.peak_format.upper()} peak to measure: "
+                                  f"{no_peak_reason(policy.peak_format, 'cpu')}; give --peak-tflops")
         else:
             peak = peak_tflops * 1e12
     else:
