@@ -40,13 +40,18 @@ The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torch
 FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
-                             "fp8e5m2moments", "fp8acts")
+                             "fp8e5m2moments", "fp8acts", "ckpt", "chunkedloss")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
 (moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
-(fp8_activations=true), or several
+(fp8_activations=true), ``+ckpt`` (activation checkpointing of every block), ``+chunkedloss``
+(``Transformer.loss_chunk = LOSS_CHUNK`` tokens), or several
 (``bf16-mixed+overlap+compile``)."""
+
+
+LOSS_CHUNK = 256
+"""Tokens per slice of the ``+chunkedloss`` variant's loss."""
 
 
 def split_variant(name: str) -> tuple[str, frozenset[str]]:
@@ -147,6 +152,8 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     from mixprec.train.trainer import Trainer
     mode, variants = split_variant(name)
     model, x, y = _model_and_batch(cfg, device)
+    model.gradient_checkpointing = "ckpt" in variants       # recompute each block in backward
+    model.loss_chunk = LOSS_CHUNK if "chunkedloss" in variants else 0
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
                     overlap_optimizer="overlap" in variants, compile="compile" in variants,

@@ -142,7 +142,9 @@ class FitConfig:
     """Storage of Adam's two moments: ``fp32`` (8 bytes per parameter), ``bf16`` (4, FP32 math,
     stochastic rounding), ``int8`` (2.004: block-wise, stochastic rounding), ``fp8`` (2.03: E4M3
     with per-block range expansion) or ``fp8-e5m2`` (2.03: E5M2 likewise); mixprec/optim/moments.py.
-    Needs mixprec's AdamW (not with FSDP2 or a mode without masters)."""
+    8-bit formats cover matrices; vectors (biases, norms) keep FP32 moments. Needs mixprec's AdamW
+    (not with a mode without masters); under FSDP2 the moments shard and reshard with the
+    parameters."""
     fp8_activations: bool = False
     """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
     scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is
