@@ -75,6 +75,11 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     cfg.validate()
     _refuse_unused(cfg, source)
     source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
+    if source.get("model") == "resumed run" and cfg.model.startswith("hf:"):
+        from mixprec.models.hf import resume_spec
+        spec, why = resume_spec(cfg.model, resume_dir)    # its config.json moved: the run's copy
+        if why is not None:
+            cfg, source["model"] = dataclasses.replace(cfg, model=spec), f"resumed run; {why}"
     return _with_max_seq_len(cfg, base_cfg), source, resume_from
 
 
