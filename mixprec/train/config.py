@@ -64,7 +64,8 @@ class FitConfig:
     beta1: float = 0.9
     """AdamW's first-moment decay (beta1)."""
     beta2: float = 0.95
-    """AdamW's second-moment decay (beta2; torch's AdamW defaults to 0.999)."""
+    """AdamW's second-moment decay (beta2; torch's AdamW defaults to 0.999). 0.95 is a
+    language-model default (GPT-style pre-training); it applies only to the AdamW ``fit()`` builds."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; the loss is divided by this number."""
     clip_grad_norm: float | None = 1.0
