@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.plan.replan import FormatSwitch
@@ -148,6 +149,10 @@ class TrainingGuard:
         self._origin_count = 0
         self._healthy = 0
         self._snapshot: dict | None = None
+        self._sampled = False
+        """Whether the first SQNR sample (at the first step) was taken."""
+        self._passed: dict[str, int] = {}
+        """Per watched layer, the step of its last passing SQNR sample."""
         self.last_sqnr: dict[str, float] = {}
         self.last_flush: dict[str, float] = {}
         self.actions: list[GuardAction] = []
@@ -184,21 +189,52 @@ class TrainingGuard:
             return done
         self.losses.append(outcome.loss)
         self._healthy += 1
-        if self._snapshot is None or self._healthy >= cfg.window:
+        if cfg.every and probe is not None and (step % cfg.every == 0 or not self._sampled):
+            self._sampled = True
+            done += self._check_layers(step, probe)
+            if not done:                     # every layer passed: these weights are verified
+                self._take_snapshot(step)
+        if not done and (self._snapshot is None or self._healthy >= cfg.window):
             self._take_snapshot(step)
-        if cfg.every and probe is not None and step % cfg.every == 0:
-            sqnr = self.sample_sqnr(probe)
-            for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
-                flushed = self.last_flush.get(name, 0.0)
-                why = []
-                if db < cfg.min_sqnr_db:
-                    why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
-                if flushed > cfg.max_flush:
-                    why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
-                               f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
-                if why:
-                    done.append(self._promote(step, name, "; ".join(why)))
         return self._record(done)
+
+    def before_step(self, step: int) -> None:
+        """Called before step ``step`` (1-based) is taken: the first call takes the first snapshot,
+        of the weights no step of this run has touched yet (a resumed run brings its own)."""
+        if self._snapshot is None:
+            self._take_snapshot(step - 1)
+
+    def _check_layers(self, step: int, probe: Callable[[], Any]) -> list[GuardAction]:
+        """One SQNR sample: promote every layer under the limits. The steps since a failing layer's
+        last passing sample ran it in a format that lost its output, so when the snapshot is no
+        older than that sample (the first snapshot, before step 1, for a layer bad from the start),
+        the guard restores it first; an older snapshot would also undo verified steps: it
+        continues."""
+        cfg = self.config
+        sqnr = self.sample_sqnr(probe)
+        failing = []
+        for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
+            flushed = self.last_flush.get(name, 0.0)
+            why = []
+            if db < cfg.min_sqnr_db:
+                why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
+            if flushed > cfg.max_flush:
+                why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
+                           f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
+            if why:
+                failing.append((name, "; ".join(why)))
+            else:
+                self._passed[name] = step
+        if not failing:
+            return []
+        done = []
+        since = max(self._passed.get(name, 0) for name, _ in failing)
+        snap = self._snapshot
+        if snap is not None and snap["step"] >= since and snap["step"] < step:
+            names = ", ".join(name for name, _ in failing)
+            done.append(self._restore(step, f"{names} failed the SQNR sample of step {step} "
+                                            f"(last passed: {'never' if not since else f'step {since}'})"))
+        return done + [self._promote(step, name, why) for name, why in failing]
 
     # ----------------------------------------------------------------- signals
 
@@ -326,11 +362,18 @@ class TrainingGuard:
         if snap is None:
             return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
         self.model.load_state_dict(snap["model"])
+        # The snapshot's state (moments, step counts), this run's settings: a snapshot saved in a
+        # checkpoint may predate a resume that changed lr, the schedule or weight decay.
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         # load_state_dict may keep the given tensors: hand it copies, keep the snapshot intact.
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
-        self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        for group, kept in zip(self.optimizer.param_groups, settings):
+            group.update(kept)
+        rewind(self.scheduler, copy.deepcopy(snap["scheduler"]))   # this run's curve, its step
         self.losses.clear()
         self._healthy = 0
+        # Steps after the snapshot are undone: no layer is verified later than it.
+        self._passed = {n: min(v, snap["step"]) for n, v in self._passed.items()}
         return GuardAction("restore", step, f"guard: {what}: weights, optimizer state and LR "
                                             f"schedule restored to step {snap['step']}")
 
@@ -348,7 +391,7 @@ class TrainingGuard:
         (``torch.load(weights_only=True)`` reads it)."""
         return {"losses": list(self.losses), "origin": self._origin,
                 "origin_count": self._origin_count, "healthy": self._healthy,
-                "snapshot": self._snapshot}
+                "snapshot": self._snapshot, "sampled": self._sampled, "passed": dict(self._passed)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a window longer than ``window`` keeps its newest)."""
@@ -357,3 +400,5 @@ class TrainingGuard:
         self._origin, self._origin_count = state["origin"], int(state["origin_count"])
         self._healthy = int(state["healthy"])
         self._snapshot = state["snapshot"]
+        self._sampled = bool(state.get("sampled", True))      # (older checkpoints: sampled)
+        self._passed = {str(n): int(v) for n, v in state.get("passed", {}).items()}
