@@ -8,17 +8,30 @@ three signals, each pointing at one Linear layer:
 * **non-finite origin** -- the same Linear traced (:func:`mixprec.monitor.locate_nonfinite`) as
   the origin of the inf/NaN on ``patience`` consecutive skipped steps. A skipped step changed no
   weight, so the guard promotes the layer and training simply continues.
-* **low sampled SQNR** -- every ``every`` steps the guard replays the step's forward (no backward)
-  with a hook on each Linear not in FP32 and measures its output against the same GEMM in FP32 on
-  the same input; a layer below ``min_sqnr_db``, or whose format flushes more than ``max_flush``
-  of its inputs (outliers: the SQNR of a tensor they dominate stays high while the rest of it is
-  lost), is promoted (the weights are fine: continue).
+* **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
+  step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
+  against the same GEMM in FP32 on the same input; every layer below ``min_sqnr_db``, or whose
+  format flushes more than ``max_flush`` of its inputs (outliers: the SQNR of a tensor they
+  dominate stays high while the rest of it is lost), is promoted. The steps since such a layer's
+  last passing sample trained the whole model on its lost output, so when the snapshot is no
+  older than that sample (a snapshot follows every sample all layers pass, and the first one is
+  taken before step 1), the guard restores it first; with an older snapshot it continues (a
+  restore would also undo verified steps). A layer bad from the start is thus caught at step 1
+  and that step undone.
 * **loss spike** -- a taken step whose loss exceeds the mean of the last ``window`` taken steps by
   more than ``spike_sigma`` standard deviations. The weights were hurt: the guard restores its
-  last good snapshot (weights, optimizer state and LR schedule, taken every ``window`` healthy
-  steps) and, if one Linear stands out in an SQNR replay of the spiking step (below
-  ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under the other layers' median while under 40 dB:
-  :func:`mixprec.plan.gates.stands_out`), promotes it. With no culprit the formats stay.
+  last good snapshot (weights, optimizer state and the LR schedule's step; taken before step 1,
+  after every passing SQNR sample and every ``window`` healthy steps) and, if one Linear stands
+  out in an SQNR replay of the spiking step (below ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under
+  the other layers' median while under 40 dB: :func:`mixprec.plan.gates.stands_out`), promotes
+  it. With no culprit the formats stay.
+
+A restore takes the snapshot's state (weights, moments, step counts) but this run's settings: the
+optimizer's hyper-parameters and the LR schedule's curve stay as they are and the schedule is
+rewound to the snapshot's step (:func:`mixprec.optim.schedule.rewind`), so a snapshot saved in a
+checkpoint before a resume that changed ``lr`` or the schedule restores no old LR. The loss
+scale and the FP8 amax histories are not rewound: they track the data the run has seen (and the
+scaler's skip counts must not go back).
 
 Promotion goes one format safer, FP8 -> BF16 -> FP32 (fp16 -> FP32) via
 :meth:`mixprec.Precision.set_layer_format` (same Parameters, masters and optimizer state) and is
@@ -40,14 +53,15 @@ holds the same window, promotes the same layer at the same step and restores the
 (FSDP2) is refused by the trainer: a promotion swaps modules that FSDP2 has wrapped.
 
 A checkpoint keeps the guard's state (:meth:`TrainingGuard.state_dict`): the loss window, the
-consecutive-origin count, the steps since the last snapshot and the snapshot itself (one more
+consecutive-origin count, the steps since the last snapshot, each layer's last passing sample,
+whether the first sample was taken, and the snapshot itself (one more
 copy of the weights and optimizer state in the checkpoint), so a resumed run decides exactly as
 the uninterrupted one.
 
 Cost: with ``every`` and no event, one host sync per step (the loss, for the spike window; under
-several ranks also one all-reduce of one number); a replay forward every ``every`` steps (and one
-all-reduce of three numbers per layer); one copy of the weights and optimizer state in memory
-(the snapshot).
+several ranks also one all-reduce of one number); a replay forward at step 1 and every ``every`` steps (and one
+all-reduce of three numbers per layer), each followed by a copy of the weights and optimizer state
+when every layer passes; one such copy in memory (the snapshot).
 """
 from __future__ import annotations
 
@@ -83,7 +97,7 @@ class GuardConfig:
     patience: int = 2
     """Consecutive skipped steps traced to the same Linear before it is promoted."""
     every: int = 50
-    """Steps between SQNR samples (0: no sampling)."""
+    """Steps between SQNR samples, the first at step 1 (0: no sampling)."""
     min_sqnr_db: float = 20.0
     """A sampled layer output below this SQNR against FP32 is promoted."""
     max_flush: float = 0.01
@@ -93,7 +107,7 @@ class GuardConfig:
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
     window: int = 50
-    """Taken steps in the spike window; also the steps between snapshots."""
+    """Taken steps in the spike window; also the most healthy steps between snapshots."""
 
     def validate(self) -> None:
         if (self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0
