@@ -281,3 +281,41 @@ def test_a_layer_bad_from_the_start_is_promoted_at_step_1_and_that_step_undone(t
     assert result.steps == 1
     kinds = [(e["kind"], e.get("action") or e.get("guard")) for e in _events(run) if e["step"] == 1]
     assert ("guard", "restore") in kinds and ("format", "promote") in kinds
+
+
+def test_a_layer_failing_a_later_sample_undoes_the_steps_since_its_last_pass():
+    """Samples at steps 1 and 2 pass (a snapshot follows each); outliers appear after step 2; the
+    sample of step 4 fails: weights and LR schedule go back to step 2, then the layer is promoted."""
+    net, on = _Net(), [False]
+    boost = torch.ones(64)
+    boost[[3, 40]] = 1e5
+    net.blocks[0].proj.register_forward_pre_hook(lambda mod, args: (args[0] * boost,) if on[0] else None)
+    with torch.no_grad():                  # (the outliers, once on, leave the function as it was)
+        net.blocks[0].proj.weight[:, [3, 40]] /= 1e5
+    precision = mp.Precision("fp8-tensorwise")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = precision.setup(net, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    guard = TrainingGuard(precision, net, opt, sched,
+                          config=GuardConfig(every=2, window=100, spike_sigma=0.0))
+    x, y = _loader()[0]
+
+    def step(s):
+        guard.before_step(s)
+        opt.zero_grad()
+        net(x, y).backward()
+        opt.step()
+        sched.step()
+        return guard.after_step(StepOutcome(s, 2.0, False), lambda: net(x, y))
+
+    assert step(1) == [] and step(2) == []
+    at_2 = {k: v.clone() for k, v in net.state_dict().items()}
+    on[0] = True
+    assert step(3) == []                                   # no sample at step 3
+    actions = step(4)
+    assert [(a.kind, a.step) for a in actions] == [("restore", 4), ("promote", 4)]
+    assert "last passed: step 2" in actions[0].message and "restored to step 2" in actions[0].message
+    assert actions[1].switch.module == "blocks.0.proj"
+    after = net.state_dict()
+    assert all(torch.equal(after[k].float(), v.float()) for k, v in at_2.items())
+    assert sched.last_epoch == 2 and sched.get_last_lr() == [0.1 / 3] * len(opt.param_groups)
