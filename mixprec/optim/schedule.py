@@ -68,7 +68,8 @@ def rewind(scheduler, saved: dict) -> list[float]:
         state["last_epoch"] = saved["last_epoch"]
         if "_step_count" in saved:
             state["_step_count"] = saved["_step_count"]
-        lrs = [base * fn(state["last_epoch"]) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+        lrs = [base * fn(state["last_epoch"])
+               for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
         state["_last_lr"] = lrs
         scheduler.load_state_dict(state)            # (its own curve: nothing changes but the count)
     else:

@@ -54,14 +54,13 @@ holds the same window, promotes the same layer at the same step and restores the
 
 A checkpoint keeps the guard's state (:meth:`TrainingGuard.state_dict`): the loss window, the
 consecutive-origin count, the steps since the last snapshot, each layer's last passing sample,
-whether the first sample was taken, and the snapshot itself (one more
-copy of the weights and optimizer state in the checkpoint), so a resumed run decides exactly as
-the uninterrupted one.
+whether the first sample was taken, and the snapshot itself (one more copy of the weights and
+optimizer state in the checkpoint), so a resumed run decides exactly as the uninterrupted one.
 
 Cost: with ``every`` and no event, one host sync per step (the loss, for the spike window; under
-several ranks also one all-reduce of one number); a replay forward at step 1 and every ``every`` steps (and one
-all-reduce of three numbers per layer), each followed by a copy of the weights and optimizer state
-when every layer passes; one such copy in memory (the snapshot).
+several ranks also one all-reduce of one number); a replay forward at step 1 and every ``every``
+steps (and one all-reduce of three numbers per layer), each followed by a copy of the weights and
+optimizer state when every layer passes; one such copy in memory (the snapshot).
 """
 from __future__ import annotations
 
@@ -246,8 +245,9 @@ class TrainingGuard:
         snap = self._snapshot
         if snap is not None and snap["step"] >= since and snap["step"] < step:
             names = ", ".join(name for name, _ in failing)
+            passed = f"step {since}" if since else "never"
             done.append(self._restore(step, f"{names} failed the SQNR sample of step {step} "
-                                            f"(last passed: {'never' if not since else f'step {since}'})"))
+                                            f"(last passed: {passed})"))
         return done + [self._promote(step, name, why) for name, why in failing]
 
     # ----------------------------------------------------------------- signals
