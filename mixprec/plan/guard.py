@@ -29,9 +29,10 @@ three signals, each pointing at one Linear layer:
 A restore takes the snapshot's state (weights, moments, step counts) but this run's settings: the
 optimizer's hyper-parameters and the LR schedule's curve stay as they are and the schedule is
 rewound to the snapshot's step (:func:`mixprec.optim.schedule.rewind`), so a snapshot saved in a
-checkpoint before a resume that changed ``lr`` or the schedule restores no old LR. The loss
-scale and the FP8 amax histories are not rewound: they track the data the run has seen (and the
-scaler's skip counts must not go back).
+checkpoint before a resume that changed ``lr`` or the schedule restores no old LR. The FP8 amax
+histories of delayed scaling are rewound with the weights (a spike's amax would otherwise set the
+scales for ``amax_history_len`` steps); the loss scale is not: it tracks the overflows the run has
+met (and the scaler's skip counts must not go back).
 
 Promotion goes one format safer, FP8 -> BF16 -> FP32 (fp16 -> FP32) via
 :meth:`mixprec.Precision.set_layer_format` (same Parameters, masters and optimizer state) and is
@@ -363,9 +364,13 @@ class TrainingGuard:
         return GuardAction("promote", step, switch.message, switch)
 
     def _take_snapshot(self, step: int) -> None:
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self._snapshot = {
             "step": step,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "model": model,
+            # Buffers outside the state dict: the FP8 amax histories of delayed scaling.
+            "buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()
+                        if k not in model},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
         }
@@ -376,6 +381,11 @@ class TrainingGuard:
         if snap is None:
             return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
         self.model.load_state_dict(snap["model"])
+        live = dict(self.model.named_buffers())
+        with torch.no_grad():                 # (a layer promoted since has none left)
+            for k, v in snap.get("buffers", {}).items():
+                if k in live and live[k].shape == v.shape:
+                    live[k].copy_(v)
         # The snapshot's state (moments, step counts), this run's settings: a snapshot saved in a
         # checkpoint may predate a resume that changed lr, the schedule or weight decay.
         settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]

@@ -319,3 +319,24 @@ def test_a_layer_failing_a_later_sample_undoes_the_steps_since_its_last_pass():
     after = net.state_dict()
     assert all(torch.equal(after[k].float(), v.float()) for k, v in at_2.items())
     assert sched.last_epoch == 2 and sched.get_last_lr() == [0.1 / 3] * len(opt.param_groups)
+
+
+def test_a_restore_rewinds_the_fp8_amax_history_with_the_weights():
+    """Delayed scaling keeps its amax history outside the state dict: a restore brings back the
+    snapshot's, not the spike's."""
+    net = _Net()
+    precision = mp.Precision("fp8-delayed")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = precision.setup(net, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    guard = TrainingGuard(precision, net, opt, sched, config=GuardConfig(every=0, window=5))
+    x, y = _loader()[0]
+    net(x, y)
+    layer = net.get_submodule(FAULTY)
+    kept = layer.amax_history.clone()
+    assert kept.abs().sum() > 0
+    guard.before_step(1)
+    with torch.no_grad():
+        layer.amax_history.fill_(1e9)                       # a spike's amaxes
+    guard._restore(1, "test")
+    assert torch.equal(layer.amax_history, kept)
