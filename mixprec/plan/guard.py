@@ -409,8 +409,9 @@ class TrainingGuard:
 
     def state_dict(self) -> dict:
         """What the next decisions depend on, for a checkpoint: the loss window, the
-        consecutive-origin count, the taken steps since the last snapshot, and the snapshot
-        (weights, optimizer state, LR schedule; None before the first). Promotions are the
+        consecutive-origin count, the taken steps since the last snapshot, whether the first
+        sample was taken, each layer's last passing sample, and the snapshot (weights, amax
+        histories, optimizer state, LR schedule; None before the first). Promotions are the
         precision's layer formats, saved beside it. Tensors and plain values only
         (``torch.load(weights_only=True)`` reads it)."""
         return {"losses": list(self.losses), "origin": self._origin,
