@@ -17,6 +17,6 @@ cfg = TrainBenchConfig(model=model, modes=tuple(modes), batch=B, seq=T, threads=
 for r in range(rounds):
     for m in (modes if r % 2 == 0 else modes[::-1]):
         t0 = time.time()
-        peak = measure_peak_memory(m, cfg, steps=steps, timeout=1500)
+        peak = measure_peak_memory(m, cfg, steps=steps, timeout=float(os.environ.get("PEAK_TIMEOUT", 2400)))
         print(json.dumps({"model": model, "B": B, "T": T, "mode": m, "peak_mib": peak / 2**20,
                           "mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "s": round(time.time() - t0)}), flush=True)

@@ -109,6 +109,22 @@ def summarize(results: list[dict], args: argparse.Namespace) -> None:
               f"{statistics.fmean(r.get('cpu_s', math.nan) for r in rs):.0f} |")
 
 
+def compare_at_step(run_dirs: list[str], window: int = 100) -> None:
+    """Runs stopped before their end (or finished): the mean training loss over the ``window``
+    steps up to the last step every run reached, per run (same seed: the same batches)."""
+    rows = {Path(d).name: [r for r in read_metrics(d) if r.get("loss") not in (None, "")] for d in run_dirs}
+    n = min(int(rs[-1]["step"]) for rs in rows.values() if rs)
+    print(f"\nmean training loss over steps {n - window + 1}-{n} (the last step all {len(rows)} runs reached)")
+    print("| run | last step reached | train loss, mean of the window | final val loss |")
+    print("|---|---|---|---|")
+    for name, rs in rows.items():
+        win = [float(r["loss"]) for r in rs if n - window < int(r["step"]) <= n]
+        vals = [float(r["val_loss"]) for r in read_metrics(run_dirs[list(rows).index(name)])
+                if r.get("val_loss") not in (None, "")]
+        print(f"| {name} | {rs[-1]['step']} | {statistics.fmean(win):.4f} | "
+              f"{f'{vals[-1]:.4f}' if vals else 'not reached'} |")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default="32-true,mxfp8,mxfp4,nvfp4,nvfp4-plain")
@@ -124,7 +140,12 @@ def main() -> int:
                    help="the mode the others are compared with (32-true where BF16 is too slow)")
     p.add_argument("--summarize", default=None, metavar="JSONL",
                    help="only print the table of the runs in this --json file")
+    p.add_argument("--compare-at-step", nargs="+", default=None, metavar="RUN_DIR",
+                   help="only compare these run folders' training loss at the last step all reached")
     args = p.parse_args()
+    if args.compare_at_step:
+        compare_at_step(args.compare_at_step)
+        return 0
     if args.summarize:
         rows = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line]
         summarize([r for r in rows if r.get("model", args.model) == args.model

@@ -6,7 +6,10 @@ A hint is a working command for the way *this* process was launched, shell-quote
 * ``mixprec train`` in one process: ``mixprec train --resume 'runs/my run'``;
 * ``mixprec train`` under torchrun (one node): ``torchrun --nproc_per_node=2 -m mixprec train
   --resume 'runs/my run'`` (a checkpoint saved by N ranks resumes only on N ranks); on several
-  nodes the ``--nnodes`` and node count are given and the rendezvous options are yours to repeat;
+  nodes the ``--nnodes`` count and the rendezvous options the job was launched with
+  (``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``, or ``--master-addr``/``--master-port``,
+  read from the launcher's command line; torchrun does not pass them to its workers), or, where
+  they cannot be read, a note that they must be added;
 * ``fit()`` from Python: ``fit(..., run_dir='runs/my run', resume=True)``, the Python way.
 
 :func:`from_command_line` marks the process as the command line's (``mixprec train`` calls it);
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["from_command_line", "set_run_dir", "run_dir", "launcher", "command", "resume",
-           "report", "overwrite", "is_command_line"]
+           "report", "overwrite", "is_command_line", "rendezvous_options"]
 
 _state: dict[str, Any] = {"cli": False, "run_dir": None}
 
@@ -60,13 +63,53 @@ def launcher(env: dict[str, str] | None = None) -> list[str]:
     return [*words, f"--nproc_per_node={nproc}", "-m", "mixprec"]
 
 
+_RDZV_OPTIONS = ("rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf", "master-addr", "master-port")
+"""torchrun's options that say where the nodes meet: the same on every node."""
+
+
+def rendezvous_options(argv: list[str]) -> tuple[list[str], bool]:
+    """The rendezvous options in a launcher's ``argv`` (``--rdzv-endpoint=HOST:PORT`` spelled
+    either way, ``--rdzv_endpoint HOST:PORT`` too), as ``--name=value`` words, and whether the
+    launch gave each node its own ``--node-rank`` (static rendezvous)."""
+    found: list[str] = []
+    node_rank = False
+    it = iter(argv)
+    for word in it:
+        if not word.startswith("--"):
+            continue
+        name, eq, value = word[2:].partition("=")
+        name = name.replace("_", "-")
+        node_rank = node_rank or name == "node-rank"
+        if name in _RDZV_OPTIONS:
+            found.append(f"--{name}={value if eq else next(it, '')}")
+    return found, node_rank
+
+
+def _launcher_argv() -> list[str] | None:
+    """The command line of this worker's launcher (torchrun's agent is its parent), or None."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [w.decode(errors="replace") for w in f.read().split(b"\0") if w]
+    except OSError:
+        return None
+    text = " ".join(argv)
+    return argv if any(k in text for k in ("torchrun", "torch.distributed.run", "mixprec.launch")) else None
+
+
 def command(*words: str | os.PathLike, env: dict[str, str] | None = None) -> str:
-    """``mixprec WORDS...`` as one pasteable shell command for this launch."""
+    """``mixprec WORDS...`` as one pasteable shell command for this launch (several nodes: with
+    the job's rendezvous options, to run on every node)."""
     launch = launcher(env)
-    text = shlex.join([*launch, *map(str, words)])
-    if "--nnodes" in " ".join(launch):
-        text += "  (on every node, with this job's rendezvous options)"
-    return text
+    if not any(w.startswith("--nnodes") for w in launch):
+        return shlex.join([*launch, *map(str, words)])
+    argv = _launcher_argv()
+    options, node_rank = rendezvous_options(argv) if argv is not None else ([], False)
+    at = launch.index("-m")
+    text = shlex.join([*launch[:at], *options, *launch[at:], *map(str, words)])
+    if not options:
+        return text + ("  (on every node, adding this job's rendezvous options: --rdzv-backend and "
+                       "--rdzv-endpoint, or --master-addr and --master-port)")
+    return text + ("  (on every node, with its own --node-rank)" if node_rank else "  (on every node)")
 
 
 def _python_value(value: Any) -> str:

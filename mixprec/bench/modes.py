@@ -40,13 +40,18 @@ The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torch
 FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
-                             "fp8e5m2moments", "fp8acts")
+                             "fp8e5m2moments", "fp8acts", "ckpt", "chunkedloss")
 """Suffixes of a mode name: ``bf16-mixed+overlap`` (overlap_optimizer=true), ``32-true+compile``
 (``torch.compile`` of the model), ``bf16-true+fullmasters`` (split_masters=false: full FP32
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
 (moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
-(fp8_activations=true), or several
+(fp8_activations=true), ``+ckpt`` (activation checkpointing of every block), ``+chunkedloss``
+(``Transformer.loss_chunk = LOSS_CHUNK`` tokens), or several
 (``bf16-mixed+overlap+compile``)."""
+
+
+LOSS_CHUNK = 256
+"""Tokens per slice of the ``+chunkedloss`` variant's loss."""
 
 
 def split_variant(name: str) -> tuple[str, frozenset[str]]:
@@ -147,6 +152,8 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     from mixprec.train.trainer import Trainer
     mode, variants = split_variant(name)
     model, x, y = _model_and_batch(cfg, device)
+    model.gradient_checkpointing = "ckpt" in variants       # recompute each block in backward
+    model.loss_chunk = LOSS_CHUNK if "chunkedloss" in variants else 0
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
                     overlap_optimizer="overlap" in variants, compile="compile" in variants,
@@ -417,7 +424,8 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
             "step_ms_q1": q[0] * 1e3, "step_ms_q3": q[2] * 1e3,
             "tokens_per_s": tokens / med,
             "speedup_vs_32_true": statistics.median(base.times) / med if base else None,
-            "mfu": fpt * tokens / med / peak, "peak_gflops": peak / 1e9,
+            "mfu": _mfu(fpt * tokens / med / peak, dtype_name(c.compute_dtype), device),
+            "peak_gflops": peak / 1e9,
             "peak_mem_mb": None, "repeats": len(c.times),
             "first_step_s": c.first_step_s,
             "compile_s": (c.warmup_s - c.warmup_steps * med if "compile" in split_variant(c.name)[1]
@@ -484,6 +492,13 @@ def write_png(rows: list[dict], path: Path, title: str) -> None:
     bench_figure(rows, title).savefig(path, dpi=100)
 
 
+def _mfu(value: float, fmt: str, device: torch.device) -> float | None:
+    """The MFU to record: none against an emulated format's speed (BF16 on an AVX2 CPU is no
+    peak: :func:`mixprec.policy.peak.no_peak_reason`), nor above 100 % of the measured peak."""
+    from mixprec.policy.peak import no_peak_reason
+    return None if no_peak_reason(fmt, device) or value > 1.0 else value
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'mode':<22} {'step ms':>9} {'min-max':>15} {'tokens/s':>10} {'vs 32-true':>10} "
              f"{'MFU':>7} {'peak GF/s':>9} {'peak MiB':>9} {'compile s':>9}"]
@@ -491,9 +506,10 @@ def format_table(rows: list[dict]) -> str:
         sp = f"{r['speedup_vs_32_true']:.2f}x" if r["speedup_vs_32_true"] else "-"
         mem = f"{r['peak_mem_mb']:.0f}" if r["peak_mem_mb"] is not None else "-"
         comp = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
+        mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "-"   # "-": emulated format
         lines.append(f"{r['mode']:<22} {r['step_ms_median']:>9.1f} "
                      f"{r['step_ms_min']:>7.1f}-{r['step_ms_max']:<7.1f} {r['tokens_per_s']:>10.0f} "
-                     f"{sp:>10} {r['mfu'] * 100:>6.1f}% {r['peak_gflops']:>9.1f} {mem:>9} {comp:>9}")
+                     f"{sp:>10} {mfu:>7} {r['peak_gflops']:>9.1f} {mem:>9} {comp:>9}")
     return "\n".join(lines)
 
 

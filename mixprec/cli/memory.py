@@ -34,6 +34,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_seq_len(parser, default=None, help="tokens per sequence (default: the model's: a preset's "
                 "max_seq_len, a config.json's max_position_embeddings / n_positions / n_ctx)")
     parser.add_argument("--checkpointing", action="store_true", help="activation recompute per block")
+    parser.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
+                        help="the loss computed TOKENS tokens at a time (Transformer.loss_chunk; default 0: off)")
     parser.add_argument("--gpus", type=int, default=1, help="devices the states are sharded over (FSDP)")
     parser.add_argument("--params", type=float, default=None,
                         help="target total parameters (e.g. 67e9): sets the number of layers")
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     rows = [estimate_memory(shape, m, batch=args.batch_size, seq=seq, optimizer=args.optimizer,
                             moments_dtype=args.moments_dtype, checkpointing=args.checkpointing,
                             shards=args.gpus, split_masters=not args.full_masters,
-                            device=args.device, fp8_activations=args.fp8_activations) for m in modes]
+                            device=args.device, fp8_activations=args.fp8_activations,
+                            loss_chunk=args.loss_chunk) for m in modes]
     big = rows[0].peak > 1e9
     n = shape.num_parameters()
     print(f"model: {f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters ({shape.num_layers} layers, d={shape.d_model}"
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
           f"batch {args.batch_size} x {seq} per device (sequence length: "
           f"{'--seq-len' if args.seq_len else seq_source}); {args.gpus} device(s); optimizer {args.optimizer} "
           f"(moments {args.moments_dtype}); masters {'full FP32' if args.full_masters else 'split'}; "
-          f"checkpointing {'on' if args.checkpointing else 'off'}")
+          f"checkpointing {'on' if args.checkpointing else 'off'}"
+          + (f"; loss in slices of {args.loss_chunk} tokens" if args.loss_chunk else ""))
     print(format_table(rows, unit=GB if big else 2**20, unit_name="GB" if big else "MiB"))
     return 0

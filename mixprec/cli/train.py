@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mixprec import hints
 from mixprec.errors import ConfigError, DataError, RunInterrupted, excerpt
@@ -74,6 +75,11 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     cfg.validate()
     _refuse_unused(cfg, source)
     source = {k: (s if s != "default" else "resumed run") for k, s in source.items()}
+    if source.get("model") == "resumed run" and cfg.model.startswith("hf:"):
+        from mixprec.models.hf import resume_spec
+        spec, why = resume_spec(cfg.model, resume_dir)    # its config.json moved: the run's copy
+        if why is not None:
+            cfg, source["model"] = dataclasses.replace(cfg, model=spec), f"resumed run; {why}"
     return _with_max_seq_len(cfg, base_cfg), source, resume_from
 
 
@@ -167,6 +173,19 @@ def _step_memory(model, cfg: TrainConfig, on_cpu: bool):
         return shape, estimate_memory(shape, "32-true", **kwargs)
 
 
+class _NoDrawsOnMeta(TorchFunctionMode):
+    """Random initialisation of meta tensors does nothing (they hold no values); left to torch,
+    ``normal_`` on meta loads its Python meta kernels (sympy included), ~2 s of CPU per start."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")
+        if getattr(func, "__name__", "") in ("normal_", "trunc_normal_") and \
+                isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
 def _check_fits_in_memory(build, vocab_size: int, cfg: TrainConfig | None = None, *,
                           say: bool = False) -> None:
     """Before allocating, ask the memory estimator what one step of the model (``build()`` makes
@@ -174,7 +193,7 @@ def _check_fits_in_memory(build, vocab_size: int, cfg: TrainConfig | None = None
     ``say``, one warning line when the sequence is long: the position table grows with seq_len and
     attention's FLOPs grow with seq_len^2 (the numbers and the fix)."""
     cfg = cfg or TrainConfig()
-    with torch.device("meta"):   # shapes only: nothing is allocated
+    with torch.device("meta"), _NoDrawsOnMeta():   # shapes only: nothing is allocated
         model = build()
     n = model.num_parameters()
     on_cpu = not torch.cuda.is_available()   # on a GPU the states live in its own memory

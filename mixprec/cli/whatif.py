@@ -10,12 +10,17 @@ PNG beside it; ``--plan FILE`` also writes the per-layer choice as a plan file
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from mixprec.errors import ConfigError
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "run", "measure_config", "WHATIF_BATCH"]
+
+WHATIF_BATCH = {"batch_size": 8, "seq_len": 64}
+"""The batch shape when the settings give none: with ``--batches 2``, 1024 tokens (the time the
+docs state was measured at it; training's default, 16 x 128, takes four times as long)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -32,13 +37,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a layer is safe in a format when its loss change alone is at most "
                              "this, in percent of the loss (default 0.5)")
     parser.add_argument("--batches", type=int, default=2,
-                        help="batches (of the batch_size x seq_len of the settings)")
+                        help="batches of batch_size x seq_len tokens (default 2; batch_size and "
+                             "seq_len default to 8 and 64 here, 1024 tokens in all, unless given)")
     parser.add_argument("--from", dest="from_run", metavar="RUN_DIR",
                         help="load the model weights of this run's latest checkpoint")
     parser.add_argument("-o", "--output", default="whatif.csv", help="CSV file")
     parser.add_argument("--png", default=None, help="heat-map (default: the CSV's name, .png)")
     parser.add_argument("--plan", default=None, metavar="FILE",
                         help="also write the choice as a plan file (.json or .toml)")
+
+
+def measure_config(cfg, source: dict[str, str]):
+    """The settings a what-if measures at, and which of them are its own defaults: unless given,
+    the batch is :data:`WHATIF_BATCH` (a what-if measures, it does not train). The model keeps
+    training's position table (``max_seq_len``), so ``--from`` a run at the defaults still fits."""
+    small = {k: v for k, v in WHATIF_BATCH.items() if source.get(k) == "default"}
+    if small:
+        keep = {"max_seq_len": cfg.seq_len} if "seq_len" in small and cfg.max_seq_len is None else {}
+        cfg = dataclasses.replace(cfg, **small, **keep)
+    return cfg, small
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,11 +67,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--batches must be >= 1")
     if not 0 < args.tolerance < 100:
         raise ConfigError("--tolerance is in percent of the loss, between 0 and 100")
-    cfg, _ = load_config(args.config, parse_overrides(args.settings))
+    cfg, small = measure_config(*load_config(args.config, parse_overrides(args.settings)))
     model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
+    tokens = len(batches) * cfg.batch_size * cfg.seq_len
     print(f"[mixprec] what-if for the Linear layers of model {cfg.model} on {len(batches)} batches "
-          f"of {cfg.batch_size}x{cfg.seq_len} tokens (weights: "
-          f"{args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
+          f"of {cfg.batch_size}x{cfg.seq_len} tokens ({tokens} tokens"
+          f"{'; the what-if default ' + ', '.join(f'{k}={v}' for k, v in small.items()) if small else ''}) "
+          f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
     report = what_if(model, batches, formats=args.formats.split(","), gpu=args.gpu,
                      tolerance=args.tolerance / 100, seed=cfg.seed,
                      progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))

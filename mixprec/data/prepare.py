@@ -17,6 +17,7 @@ ever read, and an output path that is one of the inputs is refused.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,9 @@ def prepare_files(inputs: Sequence[str | os.PathLike], output: str | os.PathLike
     from tqdm.auto import tqdm
 
     total = sum(f.stat().st_size for f in files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {output.name}", disable=not progress)
+    # disable=None: tqdm's own "a bar only on a terminal"; piped logs get the summary line alone.
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"prepare {output.name}", file=sys.stderr,
+               disable=None if progress else True)
     with bar, TokenFileWriter(output, vocab) as writer:
         for path in files:
             if tok is None:

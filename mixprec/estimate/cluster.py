@@ -254,11 +254,11 @@ def estimate(model: str | ModelSpec, *, tokens: float | str, gpu: str = "H800", 
     if gpu.strip().lower() == "cpu":
         spec_gpu, gpu_name = None, "cpu"
         if peak_tflops is None:
-            from mixprec.policy.peak import format_peak_flops
+            from mixprec.policy.peak import format_peak_flops, no_peak_reason
             peak = format_peak_flops(policy.peak_format, "cpu")  # as fit()'s MFU; cached on disk
             if peak is None:
-                raise ConfigError(f"the CPU has no {policy.peak_format.upper()} GEMMs to measure; "
-                                  "give --peak-tflops")
+                raise ConfigError(f"no {policy.peak_format.upper()} peak to measure: "
+                                  f"{no_peak_reason(policy.peak_format, 'cpu')}; give --peak-tflops")
         else:
             peak = peak_tflops * 1e12
     else:

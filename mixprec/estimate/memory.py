@@ -204,6 +204,17 @@ class ModelShape:
             n -= self.vocab_size * d                        # the token embedding (the head stays)
         return n - self.moe_layers * (self.num_experts - self.top_k) * self._mlp_params(self._ehidden)
 
+    def matrix_parameters(self) -> tuple[int, int]:
+        """(parameters in matrices whose rows hold ``d_model`` values, in matrices whose rows hold
+        the MLP's hidden width): the embedding, the head and the Linear weights; the rest are
+        vectors (norms, biases). 8-bit moments cost a block scale per row's block, and vectors
+        keep FP32 moments (mixprec.optim.moments)."""
+        d = self.d_model
+        wide = self._blocks(lambda moe: ((self.num_experts + self.shared_experts) * d * self._ehidden) if moe
+                            else d * self._hidden)                              # MLP down-projections
+        emb = (0 if self.tie_embeddings else self.vocab_size * d) + (self.max_seq_len * d if self.learned_positions else 0)
+        return self.matmul_weights() + emb - wide, wide
+
     def norm_parameters(self) -> int:
         """Norm weights (and biases): FP32 unless the policy says ``keep_norms_fp32=False``."""
         per = 2 if self.bias else 1
@@ -346,7 +357,8 @@ def _largest_param(shape: ModelShape) -> int:
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
                     moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
                     pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
-                    device: str | None = None, fp8_activations: bool = False) -> MemoryEstimate:
+                    device: str | None = None, fp8_activations: bool = False,
+                    loss_chunk: int = 0) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -373,6 +385,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     ``fp8_activations`` (``mixprec.nn.fp8_activations``): the inputs Linear layers save (``3d +
     hidden`` values per dense block and token, ``d`` for the head) take ``1 + 4/128`` bytes each
     instead of the compute dtype's; blocks under activation checkpointing are unchanged.
+
+    ``loss_chunk`` (``Transformer.loss_chunk``): the head and the FP32 loss run ``loss_chunk``
+    tokens at a time and are recomputed in backward: the loss buffers are one slice's, and no
+    log-softmax of the whole batch is kept (the final norm's output is, in the compute dtype).
     """
     from mixprec.precision import Precision
     from mixprec.policy.dtypes import parse_dtype
@@ -381,6 +397,8 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:
         raise ConfigError("--batch-size, --seq-len and --gpus must be >= 1")
+    if loss_chunk < 0:
+        raise ConfigError(f"--loss-chunk must be >= 0 tokens (0: off), got {loss_chunk}")
     if tp < 1 or pp < 1:
         raise ConfigError(f"tensor and pipeline degrees must be >= 1, got tp={tp}, pp={pp}")
     from mixprec.optim.moments import MOMENTS, is_quantized, state_bytes
@@ -410,7 +428,15 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
     masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
     master_grads = 4 * min(low_p, CHUNK_NUMEL) if split else masters
-    moments = state_bytes(moments_dtype) * P if optimizer == "adamw" else 4 * P    # SGD: momentum buffer
+    if optimizer != "adamw":
+        moments = 4 * P                                          # SGD: momentum buffer
+    elif shape is not None and is_quantized(moments_dtype):
+        # 8-bit moments: block scales per row's blocks; vectors (norms, biases) keep FP32 moments
+        narrow, wide = shape.matrix_parameters()
+        moments = (state_bytes(moments_dtype, row=shape.d_model) * narrow
+                   + state_bytes(moments_dtype, row=shape._hidden) * wide + 8 * (P - narrow - wide))
+    else:
+        moments = state_bytes(moments_dtype) * P
     # torch's foreach AdamW holds one FP32 temporary list the size of the params during its
     # update (sqrt of the second moment); mixprec's AdamW works in bounded chunks. Split masters
     # step one chunk at a time: its widened FP32 masters and the temporary.
@@ -465,8 +491,18 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
             if not checkpointing:
                 kept -= (cb - fb) * (dense_layers * (3 * d + shape._hidden) + shape.moe_layers * 2 * d)
         head = 4 * (d + 2) + head_in * d + 4 * V + 8     # final norm, head input, log-softmax, token ids
+        loss_tokens = tokens
+        if loss_chunk:
+            head = 4 * (d + 2) + cb * d + 8              # the final norm's output is the slices' input
+            loss_tokens = min(tokens, loss_chunk)
         acts = tokens * (kept + recompute + head) / tp
-        loss_buffers = tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        loss_buffers = loss_tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        if loss_chunk:
+            # a slice's backward: its recomputed logits and log-softmax with their gradients
+            # (16 bytes per token and word), and the head's weight gradient of the slice before it
+            # is added to .grad (fitted to the one probe in docs/performance.md: 8 bytes per token
+            # and word, without the weight gradient, under-counted 32-true by 5 %)
+            loss_buffers = (loss_tokens * (16 * V + (cb * V if cb < 4 else 0)) + pb * V * d) / tp
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
         # Without recompute, a block's backward frees its saved tensors as it goes: what is in
@@ -521,7 +557,11 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
             b = r.bytes_per_parameter
             kept = [b["params"], b["grads"], b["masters"], b["moments"]]
             out.append(f"  {r.mode:<12} " + " + ".join(f"{v:.3f}" for v in kept) + f" = {sum(kept):.3f}")
-        from mixprec.optim.moments import arithmetic
+        from mixprec.optim.moments import arithmetic, is_quantized
         for name in dict.fromkeys(r.moments for r in rows):
             out.append(f"  moments {name}: {arithmetic(name)}")
+            here = next(r for r in rows if r.moments == name)
+            if is_quantized(name):
+                out.append(f"  moments {name} of this model: {here.bytes_per_parameter['moments']:.4f} bytes per "
+                           "parameter (its rows' blocks and its FP32 vectors counted)")
     return "\n".join(out)

@@ -75,6 +75,38 @@ def hf_config_path(spec: str) -> Path:
     return path
 
 
+RUN_CONFIG = "hf_config.json"
+"""A run folder's copy of the ``config.json`` its ``model=hf:PATH`` named (not the weights): a
+resume builds the model from it when PATH has moved or changed."""
+
+
+def keep_run_config(spec: str, run_dir: Path) -> None:
+    """Copy ``model=hf:PATH``'s config.json into ``run_dir`` (:data:`RUN_CONFIG`)."""
+    source, copy = hf_config_path(spec), Path(run_dir) / RUN_CONFIG
+    if not (copy.exists() and os.path.samefile(source, copy)):
+        shutil.copyfile(source, copy)
+
+
+def resume_spec(spec: str, run_dir: Path) -> tuple[str, str | None]:
+    """The ``model=hf:...`` a resume of ``run_dir`` builds, and one line saying why when it is not
+    ``spec``: the run folder's copy of the config when ``spec``'s file has moved or changed. A
+    config that is gone with no copy kept is refused in one line naming the way out."""
+    raw = spec[len(HF_PREFIX):]
+    copy = Path(run_dir) / RUN_CONFIG
+    try:
+        original = hf_config_path(spec)
+    except ConfigError:
+        if not copy.is_file():
+            raise ConfigError(f"cannot resume {run_dir}: its model config {raw} is gone and the run folder "
+                              f"keeps no copy ({RUN_CONFIG}); pass model=hf:PATH naming the same "
+                              "config.json") from None
+        return f"{HF_PREFIX}{copy}", f"{raw} is gone: the model is built from the run folder's copy"
+    if copy.is_file() and not os.path.samefile(original, copy) and original.read_bytes() != copy.read_bytes():
+        return f"{HF_PREFIX}{copy}", (f"{original} changed since the run began: the model is built "
+                                      "from the run folder's copy")
+    return spec, None
+
+
 def load_hf_config(spec: str) -> Any:
     """``AutoConfig`` of ``model=hf:PATH``, read from the local file only."""
     path = hf_config_path(spec)

@@ -95,6 +95,14 @@ class Transformer(nn.Module):
             tie_embeddings=tie_embeddings, fp32_embeddings=fp32_embeddings, attention_impl=attention_impl)
         self.config = cfg
         self.gradient_checkpointing = cfg.gradient_checkpointing
+        self.loss_chunk = 0
+        """Tokens per slice of a chunked loss (0: off). With targets, the head and the FP32
+        cross-entropy then run a slice at a time and are recomputed in backward, so the
+        ``(tokens, vocab)`` FP32 logits, their log-softmax and its gradient exist for one slice
+        at a time, not for the whole batch; ``forward`` returns ``None`` for the logits. The loss
+        equals the plain one within FP32 summation order; with 16-bit parameters the head's
+        weight gradient is summed over the slices in the parameter dtype (one rounding per
+        slice). docs/lean.md."""
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
@@ -158,14 +166,33 @@ class Transformer(nn.Module):
                 else:
                     x, aux = block(x)
                 aux_total = aux_total + aux
-            logits = self.head(self.ln_f(x)).float()  # (B, T, V) fp32
+            h = self.ln_f(x)
+            if targets is not None and self.loss_chunk:
+                logits, loss = None, self._chunked_loss(h.reshape(B * T, -1), targets.reshape(B * T))
+            else:
+                logits = self.head(h).float()  # (B, T, V) fp32
         self.aux_loss = aux_total.detach() if self.config.num_experts else None
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
+        if logits is not None:
+            loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T), ignore_index=-100)
         if self.config.num_experts:
             loss = loss + aux_total
         return logits, loss
+
+    def _chunked_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the non-ignored targets, ``loss_chunk`` tokens at a time, each
+        slice's head and log-softmax recomputed in backward (``torch.utils.checkpoint``)."""
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ConfigError(f"loss_chunk must be a number of tokens >= 0 (0: off), got {self.loss_chunk!r}")
+        total = h.new_zeros((), dtype=torch.float32)
+        for a in range(0, h.shape[0], self.loss_chunk):
+            total = total + checkpoint(self._loss_sum, h[a:a + self.loss_chunk],
+                                       targets[a:a + self.loss_chunk], use_reentrant=False)
+        return total / (targets != -100).sum()
+
+    def _loss_sum(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(h).float(), targets, ignore_index=-100, reduction="sum")
 
     # --- accounting ---------------------------------------------------------------------------
 

@@ -27,11 +27,11 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
-from mixprec.optim import moments as _moments, registry
+from mixprec.optim import moments as _moments, registry, sharded as _sharded
 from mixprec.optim.master import MasterWeights, _normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "sharded_adamw"]
 
 _CHUNK_NUMEL = CHUNK_NUMEL  # 4 Mi elements: 16 MiB per FP32 scratch buffer (the split masters' chunks too)
 _LOW_BITS_MASK = -65536  # 0xFFFF0000 as int32: keeps sign, exponent and the 7 BF16 mantissa bits
@@ -91,8 +91,16 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         self.stochastic_rounding = (stochastic_rounding and moments_dtype == torch.bfloat16
                                     and not self.quantized) or self.moments == "int8"
         self._generators: dict[torch.device, torch.Generator] = {}
+        if seed is None and self.stochastic_rounding:
+            # Drawn from the global generator once: the run's seed decides it, and every step's
+            # noise follows from it and the step (see _reseed).
+            seed = int(torch.randint(0, 1 << 62, (1,)).item())
         self._seed = seed
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self._seeded_at: int | None = None
+        # The format travels in every param group of a state dict: FP8 codes gathered under FSDP2
+        # cross as bytes, and the group says which FP8 they are (and refuses another format's).
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                                  "moments": self.moments})
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self._seed is None:
@@ -101,22 +109,35 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             self._generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         return self._generators[device]
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        # The rounding noise is part of the trajectory: save the seeded generators for exact resume.
-        sd["sr_generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
-        return sd
+    def _reseed(self, step: int, devices: Iterable[torch.device]) -> None:
+        """Start the rounding noise of optimizer step ``step`` from ``(seed, step)``: the noise is
+        then a function of the step, not of the generator's history, so a resume (whose
+        checkpoint may not carry the generators: FSDP2's gathered state keeps only the state and
+        the groups) draws what the uninterrupted run drew. Once per step: split masters step a
+        chunk at a time, and the later chunks continue the stream."""
+        if self._seed is None or step == self._seeded_at:
+            return
+        self._seeded_at = step
+        for device in devices:
+            self._generator(device).manual_seed((self._seed * 1_000_003 + step) % (1 << 63))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
-        for device, rng_state in sd.pop("sr_generators", {}).items():
-            gen = self._generator(torch.device(device))
-            if gen is not None:
-                gen.set_state(rng_state)
+        # Checkpoints before the noise followed from (seed, step) saved the generators; the next
+        # step reseeds them (_reseed), so that is all they need.
+        sd.pop("sr_generators", None)
         # torch casts every tensor of the state to the param dtype (FP32), 8-bit codes and 16-bit
         # scales included: note the saved dtypes and store each tensor in its own dtype again.
+        formats = {g.get("moments") for g in sd["param_groups"]} - {None}
+        if any(_moments.is_quantized(f) for f in formats) and formats != {self.moments}:
+            from mixprec.errors import CheckpointError
+            raise CheckpointError(f"the optimizer state holds moments={', '.join(sorted(formats))}, not this "
+                                  f"optimizer's moments={self.moments}; build the optimizer with the "
+                                  "moments format the checkpoint was saved with")
         saved = {i: {k: v.dtype for k, v in st.items() if isinstance(v, Tensor)} for i, st in sd["state"].items()}
         super().load_state_dict(sd)
+        for g in self.param_groups:
+            g["moments"] = self.moments       # what this optimizer stores from now on
         ids = dict(zip((i for g in sd["param_groups"] for i in g["params"]),
                        (p for g in self.param_groups for p in g["params"])))
         for i, dtypes in saved.items():
@@ -131,23 +152,37 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             for key, dtype in dtypes.items():
                 if key != "step":
                     st[key] = st[key].to(dtype)       # 8-bit codes and scales went through FP32 exactly
-            self._adopt_quantized_(st, self._generator(ids[i].device))
+            self._adopt_quantized_(st, ids[i], self._generator(ids[i].device))
 
-    def _adopt_quantized_(self, st: dict[str, Tensor], gen: torch.Generator | None) -> None:
-        """A loaded state in this optimizer's 8-bit layout: plain moments (a checkpoint of FP32 or
-        BF16 moments) are encoded, the earlier 8-bit layout is converted, another format refused."""
+    def _adopt_quantized_(self, st: dict[str, Tensor], p: Tensor, gen: torch.Generator | None) -> None:
+        """A loaded state of ``p`` in this optimizer's layout: a matrix's plain moments (a checkpoint
+        of FP32 or BF16 moments) are encoded, an earlier 8-bit layout is converted, another format
+        refused; a vector's 8-bit moments (saved before vectors kept FP32 moments) are widened."""
         if "exp_avg" not in st:
             return
-        if "exp_avg_scale" not in st:                              # plain moments: encode them
-            wide = {k: st[k].float() for k in ("exp_avg", "exp_avg_sq")}
-            st.update(_moments.new_state(wide["exp_avg"], self.moments))
+        if not _sharded.is_dtensor(p):       # FP8 codes saved as bytes (gathered under FSDP2)
+            _moments.from_bytes_(st, self.moments)
+        loc = _moments.from_bytes_({k: _sharded.local(v) for k, v in st.items() if k != "step"}, self.moments)
+        keys = ("exp_avg", "exp_avg_sq")
+        if not _moments.quantizes(p.shape, self.moments):
+            if "exp_avg_scale" in loc:
+                _moments.widen_(loc, self.moments)
+                for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+                    st.pop(k)
+            st.update(_sharded.like(p, {k: loc[k].float() for k in keys}))
+            return
+        if "exp_avg_scale" not in loc:                             # plain moments: encode them
+            wide = {k: loc[k].float() for k in keys}
+            loc = _moments.new_state(wide["exp_avg"], self.moments)
             for k, w in wide.items():
-                _moments.encode_([st], k, [w], self.moments, gen)
+                _moments.encode_([loc], k, [w], self.moments, gen)
+            st.update(_sharded.like(p, loc))
             return
         from mixprec.errors import CheckpointError
-        _moments.upgrade_(st, self.moments, gen)
         want = _moments.LAYOUTS[self.moments].codes
-        got = (st["exp_avg"].dtype, st["exp_avg_sq"].dtype)
+        got = (loc["exp_avg"].dtype, loc["exp_avg_sq"].dtype)
+        if got == want and _moments.upgrade_(loc, self.moments, gen):
+            st.update(_sharded.like(p, loc))
         if got != want or st["exp_avg_scale"].dtype != _moments.LAYOUTS[self.moments].scale_dtype:
             raise CheckpointError(f"the optimizer state holds 8-bit moments as {got[0]}/{got[1]}, not this "
                                   f"optimizer's moments={self.moments}; build the optimizer with the "
@@ -159,6 +194,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        steps_before = [float(self.state[p]["step"]) for g in self.param_groups for p in g["params"]
+                        if p.grad is not None and "step" in self.state[p]]
+        self._reseed(int(steps_before[0]) if steps_before else 0,
+                     {p.device for g in self.param_groups for p in g["params"] if p.grad is not None})
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -172,8 +211,8 @@ class _AdamWFP32Math(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.tensor(0.0)
-                    if self.quantized:
-                        st.update(_moments.new_state(p, self.moments))
+                    if _moments.quantizes(p.shape, self.moments):
+                        st.update(_sharded.like(p, _moments.new_state(_sharded.local(p), self.moments)))
                         continue
                     st["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype, memory_format=torch.preserve_format)
@@ -187,10 +226,11 @@ class _AdamWFP32Math(torch.optim.Optimizer):
 
     def _update(self, params: list[Tensor], group: dict[str, Any], device: torch.device) -> None:
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        grads = [p.grad for p in params]
-        states = [self.state[p] for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        # FSDP2's DTensor shards: the update is elementwise on each rank's local shard.
+        states = [_moments.from_bytes_({k: _sharded.local(v) for k, v in self.state[p].items()}, self.moments)
+                  for p in params]
+        grads = [_sharded.local(p.grad) for p in params]
+        params = [_sharded.local(p) for p in params]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         # Host-side bias corrections: the steps live on the CPU (like torch's non-capturable AdamW),
@@ -206,12 +246,15 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         v_flat = torch.empty_like(m_flat)
         m32 = [t.view_as(p) for t, p in zip(m_flat.split(numels), params)]
         v32 = [t.view_as(p) for t, p in zip(v_flat.split(numels), params)]
-        if self.quantized:      # each parameter has blocks and scales of its own
-            _moments.decode_(states, "exp_avg", m32, self.moments)
-            _moments.decode_(states, "exp_avg_sq", v32, self.moments)
-        else:
-            torch._foreach_copy_(m32, exp_avgs)
-            torch._foreach_copy_(v32, exp_avg_sqs)
+        coded = [i for i, st in enumerate(states) if "exp_avg_scale" in st]   # 8-bit (optim.moments.quantizes)
+        plain = [i for i, st in enumerate(states) if "exp_avg_scale" not in st]
+        pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
+        if coded:
+            _moments.decode_(pick(states, coded), "exp_avg", pick(m32, coded), self.moments)
+            _moments.decode_(pick(states, coded), "exp_avg_sq", pick(v32, coded), self.moments)
+        if plain:
+            torch._foreach_copy_(pick(m32, plain), [states[i]["exp_avg"] for i in plain])
+            torch._foreach_copy_(pick(v32, plain), [states[i]["exp_avg_sq"] for i in plain])
 
         if wd != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * wd)  # decoupled weight decay
@@ -224,16 +267,35 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         torch._foreach_addcdiv_(params, m32, denom, step_sizes)  # p -= lr / bc1 * m / denom
         del denom
 
-        if self.quantized:
+        if coded:
             gen = self._generator(device)
-            _moments.encode_(states, "exp_avg", m32, self.moments, gen)
-            _moments.encode_(states, "exp_avg_sq", v32, self.moments, gen)
+            _moments.encode_(pick(states, coded), "exp_avg", pick(m32, coded), self.moments, gen)
+            _moments.encode_(pick(states, coded), "exp_avg_sq", pick(v32, coded), self.moments, gen)
+        if not plain:
             return
-        if self.stochastic_rounding:
+        if self.stochastic_rounding and not self.quantized:
             _round_to_bf16_stochastic_(m_flat, self._generator(device))
             _round_to_bf16_stochastic_(v_flat, self._generator(device))
-        torch._foreach_copy_(exp_avgs, m32)  # exact after stochastic rounding, nearest otherwise
-        torch._foreach_copy_(exp_avg_sqs, v32)
+        # exact after stochastic rounding (or FP32), nearest otherwise
+        torch._foreach_copy_([states[i]["exp_avg"] for i in plain], pick(m32, plain))
+        torch._foreach_copy_([states[i]["exp_avg_sq"] for i in plain], pick(v32, plain))
+
+
+def sharded_adamw(params: Iterable[Tensor] | Iterable[dict[str, Any]], *, moments: str, lr: float = 1e-3,
+                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                  seed: int | None = None) -> torch.optim.Optimizer:
+    """AdamW on FSDP2's FP32 parameter shards (they are the masters) with moments stored in
+    ``moments`` (``bf16``, ``int8``, ``fp8``, ``fp8-e5m2``; FP32 math): each rank updates its own
+    shard, 8-bit moments are DTensors sharded like the parameter (mixprec.optim.sharded), so a
+    gathered checkpoint reshards to any world size. torch.optim.AdamW's state layout."""
+    _check_hyper(lr, betas, eps, weight_decay)
+    if moments not in _moments.MOMENTS or moments == "fp32":
+        raise ConfigError(f"sharded_adamw stores moments in bf16, int8, fp8 or fp8-e5m2, got '{moments}' "
+                          "(FP32 moments: torch.optim.AdamW)")
+    quantized = _moments.is_quantized(moments)
+    return _AdamWFP32Math(_normalise_groups(params), lr, betas, eps, weight_decay,
+                          moments_dtype=torch.float32 if quantized else torch.bfloat16,
+                          stochastic_rounding=True, seed=seed, moments=moments if quantized else None)
 
 
 class AdamW(MasterWeights):

@@ -13,7 +13,8 @@ the same modules and the same eligibility rules), and with *only* ``L`` in ``f``
   element format's largest value plus half its last step (the clamp changed them; with amax
   scaling this happens only where a power-of-two or E4M3 scale rounds down: MX and NVFP4);
 * loss change: the model's forward loss with ``L`` alone in ``f``, ``mean |loss_f - loss| /
-  loss`` over the batches (measured, not estimated);
+  loss`` over the batches (measured, not estimated; the blocks before ``L`` and ``L`` itself are
+  replayed from what was already computed, :class:`mixprec.plan.measure.Replay`, bit-identical);
 * projected GEMM speed-up on a GPU: the format's dense datasheet peak over BF16's
   (:data:`mixprec.estimate.gpus.GPUS`; 1.0 where the rules keep the layer out of the format).
 
@@ -43,7 +44,8 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
-from mixprec.plan.measure import layer_alone, linear_names, losses_with, reference_pass
+from mixprec.plan.measure import (Call, Replay, block_list, layer_alone, linear_names, losses_with,
+                                  reference_pass)
 from mixprec.policy.overrides import is_micro, parse_format
 
 __all__ = ["what_if", "WhatIfReport", "WhatIfRow", "FormatCell", "WHATIF_FORMATS"]
@@ -271,28 +273,6 @@ def _range_stats(fmt: str, layer: nn.Module, records: list[tuple[torch.Tensor, .
 
 # --- the what-if run ----------------------------------------------------------------------
 
-class _Replay(nn.Module):
-    """Stands in for a layer in the loss pass: the layer's input there is the FP32 prefix's, the
-    one recorded (only this layer changes format), so its output is the one already computed on
-    that record by :func:`mixprec.plan.measure.layer_alone`. Returned as is when the input equals the record (checked,
-    exactly); anything else (another call order, a non-deterministic prefix) runs the layer."""
-
-    def __init__(self, layer: nn.Module, records: list[tuple[torch.Tensor, ...]],
-                 outputs: list[torch.Tensor]):
-        super().__init__()
-        self.layer = layer
-        self._pairs = [(r[0], y) for r, y in zip(records, outputs)]
-        self._next = 0
-        self.replayed = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        i, self._next = self._next, self._next + 1
-        if i < len(self._pairs) and torch.equal(x, self._pairs[i][0]):
-            self.replayed += 1
-            return self._pairs[i][1]
-        return self.layer(x)
-
-
 def _peak(gpu, fmt: str) -> float | None:
     from mixprec.estimate.gpus import format_peak_kind
     value = getattr(gpu, f"{format_peak_kind(fmt)}_tflops")
@@ -336,7 +316,9 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     if not linear_names(ref_model):
         raise ConfigError("the model has no nn.Linear layer to ask about")
     names = linear_names(ref_model, layers)
-    ref_losses, records = reference_pass(ref_model, batches, objective, names, seed)
+    blocks = block_list(ref_model, linear_names(ref_model))
+    block_calls: dict[str, list[Call]] = {}
+    ref_losses, records = reference_pass(ref_model, batches, objective, names, seed, blocks, block_calls)
     ref_loss = sum(ref_losses) / len(ref_losses)
 
     variants: dict[str, nn.Module] = {}
@@ -354,16 +336,21 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     mods = dict(ref_model.named_modules())
     rows = [WhatIfRow(n, 6 * mods[n].in_features * mods[n].out_features) for n in names]
     for i, row in enumerate(rows):
-        ref_out, ref_grad, _ = layer_alone(mods[row.name], records[row.name])
+        ref_out, ref_grad, _ = layer_alone(mods[row.name], records[row.name], input_grad=False)
+        # The loss pass replays the blocks whose inputs it meets unchanged (those before the
+        # layer) and the layer itself on its recorded inputs: the outputs are those computed.
+        others = [b for b in blocks if not row.name.startswith(b + ".")]
         for f in fmts:
             if row.name in refused[f]:
                 row.cells[f] = FormatCell(available=False, reason=refused[f][row.name])
                 continue
             variant = variants[f].get_submodule(row.name)
             raw: list[torch.Tensor] = []
-            out, grad, _ = layer_alone(variant, records[row.name], raw)
-            replay = _Replay(variant, records[row.name], raw)
-            losses = losses_with(ref_model, row.name, replay, batches, objective, seed)
+            out, grad, _ = layer_alone(variant, records[row.name], raw, input_grad=False)
+            replay = Replay(variant, [Call(args=(r[0],), kwargs={}, output=y)
+                                      for r, y in zip(records[row.name], raw)])
+            losses = losses_with(ref_model, row.name, replay, batches, objective, seed,
+                                 {b: Replay(mods[b], block_calls.get(b, ())) for b in others})
             change = sum(abs(a - b) for a, b in zip(losses, ref_losses)) / len(losses) / ref_loss
             under, sat = _range_stats(f, variant, records[row.name])
             peak = _peak(spec, f)

@@ -17,7 +17,8 @@ import torch
 
 from mixprec.policy.dtypes import dtype_name, parse_dtype
 
-__all__ = ["matmul_flops", "time_matmul", "peak_flops", "format_peak_flops", "cache_dir"]
+__all__ = ["matmul_flops", "time_matmul", "peak_flops", "format_peak_flops", "no_peak_reason",
+           "cache_dir"]
 
 
 def cache_dir() -> Path:
@@ -30,12 +31,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _operands(n: int, count: int) -> list[torch.Tensor]:
+    """Random ``n x n`` FP32 CPU matrices from a generator of their own: a measurement, taken in
+    the middle of a run (the meter's re-measure), must not move the run's random stream (dropout
+    masks after a resume would differ from an uninterrupted run's)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(n, n, generator=g) for _ in range(count)]
+
+
 def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: int = 1024,
                  min_time: float = 0.2, warmup: int = 2) -> float:
     """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on ``device`` (timed, synchronised)."""
     device = torch.device(device)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    a, b = (x.to(device=device, dtype=dtype) for x in _operands(n, 2))
     for _ in range(warmup):
         a @ b
     _sync(device)
@@ -52,8 +60,8 @@ def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: i
 def _fp8_flops(n: int, device: torch.device, min_time: float) -> float:
     """Real FP8 GEMM via ``torch._scaled_mm`` (tensorwise scales), CUDA with FP8 tensor cores."""
     import time
-    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major operand
+    a, b = (x.to(device=device).to(torch.float8_e4m3fn) for x in _operands(n, 2))
+    b = b.t()                                                           # column-major operand
     one = torch.ones((), device=device)
     mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
     for _ in range(3):
@@ -144,23 +152,41 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
     return best
 
 
+def no_peak_reason(fmt: str, device: torch.device | str | None = None) -> str | None:
+    """Why ``fmt``'s GEMMs have no honest peak on ``device`` (so MFU is not measured), or None.
+
+    A peak is the rate of the hardware's own instructions for the format. Where the device has
+    none and software emulates the format (FP8 without FP8 tensor cores, BF16 on a CPU without
+    AVX512-BF16/AMX, FP16 without AVX512-FP16/AMX-FP16), a "peak" would be the emulation's speed
+    at one matrix shape, which other shapes beat: an MFU against it can pass 100 %."""
+    from mixprec.policy.hardware import cpu_has_native_bf16, cpu_has_native_fp16, cuda_supports_fp8
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if fmt == "fp8" and (device.type != "cuda" or not cuda_supports_fp8()):
+        return "FP8 GEMMs are emulated on this device (no FP8 tensor cores)"
+    if device.type == "cpu" and fmt == "bf16" and not cpu_has_native_bf16():
+        return "BF16 GEMMs are emulated on this CPU (no AVX512-BF16/AMX instructions)"
+    if device.type == "cpu" and fmt == "fp16" and not cpu_has_native_fp16():
+        return "FP16 GEMMs are emulated on this CPU (no AVX512-FP16/AMX-FP16 instructions)"
+    if fmt not in ("fp8", "tf32", "fp32", "bf16", "fp16"):
+        return f"no {fmt} GEMM peak is measured (block-scaled formats are emulated here)"
+    return None
+
+
 def format_peak_flops(fmt: str, device: torch.device | str | None = None, *,
                       refresh: bool = False) -> float | None:
     """Measured dense peak of ``fmt``'s GEMMs on ``device`` (``fmt``: what
     :attr:`mixprec.Precision.peak_format` says, ``fp8``, ``tf32``, ``bf16``, ``fp16`` or ``fp32``),
-    or None where the device has no such GEMMs (FP8 without FP8 tensor cores: emulated, so an MFU
-    against it would mean nothing). ``fit()``'s MFU and ``mixprec estimate --gpu cpu`` use this."""
-    from mixprec.policy.hardware import cuda_supports_fp8
+    or None where the device has no such GEMMs (:func:`no_peak_reason` says why: emulated, so an
+    MFU against it would mean nothing). ``fit()``'s MFU and ``mixprec estimate --gpu cpu`` use this."""
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if no_peak_reason(fmt, device) is not None:
+        return None
     if fmt == "fp8":
-        if device.type != "cuda" or not cuda_supports_fp8():
-            return None
         return max(time_matmul("fp8", None, device, 4096, 0.2) for _ in range(3))
     if fmt == "tf32":
         if device.type != "cuda":
             return peak_flops(torch.float32, device, refresh=refresh)   # TF32 is a CUDA mode
         return max(time_matmul("tf32", torch.float32, device, 4096, 0.2) for _ in range(3))
-    if fmt not in ("fp32", "bf16", "fp16"):
-        return None       # block-scaled micro formats (mxfp8, mxfp4, nvfp4): no GEMMs measured here
     return peak_flops(parse_dtype(fmt), device, refresh=refresh)

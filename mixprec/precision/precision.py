@@ -573,13 +573,19 @@ class Precision:
         if moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
         if sharded or self.loses_small_updates:
-            if moments != "fp32":
-                why = "FSDP2 steps torch's AdamW on its FP32 shards" if sharded else \
-                    f"precision '{self.name}' keeps no masters and uses torch's AdamW"
-                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but {why}; use moments=fp32")
             if sharded and split_masters and self.keeps_masters:
                 self.notes.append(_FSDP2_NO_SPLIT)
-            return torch.optim.AdamW(param_groups, **adamw_options)
+            if moments == "fp32":
+                return torch.optim.AdamW(param_groups, **adamw_options)
+            if self.loses_small_updates:
+                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but precision '{self.name}' keeps "
+                                  "no masters and uses torch's AdamW; use moments=fp32")
+            # FSDP2: its FP32 shards are the masters; the moments shard (and reshard) with them.
+            from mixprec.optim.adamw import sharded_adamw
+            self.notes.append(f"FSDP2: mixprec's FP32-math AdamW steps the FP32 shards with moments={moments}"
+                              + (" (matrices; vectors keep FP32 moments), sharded and resharded with the "
+                                 "parameters" if moments != "bf16" else ""))
+            return sharded_adamw(param_groups, moments=moments, **adamw_options)
         masters = self.master_params(model) if model is not None else None
         opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
                     **adamw_options)

@@ -108,6 +108,7 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
     _, mfu = _values(rows, "mfu")
     _, mem = _values(rows, "peak_mem_mb")
     _, times = _values(rows, "time_s")
+    _, evals = _values(rows, "eval_s")      # evaluation time, kept out of time_s
     totals = [r["skipped_total"] for r in rows if r.get("skipped_total") is not None]
     skipped = totals[-1] if totals else sum(int(r.get("skipped") or 0) for r in rows)
     best = min(range(len(vals)), key=vals.__getitem__) if vals else None
@@ -125,7 +126,7 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "mean tokens/s": statistics.fmean(tps) if tps else None,
         "mean MFU (%)": 100 * statistics.fmean(mfu) if mfu else None,
         "peak memory (MB)": max(mem) if mem else None,
-        "wall time (s)": math.fsum(times) if times else None,   # time_s is each interval's
+        "wall time (s)": math.fsum(times + evals) if times else None,   # each interval's
         "events": len(events),
         "guard": guard_summary(events),
     }

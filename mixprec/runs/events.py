@@ -14,6 +14,7 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.monitor import format_findings
 from mixprec.policy.dtypes import dtype_name
+from mixprec.policy.peak import no_peak_reason
 from mixprec.strategies import Strategy
 from mixprec.runs.metrics import MetricsLogger
 
@@ -70,15 +71,20 @@ class RunEvents:
             self._bar.update(1)
 
     def interval(self, step: int, total: int, *, loss: float, val_loss: float | None, lr: float,
-                 tokens_per_s: float | None, samples_per_s: float | None = None) -> None:
+                 tokens_per_s: float | None, samples_per_s: float | None = None,
+                 steps: int | None = None, log_interval: int | None = None) -> None:
         """One log interval: the bar's numbers (an evaluation also leaves a line above the bar,
-        so the validation history stays visible), or one plain line with elapsed time and ETA."""
+        so the validation history stays visible), or one plain line with elapsed time and ETA.
+        ``steps``: the steps the row's loss averages, said when not ``log_interval`` of them
+        (after a resume from mid-interval, say), as ``metrics.csv``'s ``steps`` column records."""
         rate = (f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else  # token ids
                 f"{samples_per_s:,.1f} samples/s" if samples_per_s is not None else None)
         # Only modes that scale the loss have a scale worth showing (bf16/fp32: always 1).
         scale = f"scale {self.precision.scale:g}" if self.precision.scales_loss else None
         skipped = self.precision.num_skipped_steps
-        fields = [rate, f"lr {lr:.3g}", f"loss {loss:.4f}", scale,
+        partial = steps and log_interval and steps != log_interval
+        over = f" (mean of {steps} step{'s' if steps != 1 else ''})" if partial else ""
+        fields = [rate, f"lr {lr:.3g}", f"loss {loss:.4f}{over}", scale,
                   f"skipped {skipped}" if skipped else None]
         if self._bar is not None:
             self._bar.set_postfix_str("  ".join(f for f in fields if f), refresh=False)
@@ -90,7 +96,7 @@ class RunEvents:
         from tqdm import tqdm
         clock = (f"elapsed {tqdm.format_interval(elapsed)}"
                  + (f"  ETA {tqdm.format_interval(eta)}" if eta is not None else ""))
-        parts = [f"step {step}/{total}", f"loss {loss:.4f}",
+        parts = [f"step {step}/{total}", f"loss {loss:.4f}{over}",
                  f"val {val_loss:.4f}" if val_loss is not None else None, *fields[:2], *fields[3:], clock]
         self._say("  ".join(p for p in parts if p))
 
@@ -108,8 +114,8 @@ class RunEvents:
         lines = [f"precision: {precision.describe()}", *precision.notes,
                  f"device: {self.strategy.device} x {self.strategy.world_size} "
                  f"({type(self.strategy).__name__})",
-                 f"model: {_count(params)} parameters; steps: {step} -> {total}; "
-                 f"peak-FLOPs format for MFU: {precision.peak_format}",
+                 f"model: {_count(params)} parameters; steps: {step} -> {total}; " + _mfu_basis(
+                     precision.peak_format, self.strategy.device),
                  f"run folder: {run_dir}"]
         # The conversion reports list every module they converted or kept out; the terminal
         # gets their headline and ONE per-layer list (the formats table, with the reason a layer
@@ -201,3 +207,9 @@ class RunEvents:
 def _count(n: int) -> str:
     """``0.86M`` from 100k parameters up; the exact count below (``0.00M`` said nothing)."""
     return f"{n / 1e6:.2f}M" if n >= 100_000 else f"{n:,}"
+
+
+def _mfu_basis(fmt: str, device: Any) -> str:
+    """What the run's MFU is measured against, or why it is not measured (one clause)."""
+    why = no_peak_reason(fmt, device)
+    return f"MFU not measured: {why}" if why else f"peak-FLOPs format for MFU: {fmt}"

@@ -37,12 +37,16 @@ __all__ = [
 
 METRICS_COLUMNS: tuple[str, ...] = (
     "step", "epoch", "loss", "val_loss", "lr", "loss_scale", "skipped", "skipped_total",
-    "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s",
+    "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s", "steps", "eval_s",
 )
+"""``loss`` (their mean), ``tokens_per_s``, ``mfu`` and ``time_s`` (seconds) cover the row's
+``steps`` training steps: the ones since the previous row, fewer than the log interval after a
+resume from mid-interval. ``lr``, ``loss_scale``, ``grad_norm`` are the row's last step's. An
+evaluation's seconds are ``eval_s``, kept out of ``time_s``, ``tokens_per_s`` and ``mfu``."""
 # The monitor defines what a per-layer statistics row holds; the logger writes it as is.
 from mixprec.monitor.stats import NUMERICS_COLUMNS  # noqa: E402
 NUMERICS_KINDS = ("act", "grad", "update")
-_INT_COLUMNS = {"step", "skipped", "skipped_total"}
+_INT_COLUMNS = {"step", "skipped", "skipped_total", "steps"}
 _TEXT_COLUMNS = {"module", "kind", "dtype"}
 
 METRICS_FILE = "metrics.csv"

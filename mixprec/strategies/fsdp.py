@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mixprec.precision import Precision
-from mixprec.errors import ConfigError
+from mixprec.errors import CheckpointError, ConfigError
 from mixprec.precision import Policy
 from mixprec.strategies.base import OptimizerLike, ProcessGroupStrategy, Strategy
 
@@ -217,14 +218,22 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         set_model_state_dict(model, dict(state) if self.rank == 0 else {}, options=self._LOAD)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """Full state on CPU keyed by parameter name (complete on rank 0): DTensor states (FP32
+        moments, and 8-bit moments' codes and scales, sharded like the parameter) are gathered,
+        so the file is the same at every world size. In one process: the optimizer's own."""
         if not self.is_distributed:
             return super().optimizer_state_dict(model, optimizer)
-        return get_optimizer_state_dict(model, optimizer, options=self._FULL)
+        return _fp8_codes(get_optimizer_state_dict(model, optimizer, options=self._FULL))
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: Mapping | None) -> None:
+        """Each rank keeps its rows of every state tensor, whatever the world size it was saved
+        at: a name-keyed state (saved sharded) also loads in one process, an index-keyed one
+        (saved in one process) also loads sharded."""
         if not self.is_distributed:
-            return super().load_optimizer_state_dict(model, optimizer, state)
+            return super().load_optimizer_state_dict(model, optimizer, _by_index(model, optimizer, state))
+        if self.rank == 0:
+            state = _fp8_bytes(_by_name(model, optimizer, state))
         set_optimizer_state_dict(model, optimizer, dict(state) if self.rank == 0 else {},
                                  options=self._LOAD)
 
@@ -235,3 +244,66 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         stats = super().comm_stats()
         stats.update(getattr(self, "_per_step", {}))
         return stats
+
+
+def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Every name of each optimizer slot's parameter (tied weights have several; the first is the
+    one FSDP2's gathered state uses), in the optimizer's index order."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"{type(optimizer).__name__} steps tensors that are not the model's "
+                                      "parameters (FP32 master copies?); a checkpoint moves between world "
+                                      "sizes only for an optimizer on the parameters themselves")
+            out.append(names[id(p)])
+    return out
+
+
+def _rekey(state: Mapping, key: Callable[[Any], Any]) -> dict:
+    return {**state, "state": {key(k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in state["param_groups"]]}
+
+
+def _by_index(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping | None) -> Mapping | None:
+    """A name-keyed (gathered FSDP2) optimizer state keyed by index for ``optimizer.load_state_dict``."""
+    if state is None or not any(isinstance(k, str) for g in state["param_groups"] for k in g["params"]):
+        return state
+    index = {n: i for i, aliases in enumerate(_names(model, optimizer)) for n in aliases}
+    missing = [k for g in state["param_groups"] for k in g["params"] if k not in index]
+    if missing:
+        raise CheckpointError(f"the optimizer state names parameters this model does not have ({missing[0]}); "
+                              "resume with the model it was saved with")
+    return _rekey(state, index.__getitem__)
+
+
+def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping | None) -> Mapping | None:
+    """An index-keyed (one-process) optimizer state keyed by parameter name, as FSDP2 loads it."""
+    if state is None or not any(isinstance(k, int) for g in state["param_groups"] for k in g["params"]):
+        return state
+    names = [aliases[0] for aliases in _names(model, optimizer)]
+    out = _rekey(state, names.__getitem__)
+    return {"state": out["state"], "param_groups": out["param_groups"]}   # what FSDP2's loader reads
+
+
+def _fp8_codes(state: Mapping) -> Mapping:
+    """Gathered 8-bit moments whose FP8 codes crossed as bytes (mixprec.optim.sharded) as FP8
+    codes again, read from each group's ``moments``: the file is the one-process file."""
+    from mixprec.optim import moments as M
+    for group in state.get("param_groups", ()):
+        for key in group["params"]:
+            st = state["state"].get(key)
+            if st and "moments" in group:
+                M.from_bytes_(st, group["moments"])
+    return state
+
+
+def _fp8_bytes(state: Mapping | None) -> Mapping | None:
+    """FP8 codes as their bytes for FSDP2's broadcast (gloo has no FP8 type); copies the dicts."""
+    if state is None:
+        return None
+    from mixprec.optim import moments as M
+    return {**state, "state": {k: M.to_bytes_(dict(st)) for k, st in state["state"].items()}}

@@ -64,7 +64,8 @@ class FitConfig:
     beta1: float = 0.9
     """AdamW's first-moment decay (beta1)."""
     beta2: float = 0.95
-    """AdamW's second-moment decay (beta2; torch's AdamW defaults to 0.999)."""
+    """AdamW's second-moment decay (beta2; torch's AdamW defaults to 0.999). 0.95 is a
+    language-model default (GPT-style pre-training); it applies only to the AdamW ``fit()`` builds."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; the loss is divided by this number."""
     clip_grad_norm: float | None = 1.0
@@ -142,7 +143,9 @@ class FitConfig:
     """Storage of Adam's two moments: ``fp32`` (8 bytes per parameter), ``bf16`` (4, FP32 math,
     stochastic rounding), ``int8`` (2.004: block-wise, stochastic rounding), ``fp8`` (2.03: E4M3
     with per-block range expansion) or ``fp8-e5m2`` (2.03: E5M2 likewise); mixprec/optim/moments.py.
-    Needs mixprec's AdamW (not with FSDP2 or a mode without masters)."""
+    8-bit formats cover matrices; vectors (biases, norms) keep FP32 moments. Needs mixprec's AdamW
+    (not with a mode without masters); under FSDP2 the moments shard and reshard with the
+    parameters."""
     fp8_activations: bool = False
     """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
     scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is

@@ -1,8 +1,14 @@
-"""Throughput, MFU, memory and the loss of each logged interval of a run."""
+"""Throughput, MFU, memory and the loss of each logged interval of a run.
+
+A row covers the training steps since the previous row (``steps``: fewer than ``log_interval``
+after a resume from mid-interval, or at an evaluation or the last step). Its ``time_s``,
+``tokens_per_s`` and ``mfu`` count training only: an evaluation's time is ``eval_s``, apart."""
 from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -27,17 +33,20 @@ class IntervalMeter:
     """Throughput, MFU and the loss of each logged interval (one host sync per interval)."""
 
     def __init__(self, strategy: Strategy, precision: Precision, model: nn.Module,
-                 logger: MetricsLogger) -> None:
+                 logger: MetricsLogger, *, note: Callable[[str], None] = lambda message: None) -> None:
         self.strategy, self.precision, self.logger = strategy, precision, logger
         self.device = strategy.device
+        self.note = note          # one line to the run's terminal and events.jsonl
         # The peak of the format the mode's GEMMs run in (fp8 for fp8-*), as `mixprec estimate`
-        # uses; None where this device has no such GEMMs: MFU is then not measured.
+        # uses; None where this device has no such GEMMs (emulated): MFU is then not measured.
         self.peak = format_peak_flops(precision.peak_format, self.device)
-        self.flops_per_token = (model.flops_per_token() if hasattr(model, "flops_per_token")
+        self.counted_flops = hasattr(model, "flops_per_token")
+        self.flops_per_token = (model.flops_per_token() if self.counted_flops
                                 else 6 * sum(p.numel() for p in model.parameters()))
         self.refreshed = False
         self.last_tps: float | None = 0.0
         self.last_sps: float | None = None   # samples/s, for batches without token ids
+        self.last_steps = 0                  # steps the last row averaged
         self._reset()
 
     def _reset(self) -> None:
@@ -45,6 +54,17 @@ class IntervalMeter:
         self.tokens: torch.Tensor | int | None = 0   # real tokens; None when batches have none
         self.samples: int | None = 0                  # examples (counted from shapes: no sync)
         self.t0 = time.perf_counter()
+        self.eval_s = 0.0                             # evaluation time, kept out of throughput
+
+    @contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """``with meter.evaluating(): ...``: time spent inside is the row's ``eval_s`` and is not
+        training time (``time_s``, ``tokens_per_s`` and ``mfu`` leave it out)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.eval_s += time.perf_counter() - start
 
     def add(self, out: StepOutput, batches: list | tuple = ()) -> None:
         """One step's output; ``batches`` (its micro-batches) count samples for samples/s."""
@@ -65,7 +85,8 @@ class IntervalMeter:
         values = values.tolist()
         tokens = values.pop() if counted else self.tokens
         loss = strategy.reduce_mean(sum(values) / len(values))
-        elapsed = time.perf_counter() - self.t0
+        steps = len(self.losses)
+        elapsed = time.perf_counter() - self.t0 - self.eval_s   # training steps only
         tps = mfu = None
         if tokens is not None:                    # None: inputs without token ids (images)
             tps = tokens * strategy.world_size / elapsed
@@ -76,13 +97,23 @@ class IntervalMeter:
             self.refreshed = True
             self.peak = format_peak_flops(precision.peak_format, self.device, refresh=True)
             mfu = tps / strategy.world_size * self.flops_per_token / self.peak
+        if mfu is not None and mfu > 1.0:
+            # Still above the measured peak: the peak cannot be trusted here; no MFU from now on.
+            counted = ("the model's flops_per_token()" if self.counted_flops
+                       else "6 x parameters, embeddings included")
+            self.note(f"MFU not measured from step {step} on: {mfu:.0%} of the measured "
+                      f"{precision.peak_format.upper()} peak ({self.peak / 1e9:.1f} GFLOP/s), so the "
+                      f"peak (measured while other jobs ran?) or the FLOPs per token ({counted}) "
+                      "is not this run's")
+            self.peak = mfu = None
         self.logger.log(step, epoch=epoch, loss=loss, val_loss=val_loss,
                         lr=lr, loss_scale=precision.scale,
                         skipped=int(out.skipped), skipped_total=precision.num_skipped_steps,
                         grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
                         tokens_per_s=tps, mfu=mfu,
-                        peak_mem_mb=peak_memory_mb(self.device), time_s=elapsed)
-        self.last_tps = tps
+                        peak_mem_mb=peak_memory_mb(self.device), time_s=elapsed,
+                        steps=steps, eval_s=self.eval_s if self.eval_s else None)
+        self.last_tps, self.last_steps = tps, steps
         self.last_sps = (self.samples * strategy.world_size / elapsed
                          if tokens is None and self.samples else None)
         self._reset()

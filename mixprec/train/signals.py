@@ -14,6 +14,12 @@ mid-exit)::
     no loop              --signal-->  Aborted raised (once)
     Aborted raised, or ending     -->  later signals change nothing: the process is already ending
 
+The first stop request is announced the moment the signal arrives, even while the main thread
+sits in one long kernel (a first step at ``seq_len=100000`` can take minutes, and Python runs its
+signal handlers only between bytecodes): the outermost context points the interpreter's wakeup
+file descriptor (:func:`signal.set_wakeup_fd`, written by the C-level handler at once) at a pipe
+that a small thread reads. The stop itself still waits for the step to finish.
+
 ``StopRequest`` contexts nest: the outermost one installs the handlers and, on exit, puts the
 previous ones back; inner ones (the trainer's loop inside ``mixprec train``'s own) share its
 state. With ``hold=True`` (the command line, which owns its process) the outermost one leaves
@@ -22,6 +28,7 @@ next one either.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -82,6 +89,8 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._loops: list[StopRequest] = []    # outermost only: the active loop contexts
         self._owner: StopRequest | None = None
+        self._announced = threading.Lock()     # outermost only: taken by whoever announces first
+        self._wakeup: tuple[int, int] | None = None   # outermost only: the herald's pipe
 
     @property
     def requested(self) -> bool:
@@ -104,9 +113,8 @@ class StopRequest:
         loop = self._loops[-1] if self._loops else None
         if loop is not None and loop.signum is None:
             loop.signum = signum                  # the first one: finish the step, save, stop
-            if loop.announce:
-                print(f"\n[mixprec] {signal.Signals(signum).name}: finishing this step and saving a "
-                      "checkpoint; press Ctrl-C again to abort at once", file=sys.stderr, flush=True)
+            if loop.announce and self._announced.acquire(blocking=False):   # not yet by the herald
+                print(_stop_line(signum), file=sys.stderr, flush=True)
             return
         self.ending = True                        # from now on the process is only ending
         self.aborted_by = signum
@@ -122,6 +130,7 @@ class StopRequest:
             StopRequest._root = root = self
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+            self._start_herald()
         else:
             self._owner = root
         if self.loop:
@@ -140,4 +149,58 @@ class StopRequest:
             # Leaving the handler in place until the new one is set: no gap between the two.
             signal.signal(s, signal.SIG_IGN if (self.hold and seen) else previous)  # type: ignore[arg-type]
         self._previous = {}
+        self._stop_herald()
         StopRequest._root = None
+
+    # ------------------------------------------------------------------ the herald
+
+    def _start_herald(self) -> None:
+        """Point the wakeup fd at a pipe read by a daemon thread (unless someone else, an asyncio
+        loop say, already uses it: then the handler alone announces, when Python runs it)."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(r)
+            os.close(w)
+            return
+        self._wakeup = (r, w)
+        threading.Thread(target=self._herald, args=(r,), name="mixprec-stop-herald", daemon=True).start()
+
+    def _stop_herald(self) -> None:
+        if self._wakeup is None:
+            return
+        signal.set_wakeup_fd(-1)
+        os.close(self._wakeup[1])        # the thread reads end-of-file, closes its end and ends
+        self._wakeup = None
+
+    def _herald(self, r: int) -> None:
+        """Announce the first stop request as soon as its signal arrives (the handler's line,
+        once: whichever of the two comes first says it)."""
+        try:
+            while data := os.read(r, 64):
+                for signum in data:
+                    loop = self._loops[-1] if self._loops else None
+                    if (signum not in SIGNALS or self.ending or loop is None or not loop.announce
+                            or not self._announced.acquire(blocking=False)):
+                        continue
+                    os.write(ANNOUNCE_FD, (_stop_line(signum) + "\n").encode())
+        except OSError:
+            pass
+        finally:
+            os.close(r)
+
+
+ANNOUNCE_FD = 2
+"""Where the herald thread writes its line: stderr's file descriptor (a raw write, no lock that
+the interrupted main thread might hold)."""
+
+
+def _stop_line(signum: int) -> str:
+    return (f"\n[mixprec] {signal.Signals(signum).name}: finishing this step and saving a checkpoint; "
+            "press Ctrl-C again to abort at once")

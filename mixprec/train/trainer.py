@@ -502,6 +502,9 @@ class Trainer:
                         "the others were not used\n")
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used)
+                from mixprec.models.hf import is_hf_spec, keep_run_config
+                if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
+                    keep_run_config(cfg.model, self.run_dir)
         except OSError as e:
             fix = ("copy the run folder somewhere writable and resume from the copy" if resume else
                    "free some space or choose another run_dir=PATH")
@@ -516,7 +519,8 @@ class Trainer:
         self._notes.clear()
         if hasattr(train_loader, "notice"):
             events.data_position(train_loader.notice(resumed_at=self.step if resume else None), self.step)
-        meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger)
+        meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger,
+                              note=lambda message: events.note(message, self.step, "mfu"))
         health = RunHealth(cfg, start_step=self.step)
         last_val = None
         last_out: StepOutput | None = None
@@ -552,7 +556,8 @@ class Trainer:
                     do_eval = val_loader is not None and (
                         (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
                     if do_eval:
-                        last_val = self.evaluate(val_loader, cfg.eval_batches)
+                        with meter.evaluating():          # not training time: out of tokens/s
+                            last_val = self.evaluate(val_loader, cfg.eval_batches)
                     meter.add(out, batches)
                     logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
@@ -561,7 +566,8 @@ class Trainer:
                                          val_loss=last_val if do_eval else None)
                         events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
                                         lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
-                                        samples_per_s=meter.last_sps)
+                                        samples_per_s=meter.last_sps,
+                                        steps=meter.last_steps, log_interval=cfg.log_interval)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
@@ -736,6 +742,11 @@ def fit(model: nn.Module, train_loader: Iterable[Batch], *, val_loader: Iterable
     strategy=strategy, mixed_precision=True)`` (docs/sources.md) lands here. Other keyword
     arguments are :class:`FitConfig` fields (``max_steps``, ``lr``, ``grad_accum_steps``,
     ``clip_grad_norm``, ``run_dir``, ...).
+
+    Without an ``optimizer``, ``fit()`` builds AdamW with language-model defaults, not torch's:
+    ``betas=(0.9, 0.95)`` (torch's and ``mixprec.optim.AdamW``'s beta2 is 0.999) and
+    ``weight_decay=0.1`` (torch's 0.01); ``config.toml`` records the values it trained with. An
+    ``optimizer`` you pass keeps its own settings, and ``config.toml`` records those.
 
     ``mixed_precision`` (or the ``precision`` field; default ``auto``, the best safe mode) is a
     mode name, a ``Policy``, or a ready :class:`~mixprec.Precision`, which keeps its own settings:

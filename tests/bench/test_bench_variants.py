@@ -37,3 +37,18 @@ def test_the_overlap_and_compile_flags_add_a_variant_after_each_mode(monkeypatch
                              "bf16-mixed", "bf16-mixed+compile", "bf16-mixed+overlap",
                              "bf16-mixed+overlap+compile")
     assert p.parse_args(["--profile"]).profile == 3 and p.parse_args([]).profile == 0
+
+
+
+def test_the_ckpt_variant_recomputes_every_block_in_backward(monkeypatch):
+    """``MODE+ckpt``: the lean table's activation-checkpointing row (docs/performance.md)."""
+    import mixprec.models.transformer as tr
+    from mixprec.models.config import get_model_config
+    calls = []
+    real = tr.checkpoint
+    monkeypatch.setattr(tr, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = modes.TrainBenchConfig(model="tiny", modes=("32-true", "32-true+ckpt"), batch=1, seq=8)
+    modes.build_contender("32-true", cfg).step()
+    assert not calls
+    modes.build_contender("32-true+ckpt", cfg).step()
+    assert len(calls) == get_model_config("tiny").num_layers

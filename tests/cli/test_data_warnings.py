@@ -1,5 +1,5 @@
 """`mixprec prepare` does not overwrite without --overwrite; binary data named .txt is warned about
-in one line; tf32 on a CPU says it is plain FP32 here."""
+in one line; tf32 on a CPU says it is plain FP32 here; piped, it draws no progress bar."""
 import os
 import random
 import sys
@@ -66,3 +66,11 @@ def test_tf32_on_a_cpu_says_it_is_plain_fp32():
     assert [f.code for f in findings if "plain FP32" in f.message] == ["tf32-not-here"]
     assert not [f for f in audit(torch.nn.Linear(4, 4), precision=Precision("32-true"),
                                  device=torch.device("cpu")) if f.code == "tf32-not-here"]
+
+
+def test_prepare_into_a_pipe_writes_no_progress_bar_only_its_summary(tmp_path, text, capsys):
+    out = tmp_path / "train.tokens"
+    assert main(["prepare", str(text), "-o", str(out)]) == 0      # no --quiet; stderr is no TTY
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "prepare train.tokens" not in captured.err
+    assert captured.out.startswith(f"wrote {out}")

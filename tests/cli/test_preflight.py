@@ -52,3 +52,21 @@ def test_the_default_seq_len_on_tiny_prints_no_warning(monkeypatch, capsys):
     assert cfg.seq_len > 64
     command._check_fits_in_memory(_build(cfg), 256, cfg, say=True)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_shape_only_model_draws_no_random_numbers_and_real_models_still_do():
+    """The check builds the model on the meta device; torch's ``normal_`` there loads its Python
+    meta kernels (sympy included, ~2 s of CPU at every start), so the check skips the draws: the
+    meta weights hold no values anyway. Off the meta device nothing changes."""
+    import torch
+    from mixprec.cli import train as command
+    from mixprec.models import Transformer
+    with torch.device("meta"), command._NoDrawsOnMeta():
+        meta = Transformer.from_preset("tiny")
+        w = torch.empty(3, 4)
+        assert torch.nn.init.normal_(w) is w and w.is_meta
+    assert meta.wte.weight.is_meta and meta.num_parameters() == Transformer.from_preset("tiny").num_parameters()
+    with command._NoDrawsOnMeta():
+        torch.manual_seed(0)
+        drawn = torch.nn.init.normal_(torch.zeros(1000))
+        assert 0.9 < float(drawn.std()) < 1.1

@@ -69,6 +69,7 @@ def test_two_nodes_one_process_each_equal_one_node_two_processes(tmp_path, corpu
     both = "".join(errs)
     assert both.count("[mixprec] done: 3 steps") == 1                 # global rank 0 alone reports
     assert "x 2 (" in both                                             # one job of world size 2
+    assert f"--rdzv-endpoint=127.0.0.1:{port} --rdzv-id=mixprec-test -m mixprec train --resume" in both
     assert [p.name for p in tmp_path.iterdir()] == ["two-nodes"]      # one run folder
     rows = (multi / "metrics.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == [1, 2, 3]           # one writer

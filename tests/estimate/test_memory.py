@@ -53,7 +53,16 @@ def test_split_masters_and_int8_moments_keep_8_00_bytes_per_parameter(capsys):
     moment (0.004); strictly 8 would leave no room for any block scale."""
     big = estimate_memory(MOE_67B, "bf16-true", batch=1, seq=8, moments_dtype="int8")
     assert big.states / MOE_67B.num_parameters() == pytest.approx(8.0, abs=0.005)
-    assert big.bytes_per_parameter["moments"] == pytest.approx(2 + 4 / 1024)
+    assert big.bytes_per_parameter["moments"] == pytest.approx(2 + 4 / 1024, abs=1e-4)   # + FP32 vectors
+    # Blocks stay inside rows (so 8-bit moments reshard under FSDP2): gpt-ref's rows of 512 values
+    # are one block each (2 + 4/512), its MLP down-projections' rows of 2048 two (2 + 4/1024), and
+    # its vectors (norms, biases) keep FP32 moments (8).
+    ref = ModelShape.from_config(get_model_config("gpt-ref"))
+    narrow, wide = ref.matrix_parameters()
+    vectors = ref.num_parameters() - narrow - wide
+    assert vectors == ref.norm_parameters() + ref.num_layers * (4 * 512 + 2048 + 512)   # + the biases
+    got = estimate_memory(ref, "bf16-true", batch=1, seq=8, moments_dtype="int8").optimizer_moments
+    assert got == pytest.approx((2 + 4 / 512) * narrow + (2 + 4 / 1024) * wide + 8 * vectors)
     p = argparse.ArgumentParser()
     memory_cmd.configure(p)
     memory_cmd.run(p.parse_args(["--model", "moe-67b", "--batch-size", "1", "--seq-len", "8", "--precision", "bf16-true",
@@ -178,3 +187,13 @@ def test_cpu_fp32_attention_saves_ten_more_bytes_per_channel(mode, monkeypatch):
     monkeypatch.setattr(attention, "cpu_matrix_flags", lambda: ["avx512_bf16"])
     upcast, *_ = _saved_bytes(mode)
     assert upcast - base == pytest.approx(10 * shape.d_model * B * T * shape.num_layers, rel=0.02)
+
+
+def test_a_chunked_loss_keeps_one_slice_of_loss_buffers_and_no_batch_log_softmax():
+    shape = ModelShape.from_config(get_model_config("gpt-ref"))
+    V, tokens = shape.vocab_size, 8 * 256
+    plain = estimate_memory(shape, "32-true", batch=8, seq=256, device="cpu")
+    chunked = estimate_memory(shape, "32-true", batch=8, seq=256, device="cpu", loss_chunk=256)
+    assert plain.loss_buffers == tokens * 8 * V
+    assert chunked.loss_buffers == 256 * 16 * V + 4 * V * shape.d_model    # + the slice's head gradient
+    assert plain.activations - chunked.activations == tokens * 4 * V      # the log-softmax kept

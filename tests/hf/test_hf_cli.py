@@ -65,6 +65,38 @@ def test_resume_is_bit_exact_and_tied_weights_stay_tied(tmp_path, corpus_file, c
     assert _losses(run) == reference
 
 
+def _resolve_resume(run: Path, *settings: str):
+    import argparse
+    from mixprec.cli.train import _resolve
+    return _resolve(argparse.Namespace(settings=list(settings), config=None, precision=None,
+                                       resume=str(run), list=False))
+
+
+def test_a_resume_builds_the_model_from_the_run_folders_copy_when_its_config_moved(tmp_path, corpus_file,
+                                                                                 config_file):
+    gpt2 = Path(config_file("gpt2"))
+    _train(_cfg(tmp_path, corpus_file, gpt2, max_steps=2, ckpt_interval=2))
+    run = tmp_path / "run"
+    assert (run / "hf_config.json").read_bytes() == (gpt2 / "config.json" if gpt2.is_dir() else gpt2).read_bytes()
+    shutil.move(str(gpt2), str(tmp_path / "moved"))
+    cfg, source, resume_from = _resolve_resume(run, "max_steps=3")
+    assert cfg.model == f"hf:{run / 'hf_config.json'}"
+    assert source["model"].startswith(f"resumed run; {gpt2}") and "is gone" in source["model"]
+    _, result = _train(cfg, resume=resume_from)
+    assert result.steps == 3
+
+
+def test_a_resume_whose_config_is_gone_and_not_kept_is_refused_in_one_line(tmp_path, corpus_file,
+                                                                         config_file):
+    gpt2 = Path(config_file("gpt2"))
+    _train(_cfg(tmp_path, corpus_file, gpt2, max_steps=1, ckpt_interval=1))
+    run = tmp_path / "run"
+    (run / "hf_config.json").unlink()                 # a run from before the copy was kept
+    shutil.rmtree(gpt2) if gpt2.is_dir() else gpt2.unlink()
+    with pytest.raises(ConfigError, match=r"is gone and the run folder keeps no copy.*pass model=hf:PATH"):
+        _resolve_resume(run)
+
+
 @pytest.mark.slow
 def test_sigkill_and_resume_through_the_cli_reproduces_the_losses_bit_for_bit(tmp_path, corpus_file,
                                                                             config_file):

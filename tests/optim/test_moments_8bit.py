@@ -142,6 +142,9 @@ def test_loaded_8bit_moments_stay_8_bit(fmt):
     twin.load_state_dict(opt.state_dict())
     lay = M.LAYOUTS[fmt]
     for st in twin.state_dict()["state"].values():
+        if st["exp_avg"].dim() == 1:                       # vectors keep FP32 moments (M.quantizes)
+            assert st["exp_avg"].dtype == torch.float32 and "exp_avg_scale" not in st
+            continue
         assert (st["exp_avg"].dtype, st["exp_avg_sq"].dtype) == lay.codes
         assert st["exp_avg_scale"].dtype == torch.bfloat16
 
@@ -150,7 +153,7 @@ def test_checkpoint_of_the_fp32_scale_layout_is_converted_on_load(monkeypatch):
     monkeypatch.setitem(M.LAYOUTS, "int8", M._LEGACY["int8"])      # save in the earlier layout
     model, opt, _ = _run("int8", steps=3)
     sd = opt.state_dict()
-    old = {i: st for i, st in sd["state"].items()}
+    old = {i: st for i, st in sd["state"].items() if "exp_avg_scale" in st}
     assert next(iter(old.values()))["exp_avg_scale"].dtype == torch.float32
     wide_old = {}
     for i, st in old.items():
@@ -161,6 +164,8 @@ def test_checkpoint_of_the_fp32_scale_layout_is_converted_on_load(monkeypatch):
     twin = AdamW(model.parameters(), lr=3e-3, moments="int8", seed=2)
     twin.load_state_dict(sd)
     for i, st in twin.state_dict()["state"].items():
+        if i not in old:
+            continue
         assert st["exp_avg_scale"].dtype == torch.bfloat16 and st["exp_avg"].dtype == torch.int8
         w = torch.empty(st["exp_avg"].shape)
         M.decode_([st], "exp_avg", [w], "int8")
@@ -181,3 +186,76 @@ def test_fp32_moment_checkpoint_loads_into_8bit_moments():
     twin.load_state_dict(opt.state_dict())
     st = next(iter(twin.state_dict()["state"].values()))
     assert st["exp_avg"].dtype == torch.int8 and st["exp_avg_sq"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_blocks_stay_inside_rows_so_a_dim0_slice_of_the_state_is_the_slice_s_state(fmt):
+    # FSDP2 shards dim 0 into whole rows: the rows' codes and scales alone decode those rows.
+    g = torch.Generator().manual_seed(5)
+    p = torch.zeros(7, 1500)                                # rows of 1500: two blocks each (int8), six (fp8)
+    m = torch.randn(7, 1500, generator=g) * torch.logspace(-3, 0, 7).unsqueeze(1)
+    st = M.new_state(p, fmt)
+    M.encode_([st], "exp_avg", [m], fmt, g)
+    assert st["exp_avg_scale"].shape[:2] == (7, (1500 + M.LAYOUTS[fmt].block - 1) // M.LAYOUTS[fmt].block)
+    full = torch.empty_like(m)
+    M.decode_([st], "exp_avg", [full], fmt)
+    for a, b in ((0, 4), (4, 7), (3, 3)):
+        part = {k: v[a:b] for k, v in st.items()}
+        out = torch.empty(b - a, 1500)
+        M.decode_([part], "exp_avg", [out], fmt)
+        assert torch.equal(out, full[a:b])
+
+
+def test_vectors_keep_fp32_moments_and_short_rows_are_one_block():
+    assert not M.quantizes((512,), "int8") and not M.quantizes((512, 8), "int8")
+    assert M.quantizes((8192, 512), "int8") and not M.quantizes((8192, 512), "bf16")
+    st = M.new_state(torch.zeros(8192, 512), "int8")            # a row of 512 < 1024: one block
+    assert st["exp_avg_scale"].shape == (8192, 1)
+    assert M.state_bytes("int8", row=512) == pytest.approx(2 + 2 * 2 / 512)
+
+
+def test_checkpoint_of_the_flat_block_layout_is_converted_on_load(monkeypatch):
+    monkeypatch.setitem(M.LAYOUTS, "int8", M._FLAT["int8"])        # blocks over the flattened tensor
+    model, opt, _ = _run("int8", steps=3)
+    sd = opt.state_dict()
+    flat = {i: st for i, st in sd["state"].items() if "exp_avg_scale" in st}
+    wide = {}
+    for i, st in flat.items():
+        assert st["exp_avg_scale"].dim() == 1
+        wide[i] = torch.empty(st["exp_avg"].shape)
+        M.decode_([st], "exp_avg", [wide[i]], "int8", layout=M._FLAT["int8"])
+    monkeypatch.undo()
+    twin = AdamW(model.parameters(), lr=3e-3, moments="int8", seed=2)
+    twin.load_state_dict(sd)
+    for i, st in twin.state_dict()["state"].items():
+        if i not in flat:
+            continue
+        assert st["exp_avg_scale"].shape == (st["exp_avg"].shape[0], 1)
+        w = torch.empty(st["exp_avg"].shape)
+        M.decode_([st], "exp_avg", [w], "int8")
+        assert (w - wide[i]).abs().max().item() <= 2 * wide[i].abs().max().item() / 127 + 1e-12
+
+
+def test_a_name_keyed_sharded_state_loads_in_one_process_with_tied_weights():
+    """FSDP2's gathered optimizer state is keyed by parameter name (the first name of a tied
+    weight, ``wte.weight``); FSDPStrategy in one process maps it onto the optimizer's slots, so a
+    checkpoint saved at world size 2 resumes at 1 (found by resuming a tiny-model fsdp run)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from mixprec.optim.adamw import sharded_adamw
+    from mixprec.strategies import FSDPStrategy
+
+    def build():
+        torch.manual_seed(0)
+        model = mp.models.Transformer(num_layers=1, d_model=32, num_heads=2, max_seq_len=16)
+        return model, sharded_adamw(model.parameters(), moments="int8", lr=3e-3, seed=1)
+
+    model, opt = build()
+    x = torch.randint(0, 64, (2, 16))
+    model(x, x)[1].backward()
+    opt.step()
+    named = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    assert "wte.weight" in named["state"]
+    twin, topt = build()
+    FSDPStrategy("32-true").load_optimizer_state_dict(twin, topt, named)
+    for a, b in zip(opt.state_dict()["state"].values(), topt.state_dict()["state"].values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -213,8 +213,20 @@ def test_trainer_with_split_masters_matches_full_masters(moments):
 def test_moments_need_mixprecs_adamw():
     from mixprec.errors import ConfigError
     with pytest.raises(ConfigError, match="moments=bf16 needs mixprec's AdamW"):
-        mp.Precision("bf16-true").make_optimizer([{"params": [torch.nn.Parameter(torch.ones(2))]}],
-                                                 sharded=True, moments="bf16")
+        mp.Precision(mp.get_policy("bf16-true").replace(master_weights=False)).make_optimizer(
+            [{"params": [torch.nn.Parameter(torch.ones(2))]}], moments="bf16")
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_moments_under_fsdp2_step_the_fp32_shards_with_mixprecs_adamw(moments):
+    """FSDP2's FP32 shards are the masters: 8-bit / BF16 moments go on mixprec's FP32-math AdamW
+    stepping them directly (they used to be refused)."""
+    from mixprec.optim.adamw import _AdamWFP32Math
+    prec = mp.Precision("bf16-mixed")
+    opt = prec.make_optimizer([{"params": [torch.nn.Parameter(torch.ones(4, 32))]}],
+                              sharded=True, moments=moments, lr=1e-3)
+    assert type(opt) is _AdamWFP32Math and opt.moments == moments
+    assert any(f"steps the FP32 shards with moments={moments}" in n for n in prec.notes)
 
 
 def test_split_masters_under_fsdp2_say_why_they_do_nothing():

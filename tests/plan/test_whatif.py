@@ -142,7 +142,8 @@ def test_cli_writes_table_csv_heatmap_and_plan(tmp_path, capsys):
                "--formats", "mxfp4,bf16", "-o", str(out), "--plan", str(plan)])
     assert rc == 0
     assert out.exists() and out.with_suffix(".png").exists()
-    assert "choice:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "choice:" in captured.out and "1 batches of 2x32 tokens (64 tokens)" in captured.err
     p = mp.Precision(f"plan:{plan}")
     assert p.policy.overrides and all(f in ("mxfp4", "bf16", "fp32") for _, f in p.policy.overrides)
 
@@ -159,26 +160,76 @@ def test_gpu_table_has_blackwell_fp4_peaks_and_hopper_refuses_fp4():
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16", "fp8-tensorwise"])
-def test_replayed_layer_outputs_give_the_same_losses_as_running_the_layer(fmt):
+def test_replayed_layer_outputs_and_blocks_give_the_same_losses_as_running_them(fmt):
     # The loss pass reuses the variant's outputs on the recorded FP32 inputs (computed once for
-    # the SQNR) instead of running the variant again: the losses must be those of the layer run
-    # in place, bit for bit, and every call must have been replayed.
+    # the SQNR), and the outputs of the blocks whose inputs are unchanged, instead of running
+    # them again: the losses must be those of the model run in place, bit for bit; the layer and
+    # the block before it are replayed on every batch, the block after it never.
     import copy
     from mixprec.models.objective import make_objective
-    from mixprec.plan.measure import layer_alone, losses_with, reference_pass
-    from mixprec.plan.whatif import _Replay
+    from mixprec.plan.measure import Call, Replay, block_list, layer_alone, losses_with, reference_pass
     torch.manual_seed(0)
     net, batches = _Net(), _batches()
     ref = copy.deepcopy(net)
     mp.Precision("32-true").setup(ref)
     objective = make_objective(ref, mp.Precision("32-true"), None)
-    _, records = reference_pass(ref, batches, objective, [OUTLIER], 0)
+    blocks = block_list(ref, [OUTLIER, "blocks.0.fc", "blocks.2.fc"])
+    assert blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    calls: dict[str, list[Call]] = {}
+    _, records = reference_pass(ref, batches, objective, [OUTLIER], 0, blocks, calls)
     trial = copy.deepcopy(net)
     mp.Precision("32-true", overrides=(("*", fmt),)).setup(trial)
     variant = trial.get_submodule(OUTLIER)
     raw: list[torch.Tensor] = []
-    layer_alone(variant, records[OUTLIER], raw)
-    replay = _Replay(variant, records[OUTLIER], raw)
-    assert losses_with(ref, OUTLIER, replay, batches, objective, 0) == \
+    layer_alone(variant, records[OUTLIER], raw, input_grad=False)
+    replay = Replay(variant, [Call(args=(r[0],), kwargs={}, output=y) for r, y in zip(records[OUTLIER], raw)])
+    mods = dict(ref.named_modules())
+    others = {b: Replay(mods[b], calls[b]) for b in ("blocks.0", "blocks.2")}
+    assert losses_with(ref, OUTLIER, replay, batches, objective, 0, others) == \
         losses_with(ref, OUTLIER, variant, batches, objective, 0)
     assert replay.replayed == len(batches)
+    assert others["blocks.0"].replayed == len(batches) and others["blocks.2"].replayed == 0
+
+
+def test_replayed_blocks_leave_the_random_numbers_as_running_them_would():
+    # Dropout in every block: a replayed block must leave the RNG where the block left it in the
+    # reference pass, or the blocks after it would draw other masks (a different loss).
+    import copy
+    from mixprec.models.objective import make_objective
+    from mixprec.plan.measure import Call, Replay, block_list, losses_with, reference_pass
+
+    def block():
+        return nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.GELU())
+    torch.manual_seed(0)
+    net = nn.Sequential(block(), block(), block())
+    batches = [(torch.randn(8, 32), torch.randn(8, 32)) for _ in range(2)]
+    mp.Precision("32-true").setup(net)
+    net.train()
+    objective = make_objective(net, mp.Precision("32-true"), F.mse_loss)
+    names = ["0.0", "1.0", "2.0"]
+    assert block_list(net, names) == ["0", "1", "2"]
+    calls: dict[str, list[Call]] = {}
+    ref_losses, _ = reference_pass(net, batches, objective, names, 5, ["0", "1", "2"], calls)
+    other = copy.deepcopy(net.get_submodule("2.0"))
+    with torch.no_grad():
+        other.weight.mul_(1.01)
+    replays = {"0": Replay(net.get_submodule("0"), calls["0"]), "1": Replay(net.get_submodule("1"), calls["1"])}
+    assert losses_with(net, "2.0", other, batches, objective, 5, replays) == \
+        losses_with(net, "2.0", other, batches, objective, 5)
+    assert replays["0"].replayed == replays["1"].replayed == len(batches)
+    same = {"0": Replay(net.get_submodule("0"), calls["0"])}
+    assert losses_with(net, "2.0", net.get_submodule("2.0"), batches, objective, 5, same) == ref_losses
+
+
+def test_cli_measures_a_small_batch_unless_given():
+    # A what-if measures, it does not train: training's 16 x 128 default took four times as long
+    # as the 8 x 64 the docs' timings use. The model keeps training's position table.
+    from mixprec.cli.whatif import measure_config
+    from mixprec.train.config import load_config, parse_overrides
+    cfg, small = measure_config(*load_config(None, parse_overrides(["model=tiny"])))
+    assert (cfg.batch_size, cfg.seq_len, cfg.max_seq_len) == (8, 64, 128)
+    assert small == {"batch_size": 8, "seq_len": 64}
+    cfg, small = measure_config(*load_config(None, parse_overrides(["model=tiny", "batch_size=2"])))
+    assert (cfg.batch_size, cfg.seq_len, cfg.max_seq_len) == (2, 64, 128) and small == {"seq_len": 64}
+    cfg, small = measure_config(*load_config(None, parse_overrides(["batch_size=2", "seq_len=32"])))
+    assert (cfg.batch_size, cfg.seq_len, cfg.max_seq_len, small) == (2, 32, None, {})

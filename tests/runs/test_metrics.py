@@ -25,7 +25,8 @@ def _header(path):
 
 def test_columns_match_the_contract():
     assert METRICS_COLUMNS == ("step", "epoch", "loss", "val_loss", "lr", "loss_scale", "skipped",
-                               "skipped_total", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s")
+                               "skipped_total", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s",
+                               "steps", "eval_s")
     assert NUMERICS_COLUMNS == ("step", "module", "kind", "absmax", "overflow_frac", "underflow_frac", "dtype",
                                 "subnormal_frac")
 
@@ -37,7 +38,7 @@ def test_log_writes_fixed_columns_missing_cells_empty_and_reads_back_typed(tmp_p
         log.log(2, loss=float("nan"), val_loss=2.25, skipped=True, skipped_total=1, mfu=0.31, peak_mem_mb=12.0)
     assert _header(tmp_path / "metrics.csv") == list(METRICS_COLUMNS)
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert lines[1] == "1,0,2.5,,0.0001,65536.0,0,0,0.75,1234.5,,,0.1"
+    assert lines[1] == "1,0,2.5,,0.0001,65536.0,0,0,0.75,1234.5,,,0.1,,"
     rows = read_metrics(tmp_path)
     assert rows[0]["step"] == 1 and isinstance(rows[0]["step"], int)
     assert rows[0]["val_loss"] is None and rows[0]["grad_norm"] == 0.75 and rows[0]["lr"] == 1e-4
@@ -184,3 +185,16 @@ def test_resume_purges_tensorboard_events_after_the_resumed_step(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_the_steps_a_row_averages_and_its_evaluation_time_reach_tensorboard_too(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsLogger(tmp_path) as log:
+        log.log(10, loss=3.0, steps=10, time_s=1.0)
+        log.log(12, loss=2.0, steps=2, time_s=0.2, eval_s=4.0)     # a short row after a resume
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/steps")] == [(10, 10.0), (12, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/eval_s")] == [(12, 4.0)]
+    assert [r["steps"] for r in read_metrics(tmp_path)] == [10, 2]

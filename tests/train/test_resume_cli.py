@@ -141,6 +141,26 @@ def test_a_fit_run_resumed_by_the_command_line_is_refused_with_the_python_way(tm
 
 # --- every hint is built in one place, for the way the run was launched ------------------------
 
+def test_a_multi_node_hint_carries_the_rendezvous_options_the_job_was_launched_with(monkeypatch):
+    two_nodes = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2",
+                 "GROUP_WORLD_SIZE": "2"}
+    agent = ["/venv/bin/python", "/venv/bin/torchrun", "--nnodes=2", "--node-rank=0", "--nproc-per-node=1",
+             "--rdzv_backend", "c10d", "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=job7",
+             "--local-addr=10.0.0.1", "-m", "mixprec", "train", "data=a.tokens"]
+    monkeypatch.setattr(hints, "_launcher_argv", lambda: agent)
+    text = hints.command("train", "--resume", "runs/r", env=two_nodes)
+    assert text == ("torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
+                    "--rdzv-id=job7 -m mixprec train --resume runs/r  (on every node, with its own "
+                    "--node-rank)")
+    static = ["torchrun", "--nnodes", "2", "--master_addr", "10.0.0.1", "--master-port=29500", "-m", "mixprec"]
+    monkeypatch.setattr(hints, "_launcher_argv", lambda: static)
+    assert "--nproc_per_node=1 --master-addr=10.0.0.1 --master-port=29500 -m" in hints.command("x", env=two_nodes)
+    monkeypatch.setattr(hints, "_launcher_argv", lambda: None)     # not readable: say what to add
+    assert hints.command("x", env=two_nodes).endswith(
+        "adding this job's rendezvous options: --rdzv-backend and --rdzv-endpoint, or --master-addr "
+        "and --master-port)")
+
+
 def test_hints_follow_the_launch_and_are_shell_quoted(tmp_path, monkeypatch):
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2",
                 "GROUP_WORLD_SIZE": "1"}

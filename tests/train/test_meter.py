@@ -1,0 +1,103 @@
+"""What a metrics row says it measured is what it measured: MFU only against an honest peak and
+never above 100 %, throughput of training steps only (evaluation apart), and the number of steps
+a row averages (a resume from mid-interval logs a short first row, and says so)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import mixprec as mp
+from mixprec.policy import hardware
+from mixprec.runs.events import RunEvents
+from mixprec.runs.metrics import MetricsLogger, read_metrics
+from mixprec.strategies import SingleDeviceStrategy
+from mixprec.train import meter as meter_mod
+from mixprec.train.step import StepOutput
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_resume_lifecycle import QUIET, Regressor, batches  # noqa: E402
+
+
+def _out(tokens=64):
+    return StepOutput(torch.tensor(1.0), None, False, 1.0, tokens)
+
+
+class FakeClock:
+    """``time.perf_counter`` that moves only when told (no sleeps, no timing)."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _meter(tmp_path, precision, monkeypatch, notes=None):
+    clock = FakeClock()
+    monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    note = (lambda m: notes.append(m)) if notes is not None else (lambda m: None)
+    meter = meter_mod.IntervalMeter(SingleDeviceStrategy(), mp.Precision(precision), Regressor(),
+                                    logger, note=note)
+    return meter, logger, clock
+
+
+def test_a_bf16_run_on_a_cpu_that_emulates_bf16_records_no_mfu_and_says_why(tmp_path, monkeypatch,
+                                                                           capsys):
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    meter, logger, clock = _meter(tmp_path, "bf16-mixed", monkeypatch)
+    assert meter.peak is None                     # the emulation's speed is no peak
+    meter.add(_out())
+    clock.now += 1.0
+    meter.log(_out(), step=1, epoch=0, lr=1e-3, val_loss=None)
+    logger.close()
+    row = read_metrics(tmp_path)[0]
+    assert row["mfu"] is None and row["tokens_per_s"] == 64.0
+    events = RunEvents(SingleDeviceStrategy(), mp.Precision("bf16-mixed"),
+                       MetricsLogger(tmp_path, enabled=False), progress=False)
+    events.start(model=Regressor(), step=0, total=1, run_dir=tmp_path)
+    assert "MFU not measured: BF16 GEMMs are emulated on this CPU" in capsys.readouterr().err
+
+
+def test_mfu_above_the_measured_peak_after_a_remeasure_is_not_recorded_and_is_said(tmp_path, monkeypatch):
+    monkeypatch.setattr(meter_mod, "format_peak_flops", lambda fmt, device, refresh=False: 1.0)
+    notes: list[str] = []
+    meter, logger, clock = _meter(tmp_path, "32-true", monkeypatch, notes)
+    for step in (1, 2):
+        meter.add(_out())
+        clock.now += 1.0
+        meter.log(_out(), step=step, epoch=0, lr=1e-3, val_loss=None)
+    logger.close()
+    assert [r["mfu"] for r in read_metrics(tmp_path)] == [None, None]
+    assert len(notes) == 1 and "MFU not measured from step 1 on" in notes[0]
+
+
+def test_evaluation_time_is_kept_out_of_throughput_and_recorded_apart(tmp_path, monkeypatch):
+    meter, logger, clock = _meter(tmp_path, "32-true", monkeypatch)
+    for _ in range(3):
+        meter.add(_out(tokens=100))
+        clock.now += 1.0                          # 3 training steps: 3 s
+    with meter.evaluating():
+        clock.now += 30.0                         # an evaluation: 30 s
+    meter.log(_out(), step=3, epoch=0, lr=1e-3, val_loss=2.0)
+    meter.add(_out(tokens=100))
+    clock.now += 1.0
+    meter.log(_out(), step=4, epoch=0, lr=1e-3, val_loss=None)
+    logger.close()
+    first, second = read_metrics(tmp_path)
+    assert first["time_s"] == 3.0 and first["eval_s"] == 30.0 and first["tokens_per_s"] == 100.0
+    assert first["steps"] == 3
+    assert second["eval_s"] is None and second["time_s"] == 1.0 and second["steps"] == 1
+
+
+def test_the_first_row_after_a_resume_from_mid_interval_says_it_averages_fewer_steps(tmp_path, capsys):
+    run = tmp_path / "run"
+    quiet = {**QUIET, "log_interval": 4}
+    mp.fit(Regressor(), batches(), max_steps=6, ckpt_interval=6, run_dir=str(run), **quiet)
+    mp.fit(Regressor(), batches(), max_steps=8, run_dir=str(run), resume=True, **quiet)
+    rows = {r["step"]: r["steps"] for r in read_metrics(run)}
+    assert rows == {4: 4, 6: 2, 8: 2}             # 6: the last of the first run; 8: steps 7-8
+    err = capsys.readouterr().err
+    assert "step 8/8  loss" in err and "(mean of 2 steps)" in err.split("step 8/8")[1].splitlines()[0]
