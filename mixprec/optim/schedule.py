@@ -9,7 +9,7 @@ import math
 
 import torch
 
-__all__ = ["WarmupCosine", "warmup_cosine_scheduler", "restretch"]
+__all__ = ["WarmupCosine", "warmup_cosine_scheduler", "restretch", "rewind"]
 
 
 class WarmupCosine:
@@ -54,4 +54,27 @@ def restretch(scheduler: torch.optim.lr_scheduler.LambdaLR, *, base_lrs: list[fl
     for group, base, value in zip(groups, state["base_lrs"], lrs):
         group["initial_lr"] = base
         group["lr"] = value
+    return lrs
+
+
+def rewind(scheduler, saved: dict) -> list[float]:
+    """Set ``scheduler`` back to the count of steps taken in ``saved`` (a ``state_dict()`` it gave
+    earlier), keeping its current settings: a ``LambdaLR`` (mixprec's warm-up + cosine among them)
+    keeps its current curve and peak LRs, which a resume may have changed since (``restretch``),
+    and computes the LR of that step on them; any other scheduler loads ``saved`` whole. Every
+    parameter group's ``lr`` is set to the result, which is returned."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        state = scheduler.state_dict()
+        state["last_epoch"] = saved["last_epoch"]
+        if "_step_count" in saved:
+            state["_step_count"] = saved["_step_count"]
+        lrs = [base * fn(state["last_epoch"])
+               for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+        state["_last_lr"] = lrs
+        scheduler.load_state_dict(state)            # (its own curve: nothing changes but the count)
+    else:
+        scheduler.load_state_dict(saved)
+        lrs = list(scheduler.get_last_lr())
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
     return lrs

@@ -8,17 +8,31 @@ three signals, each pointing at one Linear layer:
 * **non-finite origin** -- the same Linear traced (:func:`mixprec.monitor.locate_nonfinite`) as
   the origin of the inf/NaN on ``patience`` consecutive skipped steps. A skipped step changed no
   weight, so the guard promotes the layer and training simply continues.
-* **low sampled SQNR** -- every ``every`` steps the guard replays the step's forward (no backward)
-  with a hook on each Linear not in FP32 and measures its output against the same GEMM in FP32 on
-  the same input; a layer below ``min_sqnr_db``, or whose format flushes more than ``max_flush``
-  of its inputs (outliers: the SQNR of a tensor they dominate stays high while the rest of it is
-  lost), is promoted (the weights are fine: continue).
+* **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
+  step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
+  against the same GEMM in FP32 on the same input; every layer below ``min_sqnr_db``, or whose
+  format flushes more than ``max_flush`` of its inputs (outliers: the SQNR of a tensor they
+  dominate stays high while the rest of it is lost), is promoted. The steps since such a layer's
+  last passing sample trained the whole model on its lost output, so when the snapshot is no
+  older than that sample (a snapshot follows every sample all layers pass, and the first one is
+  taken before step 1), the guard restores it first; with an older snapshot it continues (a
+  restore would also undo verified steps). A layer bad from the start is thus caught at step 1
+  and that step undone.
 * **loss spike** -- a taken step whose loss exceeds the mean of the last ``window`` taken steps by
   more than ``spike_sigma`` standard deviations. The weights were hurt: the guard restores its
-  last good snapshot (weights, optimizer state and LR schedule, taken every ``window`` healthy
-  steps) and, if one Linear stands out in an SQNR replay of the spiking step (below
-  ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under the other layers' median while under 40 dB:
-  :func:`mixprec.plan.gates.stands_out`), promotes it. With no culprit the formats stay.
+  last good snapshot (weights, optimizer state and the LR schedule's step; taken before step 1,
+  after every passing SQNR sample and every ``window`` healthy steps) and, if one Linear stands
+  out in an SQNR replay of the spiking step (below ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under
+  the other layers' median while under 40 dB: :func:`mixprec.plan.gates.stands_out`), promotes
+  it. With no culprit the formats stay.
+
+A restore takes the snapshot's state (weights, moments, step counts) but this run's settings: the
+optimizer's hyper-parameters and the LR schedule's curve stay as they are and the schedule is
+rewound to the snapshot's step (:func:`mixprec.optim.schedule.rewind`), so a snapshot saved in a
+checkpoint before a resume that changed ``lr`` or the schedule restores no old LR. The FP8 amax
+histories of delayed scaling are rewound with the weights (a spike's amax would otherwise set the
+scales for ``amax_history_len`` steps); the loss scale is not: it tracks the overflows the run has
+met (and the scaler's skip counts must not go back).
 
 Promotion goes one format safer, FP8 -> BF16 -> FP32 (fp16 -> FP32) via
 :meth:`mixprec.Precision.set_layer_format` (same Parameters, masters and optimizer state) and is
@@ -40,14 +54,14 @@ holds the same window, promotes the same layer at the same step and restores the
 (FSDP2) is refused by the trainer: a promotion swaps modules that FSDP2 has wrapped.
 
 A checkpoint keeps the guard's state (:meth:`TrainingGuard.state_dict`): the loss window, the
-consecutive-origin count, the steps since the last snapshot and the snapshot itself (one more
-copy of the weights and optimizer state in the checkpoint), so a resumed run decides exactly as
-the uninterrupted one.
+consecutive-origin count, the steps since the last snapshot, each layer's last passing sample,
+whether the first sample was taken, and the snapshot itself (one more copy of the weights and
+optimizer state in the checkpoint), so a resumed run decides exactly as the uninterrupted one.
 
 Cost: with ``every`` and no event, one host sync per step (the loss, for the spike window; under
-several ranks also one all-reduce of one number); a replay forward every ``every`` steps (and one
-all-reduce of three numbers per layer); one copy of the weights and optimizer state in memory
-(the snapshot).
+several ranks also one all-reduce of one number); a replay forward at step 1 and every ``every``
+steps (and one all-reduce of three numbers per layer), each followed by a copy of the weights and
+optimizer state when every layer passes; one such copy in memory (the snapshot).
 """
 from __future__ import annotations
 
@@ -62,6 +76,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.plan.replan import FormatSwitch
@@ -82,7 +97,7 @@ class GuardConfig:
     patience: int = 2
     """Consecutive skipped steps traced to the same Linear before it is promoted."""
     every: int = 50
-    """Steps between SQNR samples (0: no sampling)."""
+    """Steps between SQNR samples, the first at step 1 (0: no sampling)."""
     min_sqnr_db: float = 20.0
     """A sampled layer output below this SQNR against FP32 is promoted."""
     max_flush: float = 0.01
@@ -92,7 +107,7 @@ class GuardConfig:
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
     window: int = 50
-    """Taken steps in the spike window; also the steps between snapshots."""
+    """Taken steps in the spike window; also the most healthy steps between snapshots."""
 
     def validate(self) -> None:
         if (self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0
@@ -148,6 +163,10 @@ class TrainingGuard:
         self._origin_count = 0
         self._healthy = 0
         self._snapshot: dict | None = None
+        self._sampled = False
+        """Whether the first SQNR sample (at the first step) was taken."""
+        self._passed: dict[str, int] = {}
+        """Per watched layer, the step of its last passing SQNR sample."""
         self.last_sqnr: dict[str, float] = {}
         self.last_flush: dict[str, float] = {}
         self.actions: list[GuardAction] = []
@@ -184,21 +203,53 @@ class TrainingGuard:
             return done
         self.losses.append(outcome.loss)
         self._healthy += 1
-        if self._snapshot is None or self._healthy >= cfg.window:
+        if cfg.every and probe is not None and (step % cfg.every == 0 or not self._sampled):
+            self._sampled = True
+            done += self._check_layers(step, probe)
+            if not done:                     # every layer passed: these weights are verified
+                self._take_snapshot(step)
+        if not done and (self._snapshot is None or self._healthy >= cfg.window):
             self._take_snapshot(step)
-        if cfg.every and probe is not None and step % cfg.every == 0:
-            sqnr = self.sample_sqnr(probe)
-            for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
-                flushed = self.last_flush.get(name, 0.0)
-                why = []
-                if db < cfg.min_sqnr_db:
-                    why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
-                if flushed > cfg.max_flush:
-                    why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
-                               f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
-                if why:
-                    done.append(self._promote(step, name, "; ".join(why)))
         return self._record(done)
+
+    def before_step(self, step: int) -> None:
+        """Called before step ``step`` (1-based) is taken: the first call takes the first snapshot,
+        of the weights no step of this run has touched yet (a resumed run brings its own)."""
+        if self._snapshot is None:
+            self._take_snapshot(step - 1)
+
+    def _check_layers(self, step: int, probe: Callable[[], Any]) -> list[GuardAction]:
+        """One SQNR sample: promote every layer under the limits. The steps since a failing layer's
+        last passing sample ran it in a format that lost its output, so when the snapshot is no
+        older than that sample (the first snapshot, before step 1, for a layer bad from the start),
+        the guard restores it first; an older snapshot would also undo verified steps: it
+        continues."""
+        cfg = self.config
+        sqnr = self.sample_sqnr(probe)
+        failing = []
+        for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
+            flushed = self.last_flush.get(name, 0.0)
+            why = []
+            if db < cfg.min_sqnr_db:
+                why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
+            if flushed > cfg.max_flush:
+                why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
+                           f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
+            if why:
+                failing.append((name, "; ".join(why)))
+            else:
+                self._passed[name] = step
+        if not failing:
+            return []
+        done = []
+        since = max(self._passed.get(name, 0) for name, _ in failing)
+        snap = self._snapshot
+        if snap is not None and snap["step"] >= since and snap["step"] < step:
+            names = ", ".join(name for name, _ in failing)
+            passed = f"step {since}" if since else "never"
+            done.append(self._restore(step, f"{names} failed the SQNR sample of step {step} "
+                                            f"(last passed: {passed})"))
+        return done + [self._promote(step, name, why) for name, why in failing]
 
     # ----------------------------------------------------------------- signals
 
@@ -313,9 +364,13 @@ class TrainingGuard:
         return GuardAction("promote", step, switch.message, switch)
 
     def _take_snapshot(self, step: int) -> None:
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self._snapshot = {
             "step": step,
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "model": model,
+            # Buffers outside the state dict: the FP8 amax histories of delayed scaling.
+            "buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()
+                        if k not in model},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
         }
@@ -326,11 +381,23 @@ class TrainingGuard:
         if snap is None:
             return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
         self.model.load_state_dict(snap["model"])
+        live = dict(self.model.named_buffers())
+        with torch.no_grad():                 # (a layer promoted since has none left)
+            for k, v in snap.get("buffers", {}).items():
+                if k in live and live[k].shape == v.shape:
+                    live[k].copy_(v)
+        # The snapshot's state (moments, step counts), this run's settings: a snapshot saved in a
+        # checkpoint may predate a resume that changed lr, the schedule or weight decay.
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         # load_state_dict may keep the given tensors: hand it copies, keep the snapshot intact.
         self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
-        self.scheduler.load_state_dict(copy.deepcopy(snap["scheduler"]))
+        for group, kept in zip(self.optimizer.param_groups, settings):
+            group.update(kept)
+        rewind(self.scheduler, copy.deepcopy(snap["scheduler"]))   # this run's curve, its step
         self.losses.clear()
         self._healthy = 0
+        # Steps after the snapshot are undone: no layer is verified later than it.
+        self._passed = {n: min(v, snap["step"]) for n, v in self._passed.items()}
         return GuardAction("restore", step, f"guard: {what}: weights, optimizer state and LR "
                                             f"schedule restored to step {snap['step']}")
 
@@ -342,13 +409,14 @@ class TrainingGuard:
 
     def state_dict(self) -> dict:
         """What the next decisions depend on, for a checkpoint: the loss window, the
-        consecutive-origin count, the taken steps since the last snapshot, and the snapshot
-        (weights, optimizer state, LR schedule; None before the first). Promotions are the
+        consecutive-origin count, the taken steps since the last snapshot, whether the first
+        sample was taken, each layer's last passing sample, and the snapshot (weights, amax
+        histories, optimizer state, LR schedule; None before the first). Promotions are the
         precision's layer formats, saved beside it. Tensors and plain values only
         (``torch.load(weights_only=True)`` reads it)."""
         return {"losses": list(self.losses), "origin": self._origin,
                 "origin_count": self._origin_count, "healthy": self._healthy,
-                "snapshot": self._snapshot}
+                "snapshot": self._snapshot, "sampled": self._sampled, "passed": dict(self._passed)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a window longer than ``window`` keeps its newest)."""
@@ -357,3 +425,5 @@ class TrainingGuard:
         self._origin, self._origin_count = state["origin"], int(state["origin_count"])
         self._healthy = int(state["healthy"])
         self._snapshot = state["snapshot"]
+        self._sampled = bool(state.get("sampled", True))      # (older checkpoints: sampled)
+        self._passed = {str(n): int(v) for n, v in state.get("passed", {}).items()}

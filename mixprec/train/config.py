@@ -115,10 +115,11 @@ class FitConfig:
     guard: bool = False
     """Guarded training (``mixprec.plan.guard``): a Linear traced as the origin of inf/NaN on
     consecutive skipped steps, or whose sampled output SQNR falls below ``guard_min_sqnr``, moves
-    one format safer (FP8 -> BF16 -> FP32); a loss spike restores the last good snapshot (and
-    promotes the layer that stands out). The run ends (exit 3) only when no safer format is left."""
+    one format safer (FP8 -> BF16 -> FP32), undoing the steps since its last passing sample when a
+    snapshot allows; a loss spike restores the last good snapshot (and promotes the layer that
+    stands out). The run ends (exit 3) only when no safer format is left."""
     guard_every: int = 50
-    """Steps between the guard's SQNR samples (0: none)."""
+    """Steps between the guard's SQNR samples, the first at step 1 (0: none)."""
     guard_min_sqnr: float = 20.0
     """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer."""
     guard_max_flush: float = 0.01

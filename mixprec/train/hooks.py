@@ -127,6 +127,10 @@ class GuardHook(StepHook):
     def __init__(self, guard: Any) -> None:
         self.guard = guard
 
+    def around_step(self, trainer, step):
+        self.guard.before_step(step)        # the first snapshot: weights before any step
+        return contextlib.nullcontext()
+
     def after_step(self, trainer, step, out, origin):
         from mixprec.plan.guard import StepOutcome
         event = trainer.step_event

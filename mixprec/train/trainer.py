@@ -150,6 +150,14 @@ class Trainer:
     def prepare(self, total_steps: int) -> None:
         """Apply the precision to the model, wrap it, build optimizer and scheduler."""
         cfg, precision, strategy = self.config, self.precision, self.strategy
+        if strategy.shards_parameters:     # refused before anything touches the model
+            swaps = [(given, off) for given, off, on in (
+                ("guard=true", "guard=false", cfg.guard),
+                (f"replan_every={cfg.replan_every}", "replan_every=0", cfg.replan_every)) if on]
+            if swaps:
+                given, off = swaps[0]
+                raise ConfigError(f"{given} swaps Linear modules while training and FSDP2 shards "
+                                  f"them: use strategy=ddp or single, or {off}")
         model = self.raw_model.to(self.device)
         found = None
         if self._user_optimizer is None:
@@ -229,9 +237,6 @@ class Trainer:
             if cfg.fp8_activations:
                 raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
                                   "hooks on them; use fp8_activations=false or replan_every=0")
-            if sharded:
-                raise ConfigError("replan_every swaps Linear modules while training; FSDP2 shards "
-                                  "them: use strategy=ddp or single, or replan_every=0")
             self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
                                             window=cfg.replan_window)
         self.hooks = [ScaleWatchHook(self.scale_watch)] if self.scale_watch is not None else []
@@ -240,9 +245,6 @@ class Trainer:
         if self.replanner is not None:
             self.hooks.append(ReplanHook(self.replanner))
         if cfg.guard:
-            if sharded:
-                raise ConfigError("guard=true swaps Linear modules while training; FSDP2 shards "
-                                  "them: use strategy=ddp or single, or guard=false")
             from mixprec.plan.guard import TrainingGuard
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
                                        config=cfg.guard_config(),   # ranks vote (MAX) alike

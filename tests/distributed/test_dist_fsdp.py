@@ -139,7 +139,30 @@ def resume(rank: int, path: str) -> dict:
     for s in range(BEFORE, BEFORE + AFTER):
         _step(model, opt, x, y, rows_for(s, rank))
     out["final"] = full_params(strategy, model)
+    out["guard"] = guarded_fit(rank, path)
     return out
+
+
+def guarded_fit(rank: int, path: str) -> dict:
+    """``fit(guard=True)`` under FSDP2 (this job's process group): refused before the run starts."""
+    import os
+
+    import mixprec as mp
+    from mixprec.errors import ConfigError
+    from mixprec.strategies import FSDPStrategy
+
+    x, y = make_data()
+    model = make_model()
+    run_dir = os.path.join(os.path.dirname(path), f"guarded-{rank}")
+    trainer = mp.Trainer(model, strategy=FSDPStrategy(), guard=True, max_steps=2, run_dir=run_dir,
+                         progress=False, audit=False, loss_fn=lambda out, t: nn.functional.mse_loss(out, t))
+    try:
+        trainer.fit([(x[:8], y[:8]), (x[8:16], y[8:16])])
+    except ConfigError as e:
+        return {"error": str(e), "exit_code": getattr(e, "exit_code", 2), "run_dir_exists": os.path.exists(run_dir),
+                "model_sharded": any(hasattr(p, "placements") for p in model.parameters()),
+                "steps": trainer.step}
+    return {"error": None}
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +229,12 @@ def test_bf16_mixed_computes_in_bf16_with_fp32_shards_and_norms(runs):
     stats = mixed["stats"]   # bf16 all-gathers (fp32 for norms), twice per step; fp32 reduce
     assert stats["reduce_scatter_bytes_per_step"] == 4 * n_all
     assert stats["allgather_bytes_per_step"] == 2 * (2 * (n_all - n_norm) + 4 * n_norm)
+
+
+def test_guard_under_fsdp2_is_refused_in_one_line_and_the_run_does_not_start(runs):
+    for out in (r["guard"] for r in runs[1]):
+        assert out["error"] is not None, "fit(guard=True) under FSDP2 started"
+        assert "\n" not in out["error"] and out["error"].startswith("guard=true swaps Linear modules")
+        assert "strategy=ddp or single, or guard=false" in out["error"]
+        assert out["exit_code"] == 2                      # mixprec train: one line, exit 2
+        assert not out["run_dir_exists"] and not out["model_sharded"] and out["steps"] == 0

@@ -158,12 +158,12 @@ class _Spiky(_Net):
         return loss * 50 if bool((idx == MARK).all()) else loss
 
 
-def _spiky_fit(run, resume=False):
+def _spiky_fit(run, resume=False, lr=1e-3):
     data = _loader()
     data[6] = (torch.full((4, 16), MARK), data[6][1])          # step 7's batch spikes the loss
     trainer = mp.Trainer(_Spiky(), mixed_precision="fp8-tensorwise", max_steps=10, run_dir=str(run),
                          progress=False, audit=False, guard=True, guard_every=0, guard_window=3,
-                         ckpt_interval=1, keep_last=20, log_interval=1, lr=1e-3)
+                         ckpt_interval=1, keep_last=20, log_interval=1, lr=lr)
     trainer.fit(data, resume=resume)
     return trainer
 
@@ -195,3 +195,116 @@ def test_a_resumed_guarded_run_decides_and_trains_exactly_as_the_uninterrupted_o
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), k
         assert resumed.precision.layer_formats == straight.precision.layer_formats
         assert resumed.scheduler.last_epoch == straight.scheduler.last_epoch
+
+
+def test_a_restore_after_a_resume_keeps_the_resumed_runs_lr_schedule(tmp_path):
+    """The snapshot in step 6's checkpoint was taken under lr=1e-3; resumed with lr=3e-3, the
+    spike at step 7 restores the weights and moments but rewinds the new schedule (it restored the
+    old one: peak 1e-3 for the rest of the run)."""
+    import shutil
+    _spiky_fit(tmp_path / "first")
+    run, name = tmp_path / "resumed", "step-00000006"
+    shutil.copytree(tmp_path / "first" / "checkpoints" / name, run / "checkpoints" / name)
+    (run / "checkpoints" / "latest").write_text(name + "\n")
+    resumed = _spiky_fit(run, resume=True, lr=3e-3)
+    assert ("restore", 7) in [(a.kind, a.step) for a in resumed.guard.actions]
+    sched = resumed.scheduler
+    assert sched.base_lrs == [3e-3, 3e-3]
+    curve = sched.lr_lambdas[0]
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == \
+        pytest.approx([3e-3 * curve(sched.last_epoch)] * 2, rel=1e-12)
+    assert [g["initial_lr"] for g in resumed.optimizer.param_groups] == [3e-3, 3e-3]
+
+
+def _outlier_net() -> _Net:
+    """``_outlier_guard``'s model for ``fit()``: ``blocks.0.proj`` loses its FP8 output from step 1."""
+    net = _Net()
+    boost = torch.ones(64)
+    boost[[3, 40]] = 1e5
+    net.blocks[0].proj.register_forward_pre_hook(lambda mod, args: (args[0] * boost,))
+    with torch.no_grad():
+        net.blocks[0].proj.weight[:, [3, 40]] /= 1e5
+    return net
+
+
+def test_a_layer_bad_from_the_start_is_promoted_at_step_1_and_that_step_undone(tmp_path):
+    """The first SQNR sample is at step 1, not at step ``guard_every``; the step that ran the
+    layer in FP8 is undone (the snapshot before step 1: weights, moments, LR schedule). Without
+    the first-step sample the layer trains 50 steps in FP8 with its output lost."""
+    net = _outlier_net()
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    run = tmp_path / "run"
+    trainer = mp.Trainer(net, mixed_precision="fp8-tensorwise", max_steps=1, run_dir=str(run),
+                         progress=False, audit=False, guard=True, ckpt_interval=0,
+                         log_interval=1, lr=1e-3)
+    result = trainer.fit(_loader())
+    assert [(a.kind, a.step) for a in trainer.guard.actions] == [("restore", 1), ("promote", 1)]
+    assert "restored to step 0" in trainer.guard.actions[0].message
+    formats = trainer.precision.layer_formats
+    assert formats["blocks.0.proj"] == "bf16"
+    assert {f for n, f in formats.items() if n not in ("blocks.0.proj", "head")} == {"fp8-tensorwise"}
+    after = trainer.model.state_dict()
+    assert all(torch.equal(after[k].float(), v.float()) for k, v in initial.items()), "step 1 undone"
+    assert not trainer.optimizer.state and trainer.scheduler.last_epoch == 0
+    assert result.steps == 1
+    kinds = [(e["kind"], e.get("action") or e.get("guard")) for e in _events(run) if e["step"] == 1]
+    assert ("guard", "restore") in kinds and ("format", "promote") in kinds
+
+
+def test_a_layer_failing_a_later_sample_undoes_the_steps_since_its_last_pass():
+    """Samples at steps 1 and 2 pass (a snapshot follows each); outliers appear after step 2; the
+    sample of step 4 fails: weights and LR schedule go back to step 2, then the layer is promoted."""
+    net, on = _Net(), [False]
+    boost = torch.ones(64)
+    boost[[3, 40]] = 1e5
+    net.blocks[0].proj.register_forward_pre_hook(lambda mod, args: (args[0] * boost,) if on[0] else None)
+    with torch.no_grad():                  # (the outliers, once on, leave the function as it was)
+        net.blocks[0].proj.weight[:, [3, 40]] /= 1e5
+    precision = mp.Precision("fp8-tensorwise")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = precision.setup(net, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    guard = TrainingGuard(precision, net, opt, sched,
+                          config=GuardConfig(every=2, window=100, spike_sigma=0.0))
+    x, y = _loader()[0]
+
+    def step(s):
+        guard.before_step(s)
+        opt.zero_grad()
+        net(x, y).backward()
+        opt.step()
+        sched.step()
+        return guard.after_step(StepOutcome(s, 2.0, False), lambda: net(x, y))
+
+    assert step(1) == [] and step(2) == []
+    at_2 = {k: v.clone() for k, v in net.state_dict().items()}
+    on[0] = True
+    assert step(3) == []                                   # no sample at step 3
+    actions = step(4)
+    assert [(a.kind, a.step) for a in actions] == [("restore", 4), ("promote", 4)]
+    assert "last passed: step 2" in actions[0].message and "restored to step 2" in actions[0].message
+    assert actions[1].switch.module == "blocks.0.proj"
+    after = net.state_dict()
+    assert all(torch.equal(after[k].float(), v.float()) for k, v in at_2.items())
+    assert sched.last_epoch == 2 and sched.get_last_lr() == [0.1 / 3] * len(opt.param_groups)
+
+
+def test_a_restore_rewinds_the_fp8_amax_history_with_the_weights():
+    """Delayed scaling keeps its amax history outside the state dict: a restore brings back the
+    snapshot's, not the spike's."""
+    net = _Net()
+    precision = mp.Precision("fp8-delayed")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = precision.setup(net, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    guard = TrainingGuard(precision, net, opt, sched, config=GuardConfig(every=0, window=5))
+    x, y = _loader()[0]
+    net(x, y)
+    layer = net.get_submodule(FAULTY)
+    kept = layer.amax_history.clone()
+    assert kept.abs().sum() > 0
+    guard.before_step(1)
+    with torch.no_grad():
+        layer.amax_history.fill_(1e9)                       # a spike's amaxes
+    guard._restore(1, "test")
+    assert torch.equal(layer.amax_history, kept)

@@ -13,6 +13,8 @@ def test_plan_command_writes_a_plan_that_train_uses(tmp_path, capsys):
     assert "chosen" in out and "plan:" in out
     assert "[mixprec] trade-off: predicted" in captured.err and "faster Linear GEMMs" in captured.err
     data = json.loads(plan.read_text())
+    assert data["measured_calibration"] <= data["budget"]        # (1 batch: none held out)
+    assert data["measured_heldout"] is None and "measured" in out
     formats = dict(data["overrides"])
     assert set(formats) >= {"blocks.0.attn.qkv", "head"} and data["precision"]
     assert (tmp_path / "plan.png").is_file()

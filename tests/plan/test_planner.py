@@ -62,10 +62,27 @@ def _trained(steps: int = 30) -> nn.Module:
     return net
 
 
+@pytest.fixture(autouse=True)
+def every_plan_keeps_its_budget(monkeypatch):
+    """The promise, checked on every plan a test here builds through ``mp.plan_precision``: the
+    whole plan's measured loss change, on the calibration and on the held-out batches, is at most
+    the budget (the module-scoped ``plan`` below asserts it itself)."""
+    real = mp.plan_precision
+
+    def checked(*args, **kwargs):
+        p = real(*args, **kwargs)
+        assert p.measured_calibration is not None and p.measured_calibration <= p.budget, p.notes
+        assert p.measured_heldout is None or p.measured_heldout <= p.budget, p.notes
+        return p
+    monkeypatch.setattr(mp, "plan_precision", checked)
+
+
 @pytest.fixture(scope="module")
 def plan():
-    return mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
-                             budget=1e-3, target="H100", seed=0)
+    p = mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
+                          budget=1e-3, target="H100", seed=0)
+    assert p.measured_heldout <= p.budget and p.measured_calibration <= p.budget
+    return p
 
 
 def test_outlier_layer_stays_out_of_fp8_tensorwise_while_most_others_go_fp8(plan):
