@@ -22,4 +22,4 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()  # each block prints what it shows
     # A newcomer's example runs clean: no audit warning, no note that it asks something odd.
-    assert "WARNING" not in captured.err and "as long as the run" not in captured.err, captured.err
+    assert "WARNING" not in captured.err and "longer than the run" not in captured.err, captured.err

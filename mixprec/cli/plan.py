@@ -51,6 +51,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", default=None, help="plot (default: the plan file's name, .png)")
 
 
+def settings_file(config: str | None, from_run: str | None) -> str | None:
+    """The settings file to read: ``--config``, else (with ``--from``) the run's own
+    ``config.toml``, so its model is the one its weights fit; said in one line."""
+    if config is not None or not from_run:
+        return config
+    given = Path(from_run)
+    for folder in (given, *given.parents[:2]):        # RUN, or RUN/checkpoints/step-N
+        if (folder / "config.toml").is_file():
+            print(f"[mixprec] settings: {folder / 'config.toml'} (the run's own), then the command line",
+                  file=sys.stderr)
+            return str(folder / "config.toml")
+    return None
+
+
+def say_untrained(from_run: str | None) -> None:
+    """One line when the measured model is untrained: its loss is near ln(vocabulary) and every
+    format looks harmless there."""
+    if not from_run:
+        print("[mixprec] note: these are initial, untrained weights, on which every format looks "
+              "harmless; measure a trained model with --from RUN_DIR", file=sys.stderr)
+
+
 def model_and_batches(cfg, from_run: str | None, n: int) -> tuple[Any, list, Any]:
     """The settings' model (with a run's weights when ``from_run``), its first ``n`` training
     batches and the strategy: what ``mixprec plan`` and ``mixprec whatif`` measure on."""
@@ -59,7 +81,13 @@ def model_and_batches(cfg, from_run: str | None, n: int) -> tuple[Any, list, Any
     if from_run:
         from mixprec.runs.checkpoint import load_checkpoint
         state, _, _ = load_checkpoint(from_run)
-        model.load_state_dict(state)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[-1].strip().rstrip(".")
+            raise ConfigError(f"the weights in {from_run} do not fit the model of these settings "
+                              f"(model={cfg.model}, seq_len={cfg.seq_len}): {first}; give the run's own "
+                              "settings (--config RUN/config.toml) or drop the settings that differ") from None
     batches = []
     for batch in train_loader:
         batches.append(batch)
@@ -73,13 +101,17 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
         raise ConfigError("--batches must be >= 1")
-    cfg, _ = load_config(args.config, parse_overrides(args.settings))
+    if not 0 <= args.budget < 100:
+        raise ConfigError(f"--budget is in percent of the loss, in [0, 100) (e.g. 0.1 for 0.1 %), "
+                          f"got {args.budget:g}")
+    cfg, _ = load_config(settings_file(args.config, args.from_run), parse_overrides(args.settings))
     model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
     base = args.base or cfg.precision
     print(f"[mixprec] planning the Linear layers of model "
           f"{cfg.model} on {len(batches)} batches of {cfg.batch_size}x{cfg.seq_len} tokens "
           f"({len(split_heldout(batches, None)[1])} held out) "
           f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
+    say_untrained(args.from_run)
     plan = plan_precision(model, batches, candidates=args.candidates.split(","),
                           budget=args.budget / 100, base=base, target=args.target, seed=cfg.seed,
                           criterion=args.criterion,

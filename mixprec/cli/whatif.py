@@ -60,20 +60,22 @@ def measure_config(cfg, source: dict[str, str]):
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.plan.whatif import what_if
-    from mixprec.cli.plan import model_and_batches
+    from mixprec.cli.plan import model_and_batches, say_untrained, settings_file
     from mixprec.policy.overrides import write_plan
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
         raise ConfigError("--batches must be >= 1")
     if not 0 < args.tolerance < 100:
         raise ConfigError("--tolerance is in percent of the loss, between 0 and 100")
-    cfg, small = measure_config(*load_config(args.config, parse_overrides(args.settings)))
+    cfg, small = measure_config(*load_config(settings_file(args.config, args.from_run),
+                                             parse_overrides(args.settings)))
     model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
     tokens = len(batches) * cfg.batch_size * cfg.seq_len
     print(f"[mixprec] what-if for the Linear layers of model {cfg.model} on {len(batches)} batches "
           f"of {cfg.batch_size}x{cfg.seq_len} tokens ({tokens} tokens"
           f"{'; the what-if default ' + ', '.join(f'{k}={v}' for k, v in small.items()) if small else ''}) "
           f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
+    say_untrained(args.from_run)
     report = what_if(model, batches, formats=args.formats.split(","), gpu=args.gpu,
                      tolerance=args.tolerance / 100, seed=cfg.seed,
                      progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))

@@ -86,7 +86,7 @@ def get_gpu(name: str) -> GpuSpec:
     key = str(name).strip().upper()
     if key not in GPUS:
         raise ConfigError(f"unknown GPU '{name}'{closest(key, GPUS)}; valid: {', '.join(GPUS)}, cpu "
-                          "(this machine's measured peak), or give --peak-tflops")
+                          "(this machine's measured peak); `mixprec estimate` also takes --peak-tflops")
     return GPUS[key]
 
 

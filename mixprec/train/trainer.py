@@ -209,8 +209,10 @@ class Trainer:
                    f"; LR schedule: {cfg.warmup_steps} warm-up steps then cosine to "
                    f"{cfg.min_lr_ratio:g}x over its LRs (pass lr_scheduler= for your own)"),
                 "optimizer"))
-        if self._user_scheduler is None and cfg.warmup_steps >= total_steps:
-            self._notes.append((f"warm-up ({cfg.warmup_steps} steps) is as long as the run ({total_steps} "
+        # Warm-up step s (from 0) runs at (s + 1) / warmup_steps of the peak: a warm-up exactly as
+        # long as the run reaches the peak at its last step; only a longer one never does.
+        if self._user_scheduler is None and cfg.warmup_steps > total_steps:
+            self._notes.append((f"warm-up ({cfg.warmup_steps} steps) is longer than the run ({total_steps} "
                                 f"steps): the LR never reaches its peak; set warmup_steps= below "
                                 f"{total_steps}", "schedule"))
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(

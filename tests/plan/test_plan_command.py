@@ -24,3 +24,37 @@ def test_plan_command_writes_a_plan_that_train_uses(tmp_path, capsys):
                  "progress=false"]) == 0
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert next(e for e in events if e["kind"] == "formats")["layers"] == formats
+
+
+def test_a_budget_outside_percent_range_is_refused_in_one_line_before_the_model_is_built(capsys):
+    assert main(["plan", "model=tiny", "--budget", "150"]) == 2
+    err = capsys.readouterr().err
+    assert "--budget is in percent of the loss, in [0, 100) (e.g. 0.1 for 0.1 %), got 150" in err
+    assert "planning" not in err and "Traceback" not in err
+
+
+def test_from_a_run_reads_the_runs_settings_and_a_mismatch_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "model=tiny", "batch_size=2", "seq_len=32", "max_steps=1", "eval_interval=0",
+                 "eval_batches=1", f"run_dir={run}", "progress=false", "audit=false"]) == 0
+    capsys.readouterr()
+    common = ["--batches", "1", "--candidates", "bf16", "--target", "H100", "-o", str(tmp_path / "p.json")]
+    # No settings given: the run's own config.toml (seq_len=32) builds the model its weights fit.
+    assert main(["plan", "--from", str(run), *common]) == 0
+    err = capsys.readouterr().err
+    assert f"settings: {run / 'config.toml'} (the run's own)" in err
+    assert "untrained" not in err and "batches of 2x32 tokens" in err
+    # Other settings that build another shape (tiny's own 128 positions): one line naming the way
+    # out, not a traceback.
+    other = tmp_path / "other.toml"
+    other.write_text('model = "tiny"\nbatch_size = 2\n')
+    assert main(["plan", "--from", str(run), "--config", str(other), *common]) == 2
+    err = capsys.readouterr().err
+    assert f"the weights in {run} do not fit the model of these settings (model=tiny, seq_len=128)" in err
+    assert "--config RUN/config.toml" in err and "Traceback" not in err
+
+
+def test_a_plan_on_initial_weights_says_they_are_untrained(tmp_path, capsys):
+    assert main(["plan", "model=tiny", "batch_size=2", "seq_len=32", "--batches", "1", "--candidates",
+                 "bf16", "--target", "H100", "-o", str(tmp_path / "p.json")]) == 0
+    assert "initial, untrained weights" in capsys.readouterr().err

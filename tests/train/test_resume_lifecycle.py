@@ -261,9 +261,12 @@ def test_a_callers_optimizer_is_recorded_as_it_ran_and_its_schedule_is_said(tmp_
     assert "# optimizer: the caller's SGD" in (tmp_path / "r" / "config.toml").read_text()
     err = capsys.readouterr().err
     assert "optimizer: your SGD, with its own settings" in err
-    assert "LR schedule: 2 warm-up steps then cosine" in err and "warm-up (2 steps) is as long" not in err
+    assert "LR schedule: 2 warm-up steps then cosine" in err and "warm-up (2 steps) is longer" not in err
 
 
-def test_a_warm_up_as_long_as_the_run_is_said(tmp_path, capsys):
+def test_a_warm_up_longer_than_the_run_is_said_and_one_as_long_is_not(tmp_path, capsys):
     mp.fit(Regressor(), batches(), max_steps=4, warmup_steps=20, run_dir=str(tmp_path / "r"), **QUIET)
-    assert "warm-up (20 steps) is as long as the run (4 steps)" in capsys.readouterr().err
+    assert "warm-up (20 steps) is longer than the run (4 steps)" in capsys.readouterr().err
+    # warmup_steps == max_steps: the last step runs at the peak LR, so there is nothing to say.
+    mp.fit(Regressor(), batches(), max_steps=4, warmup_steps=4, run_dir=str(tmp_path / "s"), **QUIET)
+    assert "warm-up (" not in capsys.readouterr().err
