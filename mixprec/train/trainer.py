@@ -561,15 +561,18 @@ class Trainer:
                         with meter.evaluating():          # not training time: out of tokens/s
                             last_val = self.evaluate(val_loader, cfg.eval_batches)
                     meter.add(out, batches)
-                    logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
-                    if logged:
+
+                    def log_row(val_loss: float | None) -> float:
                         loss = meter.log(out, step=self.step, epoch=self.epoch,
-                                         lr=self.scheduler.get_last_lr()[0],
-                                         val_loss=last_val if do_eval else None)
-                        events.interval(self.step, total, loss=loss, val_loss=last_val if do_eval else None,
+                                         lr=self.scheduler.get_last_lr()[0], val_loss=val_loss)
+                        events.interval(self.step, total, loss=loss, val_loss=val_loss,
                                         lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
                                         samples_per_s=meter.last_sps,
                                         steps=meter.last_steps, log_interval=cfg.log_interval)
+                        return loss
+                    logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
+                    if logged:
+                        log_row(last_val if do_eval else None)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
@@ -578,6 +581,8 @@ class Trainer:
                     # One process checks every step; ranks agree at log intervals (no extra sync).
                     signum = self._stop_agreed(stop, logged)
                     if signum and self.step < total:
+                        if not logged:      # the steps since the last row get theirs (`steps` says how many)
+                            log_row(None)
                         self._stop_now(stop, signum, train_loader, saved)
             self.settle()
             for hook in self.hooks:

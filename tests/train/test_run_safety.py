@@ -343,3 +343,27 @@ def test_without_a_terminal_each_log_interval_is_one_plain_line(tmp_path, text_c
 def test_audit_command_reports_on_the_train_setup(tmp_path, text_corpus):
     proc = mixprec("audit", *TINY, f"data={text_corpus}", "precision=bf16-true")
     assert "precision: bf16-true" in proc.stdout and "audit:" in proc.stdout
+
+
+def test_a_stop_between_logged_rows_records_the_steps_since_the_last_row(tmp_path):
+    """Ctrl-C at step 3 with log_interval=2: steps 1-2 are one row, step 3 its own (steps=1), so
+    every trained step is in metrics.csv before the run stops (it was missing until the resume)."""
+    import csv
+
+    class Stopper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls = nn.Linear(4, 1), 0
+
+        def forward(self, x, y):
+            self.calls += 1
+            if self.calls == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+    with pytest.raises(RunInterrupted, match="stopped by SIGINT at step 3"):
+        mp.fit(Stopper(), _regressor_batches(10), mixed_precision="32-true", max_steps=10, log_interval=2,
+               run_dir=str(tmp_path / "r"), progress=False, audit=False, ckpt_interval=0)
+    with open(tmp_path / "r" / "metrics.csv", newline="") as f:
+        rows = [(int(r["step"]), int(r["steps"])) for r in csv.DictReader(f)]
+    assert rows == [(2, 2), (3, 1)]
