@@ -20,6 +20,7 @@ from typing import Any
 
 from mixprec.report.figures import (caption, figure, integer_count_axis, legend_below, mark_events,
                                     save, scale_series)
+from mixprec.policy.overrides import is_micro
 from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
 from mixprec.runs.read import read_run, run_progress, run_scales_loss
@@ -140,11 +141,11 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_yscale("log", base=2)
         legend_below(ax)
         paths.append(save(fig, out / "compare_loss_scale.png"))
-    fig, ax = figure("Linear layers in FP8", "share of Linear layers (%)")
+    fig, ax = figure("Linear layers in 8 bits or fewer (FP8, MXFP8, MXFP4, NVFP4)", "share of Linear layers (%)")
     for r in runs:
         if r["layers"]:
             n = len(r["layers"])
-            share = [100 * sum(r["formats"][name][t].startswith("fp8") for name in r["layers"]) / n
+            share = [100 * sum(_narrow(r["formats"][name][t]) for name in r["layers"]) / n
                      for t in range(r["last"] + 1)]
             ax.step(range(r["last"] + 1), share, where="post", label=r["name"], color=r["colour"])
     if any(max(line.get_ydata(), default=0) > 0 for line in ax.lines):   # no FP8 anywhere: no picture
@@ -199,3 +200,8 @@ def _fmt(key: str, v: Any) -> str:
     if isinstance(v, float):
         return f"{v:+.2f}" if key.endswith("(%)") else f"{v:.4g}"
     return html.escape(str(v))
+
+
+def _narrow(fmt: str) -> bool:
+    """A Linear layer's format is 8 bits or fewer: FP8 (any recipe) or a block-scaled micro format."""
+    return fmt.startswith("fp8") or is_micro(fmt)

@@ -33,7 +33,7 @@ _CAPTIONS = {
     "compare_skipped": "Skipped steps (cumulative)",
     "compare_loss_scale": "Loss scale of each run",
     "compare_lr": "Learning rate of each run",
-    "compare_fp8_share": "Share of Linear layers computing in FP8",
+    "compare_fp8_share": "Share of Linear layers computing in 8 bits or fewer (FP8 and the block-scaled formats)",
 }
 
 

@@ -46,3 +46,10 @@ def test_report_overlays_runs_with_differences_against_the_first(tmp_path, capsy
     assert "final loss vs first&#x27;s final (%)" in page and "4 of 4 (complete)" in page
     for name in ("loss", "val_loss", "loss_relative", "skipped", "fp8_share", "lr"):
         assert (tmp_path / "cmp" / f"compare_{name}.png").is_file(), name
+
+
+def test_the_narrow_format_share_counts_fp8_and_the_block_scaled_formats():
+    """compare_fp8_share.png showed 0 % for an nvfp4 run: only 'fp8-*' names were counted."""
+    from mixprec.report.compare import _narrow
+    assert all(_narrow(f) for f in ("fp8-tensorwise", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4"))
+    assert not any(_narrow(f) for f in ("fp32", "bf16", "fp16"))
