@@ -19,7 +19,7 @@ from mixprec.formats.micro_config import MicroConfig
 from mixprec.formats.mx_linear import MicroLinear
 from mixprec.nn.swap import replace_module
 
-__all__ = ["convert_to_micro", "MicroConversionReport", "block_index", "micro_skip_reason"]
+__all__ = ["convert_to_micro", "MicroConversionReport", "block_index", "micro_skip_reason", "micro_refusal"]
 
 
 @dataclass
@@ -81,6 +81,27 @@ def micro_skip_reason(name: str, module: nn.Linear, parent: nn.Module | None, co
     return None
 
 
+def micro_refusal(name: str, module: nn.Linear, parent: nn.Module | None, config: MicroConfig,
+                  embedding_weights: set[int], blocks: tuple[dict[str, int], int], *,
+                  keeps_fp32: Callable[[str, nn.Module], bool] | None = None,
+                  explicit: bool = False) -> str | None:
+    """Why :func:`convert_to_micro` keeps ``module`` out of ``config``'s format (None: it converts
+    it): the shape and FP8 rules, the policy's FP32 exemptions, then (unless an override named the
+    format, ``explicit``) the recipe's first/last blocks (``blocks``: :func:`block_index`). The
+    per-layer table asks it too, so what it shows before set-up is what set-up does."""
+    why = micro_skip_reason(name, module, parent, config, embedding_weights)
+    if why is None and keeps_fp32 is not None and keeps_fp32(name, module):
+        why = "kept in FP32 by the precision policy"
+    index, num_blocks = blocks
+    if why is None and not explicit and name in index:
+        first, last = config.kept_blocks(num_blocks)
+        i = index[name]
+        if i < first or i >= num_blocks - last:
+            why = (f"{config.recipe} recipe keeps the first {first} / last {last} of "
+                   f"{num_blocks} blocks in the surrounding format (block {i})")
+    return why
+
+
 def convert_to_micro(model: nn.Module, *, config_fn: Callable[[str], MicroConfig | None],
                      keeps_fp32: Callable[[str, nn.Module], bool] | None = None,
                      explicit: Collection[str] = ()) -> MicroConversionReport:
@@ -100,15 +121,8 @@ def convert_to_micro(model: nn.Module, *, config_fn: Callable[[str], MicroConfig
             continue
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name]
-        why = micro_skip_reason(name, module, parent, config, embeddings)
-        if why is None and keeps_fp32 is not None and keeps_fp32(name, module):
-            why = "kept in FP32 by the precision policy"
-        if why is None and name not in explicit and name in blocks:
-            first, last = config.kept_blocks(num_blocks)
-            i = blocks[name]
-            if i < first or i >= num_blocks - last:
-                why = (f"{config.recipe} recipe keeps the first {first} / last {last} of "
-                       f"{num_blocks} blocks in the surrounding format (block {i})")
+        why = micro_refusal(name, module, parent, config, embeddings, (blocks, num_blocks),
+                            keeps_fp32=keeps_fp32, explicit=name in explicit)
         if why is not None:
             report.skipped.append((name, why))
             continue

@@ -371,8 +371,10 @@ class Precision:
         """Every decision for ``model``, one row per parameter-owning module (before or after
         :meth:`setup`; after it, the formats the layers actually run). See :mod:`mixprec.precision.table`."""
         from mixprec.formats import Fp8Conv1D, Fp8Linear
+        from mixprec.policy.overrides import is_micro
         embeddings = rules.embedding_weights(model)
         modules = dict(model.named_modules())
+        blocks = None                        # the model's blocks, for a micro recipe's first/last rule
         rows = []
         for name, module in modules.items():
             own = list(module.parameters(recurse=False))
@@ -394,6 +396,17 @@ class Precision:
                     parent = modules.get(name.rpartition(".")[0]) if name else None
                     shape = None if isinstance(module, nn.Linear) else tuple(module.weight.shape)
                     refused = keep or rules.fp8_skip_reason(name, module, parent, embeddings, shape)
+                    if refused:
+                        why.append(f"{asked} refused: {refused}")
+                    compute = self.base_format if refused else asked
+                elif is_micro(asked) and type(module) is nn.Linear:
+                    # Not (or not yet) a MicroLinear: the conversion's own answer, recipe blocks included.
+                    from mixprec.formats.mx_convert import block_index, micro_refusal
+                    blocks = blocks or block_index(model)
+                    parent = modules.get(name.rpartition(".")[0]) if name else None
+                    refused = micro_refusal(name, module, parent, self.micro_config(asked), embeddings,
+                                            blocks, keeps_fp32=self.keeps_fp32,
+                                            explicit=self.policy.override_for(name) is not None)
                     if refused:
                         why.append(f"{asked} refused: {refused}")
                     compute = self.base_format if refused else asked

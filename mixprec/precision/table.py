@@ -45,7 +45,8 @@ class LayerRow:
     """It takes a per-layer compute format (the rule book's ``is_gemm_layer``: a Linear or a
     Hugging Face ``Conv1D``)."""
     refused: str = ""
-    """Why the FP8 rules refuse the FP8 format it asks for (``""``: nothing refused)."""
+    """Why the FP8 or block-scaled format it asks for is refused: the FP8 rules, or the micro
+    conversion's own (shape, a recipe's first/last blocks) (``""``: nothing refused)."""
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,19 @@ def test_an_fp8_override_the_rules_refuse_is_warned_about_before_set_up_too():
                       "an embedding), runs bf16"]
     precision.setup(model)
     assert warned() == before
+
+
+def test_the_table_before_set_up_shows_the_micro_conversion_that_set_up_does():
+    """Under nvfp4 the recipe keeps the last block and the tied head in the surrounding format: the
+    table said nvfp4 for them before set-up (and gave no reason after it)."""
+    import mixprec as mp
+    before_model = mp.models.Transformer.from_preset("tiny")
+    before = {r.name: (r.compute, r.why) for r in mp.Precision("nvfp4").resolve(before_model)}
+    after_model = mp.models.Transformer.from_preset("tiny")
+    precision = mp.Precision("nvfp4")
+    precision.setup(after_model)
+    after = {r.name: (r.compute, r.why) for r in precision.resolve(after_model)}
+    assert {n: c for n, (c, _) in before.items()} == {n: c for n, (c, _) in after.items()}
+    assert before["blocks.1.mlp.fc"][0] == "bf16" and before["blocks.0.mlp.fc"][0] == "nvfp4"
+    assert "recipe keeps the first 0 / last 1 of 2 blocks" in after["blocks.1.mlp.fc"][1]
+    assert "output head" in before["head"][1] and before["head"] == after["head"]
