@@ -66,6 +66,8 @@ __all__ = ["Precision", "OptimizerSpec", "prepare_fp8"]
 _F32 = torch.float32
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW = (torch.bfloat16, torch.float16)
+_PEAK_RANK = {"fp4": 0, "fp8": 1, "bf16": 2, "fp16": 2, "tf32": 3, "fp32": 4}
+"""Matmul formats from the fastest dense peak to the slowest (FP16 and BF16 share theirs)."""
 _TRUE_MODE = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
@@ -255,8 +257,17 @@ class Precision:
     @property
     def peak_format(self) -> str:
         """The format whose dense matmul peak is the denominator of MFU, in ``fit()``'s metrics and
-        in ``mixprec estimate`` alike: :attr:`matmul_format` (``fp8`` for ``fp8-*`` modes)."""
-        return self.matmul_format
+        in ``mixprec estimate`` alike: :attr:`matmul_format` (``fp8`` for ``fp8-*`` modes), or,
+        after :meth:`setup`, the narrowest format a Linear layer runs in when a per-layer format
+        (a plan, an override) is narrower than the mode's: a 32-true plan with FP8 layers is
+        measured against the FP8 peak (and where FP8 is emulated, gets no MFU at all)."""
+        narrowest = self.matmul_format
+        for fmt in self.layer_formats.values():
+            kind = ("fp4" if fmt in ("mxfp4", "nvfp4") else "fp8" if fmt.startswith("fp8-") or fmt == "mxfp8"
+                    else fmt if fmt in _PEAK_RANK else narrowest)
+            if _PEAK_RANK[kind] < _PEAK_RANK.get(narrowest, len(_PEAK_RANK)):
+                narrowest = kind
+        return narrowest
 
     def keep_fp32_reason(self, qualified_name: str, module: nn.Module) -> str | None:
         """Why ``module``'s own parameters stay FP32 (the rule book's

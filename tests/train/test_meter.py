@@ -101,3 +101,16 @@ def test_the_first_row_after_a_resume_from_mid_interval_says_it_averages_fewer_s
     assert rows == {4: 4, 6: 2, 8: 2}             # 6: the last of the first run; 8: steps 7-8
     err = capsys.readouterr().err
     assert "step 8/8  loss" in err and "(mean of 2 steps)" in err.split("step 8/8")[1].splitlines()[0]
+
+
+def test_a_plan_with_fp8_layers_is_measured_against_the_fp8_peak_and_gets_no_mfu_where_fp8_is_emulated(tmp_path, capsys):
+    """A 32-true base with FP8 per-layer formats (a plan) used the FP32 peak, so its emulated FP8
+    layers got an MFU although fp8-tensorwise itself gets none here."""
+    import mixprec as mp
+    from mixprec.estimate.gpus import peak_kind
+    precision = mp.Precision("32-true", overrides={"blocks.*.mlp.*": "fp8-tensorwise"})
+    assert precision.peak_format == "fp32"               # before set-up: the mode's own
+    precision.setup(mp.models.Transformer.from_preset("tiny"))
+    assert precision.peak_format == "fp8" and peak_kind(precision) == "fp8"   # MFU and estimate alike
+    from mixprec.policy.peak import no_peak_reason
+    assert no_peak_reason("fp8", "cpu") is not None      # this CPU: no honest FP8 peak, no MFU
