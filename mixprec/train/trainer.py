@@ -538,6 +538,15 @@ class Trainer:
         if self.profiler is not None:
             self.hooks.insert(0, ProfilerHook(self.profiler))
         events.open_progress(total, self.step)
+
+        def log_row(out: StepOutput, val_loss: float | None) -> None:
+            """One metrics row of the steps since the last one (the meter's mean), and its line."""
+            loss = meter.log(out, step=self.step, epoch=self.epoch,
+                             lr=self.scheduler.get_last_lr()[0], val_loss=val_loss)
+            events.interval(self.step, total, loss=loss, val_loss=val_loss,
+                            lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
+                            samples_per_s=meter.last_sps,
+                            steps=meter.last_steps, log_interval=cfg.log_interval)
         try:
             # A lost peer ends the job with one line, not a hang; Ctrl-C/SIGTERM saves, then stops.
             with self.strategy.guard(), StopRequest(announce=main) as stop:
@@ -561,18 +570,9 @@ class Trainer:
                         with meter.evaluating():          # not training time: out of tokens/s
                             last_val = self.evaluate(val_loader, cfg.eval_batches)
                     meter.add(out, batches)
-
-                    def log_row(val_loss: float | None) -> float:
-                        loss = meter.log(out, step=self.step, epoch=self.epoch,
-                                         lr=self.scheduler.get_last_lr()[0], val_loss=val_loss)
-                        events.interval(self.step, total, loss=loss, val_loss=val_loss,
-                                        lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
-                                        samples_per_s=meter.last_sps,
-                                        steps=meter.last_steps, log_interval=cfg.log_interval)
-                        return loss
                     logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
-                        log_row(last_val if do_eval else None)
+                        log_row(out, last_val if do_eval else None)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
                     saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
@@ -582,7 +582,7 @@ class Trainer:
                     signum = self._stop_agreed(stop, logged)
                     if signum and self.step < total:
                         if not logged:      # the steps since the last row get theirs (`steps` says how many)
-                            log_row(None)
+                            log_row(out, None)
                         self._stop_now(stop, signum, train_loader, saved)
             self.settle()
             for hook in self.hooks:

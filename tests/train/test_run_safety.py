@@ -201,20 +201,23 @@ def test_sigterm_before_training_starts_exits_143_in_one_line(tmp_path, text_cor
     assert out.strip().splitlines()[-1] == "mixprec: interrupted (SIGTERM)"
 
 
+class _Stopper(nn.Module):
+    """A regressor that sends its own process SIGINT during its third forward (step 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = nn.Linear(4, 1), 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        if self.calls == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+
 def test_fit_raises_run_interrupted_after_saving(tmp_path):
-    class Stopper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.calls = nn.Linear(4, 1), 0
-
-        def forward(self, x, y):
-            self.calls += 1
-            if self.calls == 3:
-                os.kill(os.getpid(), signal.SIGINT)
-            return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
-
     with pytest.raises(RunInterrupted, match="stopped by SIGINT at step 3; checkpoint saved"):
-        mp.fit(Stopper(), _regressor_batches(10), mixed_precision="32-true", max_steps=10,
+        mp.fit(_Stopper(), _regressor_batches(10), mixed_precision="32-true", max_steps=10,
                run_dir=str(tmp_path / "r"), progress=False, audit=False, ckpt_interval=0)
     assert (tmp_path / "r" / "checkpoints" / "step-00000003").is_dir()
 
@@ -350,19 +353,8 @@ def test_a_stop_between_logged_rows_records_the_steps_since_the_last_row(tmp_pat
     every trained step is in metrics.csv before the run stops (it was missing until the resume)."""
     import csv
 
-    class Stopper(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.calls = nn.Linear(4, 1), 0
-
-        def forward(self, x, y):
-            self.calls += 1
-            if self.calls == 3:
-                os.kill(os.getpid(), signal.SIGINT)
-            return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
-
     with pytest.raises(RunInterrupted, match="stopped by SIGINT at step 3"):
-        mp.fit(Stopper(), _regressor_batches(10), mixed_precision="32-true", max_steps=10, log_interval=2,
+        mp.fit(_Stopper(), _regressor_batches(10), mixed_precision="32-true", max_steps=10, log_interval=2,
                run_dir=str(tmp_path / "r"), progress=False, audit=False, ckpt_interval=0)
     with open(tmp_path / "r" / "metrics.csv", newline="") as f:
         rows = [(int(r["step"]), int(r["steps"])) for r in csv.DictReader(f)]
