@@ -28,7 +28,7 @@ from mixprec.nn.attention import CausalSelfAttention
 from mixprec.nn.moe import MoELayer
 from mixprec.nn.norms import make_norm
 
-__all__ = ["Transformer", "Block", "MLP", "apply_loss_chunk"]
+__all__ = ["Transformer", "Block", "MLP"]
 
 
 class MLP(nn.Module):
@@ -260,30 +260,3 @@ class Transformer(nn.Module):
         through an import of ``mixprec.train``."""
         import mixprec
         return mixprec.fit(self, train_loader, **kwargs)
-
-
-def apply_loss_chunk(model: nn.Module, tokens: int, *, loss_fn: object = None) -> None:
-    """Set a run's chunked loss (``FitConfig.loss_chunk``, tokens per slice, 0: off) on ``model``.
-
-    Only mixprec's :class:`Transformer` computes its loss in slices (``Transformer.loss_chunk``);
-    a setting that would not take effect is refused in one line: another model (a Hugging Face
-    one, a user's own module), a ``loss_fn`` (the loss is then the caller's, over whole logits),
-    and a model whose own ``loss_chunk`` disagrees with the run's (config.toml records the run's).
-    """
-    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-        raise ConfigError(f"loss_chunk must be a number of tokens >= 0 (0: off), got {tokens!r}")
-    if not isinstance(model, Transformer):
-        if tokens:
-            raise ConfigError(f"loss_chunk={tokens} slices the loss of mixprec's Transformer "
-                              f"(model=tiny, small, gpt-ref); a {type(model).__name__} computes its "
-                              "loss itself: set loss_chunk=0")
-        return
-    if tokens and loss_fn is not None:
-        raise ConfigError(f"loss_chunk={tokens} slices the model's own loss, but with loss_fn= the "
-                          "loss is computed by your function over whole logits: set loss_chunk=0 "
-                          "or drop loss_fn")
-    if model.loss_chunk not in (0, tokens):
-        raise ConfigError(f"the model's loss_chunk is {model.loss_chunk} but the run's is {tokens}: "
-                          f"set loss_chunk={model.loss_chunk} in the run's config (it is what "
-                          "config.toml records), or model.loss_chunk = 0")
-    model.loss_chunk = tokens

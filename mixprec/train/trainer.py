@@ -24,8 +24,7 @@ from torch.autograd.profiler import record_function
 from mixprec import hints
 from mixprec.data.position import resumable
 from mixprec.errors import CheckpointError, ConfigError, RunInterrupted, TrainingDiverged, excerpt
-from mixprec.models.objective import add_tokens, make_objective
-from mixprec.models.transformer import apply_loss_chunk
+from mixprec.models.objective import add_tokens, apply_loss_chunk, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
