@@ -29,7 +29,7 @@ _CAPTIONS = {
     "formats": "Compute format per Linear layer over time",
     "compare_loss": "Train loss of each run",
     "compare_val_loss": "Validation loss of each run",
-    "compare_loss_relative": "Train loss relative to the reference run",
+    "compare_loss_relative": "Train loss relative to the first run",
     "compare_skipped": "Skipped steps (cumulative)",
     "compare_loss_scale": "Loss scale of each run",
     "compare_lr": "Learning rate of each run",
