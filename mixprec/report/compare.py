@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.report.figures import (caption, figure, integer_count_axis, legend_below, mark_events,
-                                    save, scale_series)
+                                    plot_series, save, scale_series)
 from mixprec.policy.overrides import is_micro
 from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
@@ -101,8 +101,8 @@ def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, l
     for r in runs:
         s = _series(r["rows"], key)
         if keep(s):
-            line, = ax.plot(list(s), list(s.values()), marker=style, ms=4, label=r["name"],
-                            color=r["colour"])
+            line, = plot_series(ax, list(s), list(s.values()), label=r["name"], color=r["colour"],
+                                **({"marker": style, "ms": 4} if style else {}))
             mark_events(ax, r["events"], skips=False, colour=line.get_color(), run=r["name"])
     if not ax.lines:
         return None
@@ -125,8 +125,8 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         s = _series(r["rows"], "loss")
         common = sorted(set(s) & set(rs))
         if common:
-            ax.plot(common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"],
-                    color=r["colour"])
+            plot_series(ax, common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"],
+                        color=r["colour"])
     if ax.lines:
         ax.axhline(0, color="#888", lw=0.8)
         legend_below(ax)
