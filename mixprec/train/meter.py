@@ -15,7 +15,7 @@ from torch import nn
 
 from mixprec.models.objective import add_tokens, count_samples
 from mixprec.precision import Precision
-from mixprec.policy.peak import format_peak_flops
+from mixprec.policy.peak import format_peak_flops, format_peak_source
 from mixprec.strategies import Strategy
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.train.step import StepOutput
@@ -40,6 +40,9 @@ class IntervalMeter:
         # The peak of the format the mode's GEMMs run in (fp8 for fp8-*), as `mixprec estimate`
         # uses; None where this device has no such GEMMs (emulated): MFU is then not measured.
         self.peak = format_peak_flops(precision.peak_format, self.device)
+        if self.peak is not None and strategy.is_main:
+            self.note(f"MFU peak: {precision.peak_format.upper()} {self.peak / 1e9:.3g} GFLOP/s, "
+                      + format_peak_source(precision.peak_format, self.device))
         self.counted_flops = hasattr(model, "flops_per_token")
         self.flops_per_token = (model.flops_per_token() if self.counted_flops
                                 else 6 * sum(p.numel() for p in model.parameters()))

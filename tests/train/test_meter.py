@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import mixprec as mp
-from mixprec.policy import hardware
+from mixprec.policy import hardware, peak
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger, read_metrics
 from mixprec.strategies import SingleDeviceStrategy
@@ -36,6 +36,11 @@ class FakeClock:
 
 def _meter(tmp_path, precision, monkeypatch, notes=None):
     clock = FakeClock()
+    # The fake clock is time.perf_counter for everyone: a peak measured now (no fresh cache
+    # entry) would time its GEMMs on it and never end. A cache of the test's own and a fixed
+    # GEMM rate: the meter's peak never depends on the machine's cache.
+    monkeypatch.setenv("MIXPREC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "matmul_flops", lambda *a, **k: 1e12)
     monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
     logger = MetricsLogger(tmp_path, tensorboard=False)
     note = (lambda m: notes.append(m)) if notes is not None else (lambda m: None)
@@ -71,7 +76,8 @@ def test_mfu_above_the_measured_peak_after_a_remeasure_is_not_recorded_and_is_sa
         meter.log(_out(), step=step, epoch=0, lr=1e-3, val_loss=None)
     logger.close()
     assert [r["mfu"] for r in read_metrics(tmp_path)] == [None, None]
-    assert len(notes) == 1 and "MFU not measured from step 1 on" in notes[0]
+    assert notes[0].startswith("MFU peak: FP32 1e-09 GFLOP/s, measured at start")   # where it comes from
+    assert len(notes) == 2 and "MFU not measured from step 1 on" in notes[1]
 
 
 def test_evaluation_time_is_kept_out_of_throughput_and_recorded_apart(tmp_path, monkeypatch):
