@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import mixprec as mp
@@ -120,3 +121,30 @@ def test_a_plan_with_fp8_layers_is_measured_against_the_fp8_peak_and_gets_no_mfu
     assert precision.peak_format == "fp8" and peak_kind(precision) == "fp8"   # MFU and estimate alike
     from mixprec.policy.peak import no_peak_reason
     assert no_peak_reason("fp8", "cpu") is not None      # this CPU: no honest FP8 peak, no MFU
+
+
+def test_a_model_without_flops_per_token_is_measured_on_its_matmuls_and_attention(tmp_path, monkeypatch):
+    """6 x all parameters counted the embedding look-ups (an HF model's MFU was overstated)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    class _Hf(nn.Module):                           # a config like a Hugging Face model's
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(num_hidden_layers=2, hidden_size=8)
+            self.wte = nn.Embedding(1000, 8)
+            self.fc = nn.Linear(8, 8)
+
+    clock = FakeClock()
+    monkeypatch.setenv("MIXPREC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "matmul_flops", lambda *a, **k: 1e12)
+    monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    meter = meter_mod.IntervalMeter(SingleDeviceStrategy(), mp.Precision("32-true"), _Hf(), logger)
+    meter.add(_out(tokens=32), [(torch.zeros(2, 16, dtype=torch.long), None)])   # 2 x 16 tokens
+    clock.now += 1.0
+    meter.log(_out(), step=1, epoch=0, lr=1e-3, val_loss=None)
+    logger.close()
+    assert meter.flops_per_token == 6.0 * (8 * 8 + 8) + 6.0 * 2 * 8 * 16       # not 6 x 8,072
+    assert read_metrics(tmp_path)[0]["mfu"] == pytest.approx(32 * meter.flops_per_token / 1e12)
