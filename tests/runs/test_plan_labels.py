@@ -105,3 +105,10 @@ def test_the_fp8_start_line_names_each_recipe_a_plan_mixes():
     one = Precision("fp8-tensorwise")
     one.setup_module(_Net())
     assert str(one.fp8_report).startswith("fp8-tensorwise (tensorwise scaling")
+
+
+def test_the_micro_start_line_counts_each_format_a_plan_mixes():
+    precision = Precision("32-true", overrides=(("fc", "mxfp8"), ("*", "nvfp4")))
+    precision.setup_module(_Net())
+    head = str(precision.micro_report).splitlines()[0]
+    assert head.startswith("1 mxfp8 (") and ", 1 nvfp4 (" in head and "2 Linear layers converted" in head
