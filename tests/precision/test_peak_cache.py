@@ -79,3 +79,11 @@ def test_a_refresh_keeps_the_higher_fresh_value_and_a_busy_measurement_says_so(f
 
 def test_peaks_measured_at_every_start_say_so():
     assert peak.format_peak_source("fp8", "cpu") == "measured at start, not cached"
+
+
+def test_estimate_on_the_cpu_says_where_its_peak_comes_from(fake, capsys):
+    from mixprec.cli.main import main
+    fake["values"] = [1.0e9] * 3
+    assert main(["estimate", "--gpu", "cpu", "--tokens", "1M", "--model", "tiny",
+                 "--precision", "32-true"]) == 0
+    assert "FP32 peak of this CPU: measured 2026-11-30 00:53 UTC (0 min ago)" in capsys.readouterr().out
