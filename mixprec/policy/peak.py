@@ -5,7 +5,8 @@ measures: a square GEMM, warmed up, synchronised, timed for a minimum duration, 
 The result is cached per (device name, thread count, torch version, dtype) in the user cache
 folder, so a run measures once per machine. Each entry records when it was measured, the three
 runs it is the best of (their spread) and the machine's load then; an entry older than
-:data:`MAX_AGE_S` (a week), or one written before these records, is measured again.
+:data:`MAX_AGE_S` (a week) is measured again (:data:`CACHE_FILE`: older versions' undated
+``peak_flops.json`` is left alone and not trusted).
 :func:`describe_peak` says where a run's peak comes from.
 """
 from __future__ import annotations
@@ -22,11 +23,16 @@ import torch
 from mixprec.policy.dtypes import dtype_name, parse_dtype
 
 __all__ = ["matmul_flops", "time_matmul", "peak_flops", "format_peak_flops", "no_peak_reason",
-           "cache_dir", "peak_record", "describe_peak", "format_peak_source", "MAX_AGE_S"]
+           "cache_dir", "peak_record", "describe_peak", "format_peak_source", "MAX_AGE_S", "CACHE_FILE"]
 
 MAX_AGE_S = 7 * 24 * 3600
 """A cached peak older than this (seconds) is measured again: the machine, its load and its
 firmware change; a week keeps a run's start cheap."""
+
+CACHE_FILE = "peak_records.json"
+"""The cache file in :func:`cache_dir`. Not the ``peak_flops.json`` of earlier versions:
+its bare numbers have no date (so are never trusted here), and such a version, sharing the
+cache folder, reads every entry as a number (a record would break it)."""
 
 _now = time.time
 """The clock cache ages are read on (tests replace it)."""
@@ -150,7 +156,7 @@ def _load() -> float | None:
 def peak_record(dtype: torch.dtype, device: torch.device | str) -> dict[str, Any] | None:
     """The cache entry :func:`peak_flops` uses for ``dtype`` on ``device`` (None: none fresh):
     ``{flops, measured_at, runs, spread, load, threads, torch}``."""
-    entry = _read_cache(cache_dir() / "peak_flops.json").get(_cache_key(dtype, torch.device(device)))
+    entry = _read_cache(cache_dir() / CACHE_FILE).get(_cache_key(dtype, torch.device(device)))
     return entry if _fresh(entry) else None
 
 
@@ -169,7 +175,7 @@ def describe_peak(record: dict[str, Any] | None) -> str:
             "again" if load > 0.75 * cores else "")) if isinstance(load, (int, float)) else ""
     return (f"measured {when} ({ago} ago), best of {len(record.get('runs', []))} runs "
             f"{100 * float(record.get('spread', 0.0)):.0f} % apart{busy}; cached in "
-            f"{cache_dir() / 'peak_flops.json'} for {MAX_AGE_S // 86400} days")
+            f"{cache_dir() / CACHE_FILE} for {MAX_AGE_S // 86400} days")
 
 
 def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
@@ -186,7 +192,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     key = _cache_key(dtype, device)
-    path = cache_dir() / "peak_flops.json"
+    path = cache_dir() / CACHE_FILE
     cached = _read_cache(path) if use_cache else {}
     old = cached.get(key) if _fresh(cached.get(key)) else None
     if old is not None and not refresh:

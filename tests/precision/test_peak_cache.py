@@ -55,12 +55,16 @@ def test_a_cached_peak_is_used_within_its_age_and_measured_again_after(fake):
 
 def test_undated_and_future_dated_entries_are_measured_again(fake, tmp_path):
     key = peak._cache_key(torch.float32, torch.device("cpu"))
-    (tmp_path / "peak_flops.json").write_text(json.dumps({key: 5.0e9}))   # an old cache: a bare number
+    old = json.dumps({key: 5.0e9})
+    (tmp_path / "peak_flops.json").write_text(old)       # an older mixprec's cache: bare numbers
+    (tmp_path / peak.CACHE_FILE).write_text(old)
     fake["values"] = [1.0e9] * 3
     assert peak.peak_flops(torch.float32, "cpu") == 1.0e9 and fake["calls"] == 3
-    data = json.loads((tmp_path / "peak_flops.json").read_text())
+    # The older version's file is left as it was: that version reads every entry as a number.
+    assert (tmp_path / "peak_flops.json").read_text() == old
+    data = json.loads((tmp_path / peak.CACHE_FILE).read_text())
     data[key]["measured_at"] = T0 + 86400                                 # a clock that went back
-    (tmp_path / "peak_flops.json").write_text(json.dumps(data))
+    (tmp_path / peak.CACHE_FILE).write_text(json.dumps(data))
     fake["values"] = [1.1e9] * 3
     assert peak.peak_flops(torch.float32, "cpu") == 1.1e9 and fake["calls"] == 6
 
