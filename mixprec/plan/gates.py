@@ -15,29 +15,39 @@ from typing import Any
 LayerMeasure = Any
 """A :class:`mixprec.plan.plan.LayerMeasure` (not imported: ``plan`` imports these limits)."""
 
-__all__ = ["gate", "apply_gates", "stands_out", "MIN_SQNR_DB", "MAX_FLUSH", "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
+from mixprec.formats.limits import FormatLimits, format_limits
 
-MIN_SQNR_DB = 15.0
-"""A format whose output, input-gradient or weight-gradient SQNR against FP32 is below this is
-refused for the layer (FP8 E4M3 gives about 30 dB on well-scaled tensors, BF16 about 50)."""
-MAX_FLUSH = 0.01
-"""... and so is one that flushes or saturates more than this share of the layer's inputs or
-output gradients (the re-planner's limit, :class:`mixprec.plan.replan.LayerReplanner`)."""
+__all__ = ["gate", "apply_gates", "stands_out", "gate_limits", "MIN_SQNR_DB", "MAX_FLUSH",
+           "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
+
+MIN_SQNR_DB = format_limits("fp8-tensorwise").min_grad_sqnr_db
+"""FP8's gradient-SQNR limit (15 dB), kept for old imports: the gates read each format's own
+limits (:func:`mixprec.formats.limits.format_limits`; ``min_sqnr_db=None``)."""
+MAX_FLUSH = format_limits("fp8-tensorwise").max_flush
+"""FP8's flushed-share limit (1 %), kept for old imports (as :data:`MIN_SQNR_DB`)."""
 MAX_SQNR_DROP_DB = 4.0
-"""... and so is one whose *output* SQNR is this much below the median of the other layers' in
-the same format (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``, at
-most 1.5 dB for the other layers)."""
+"""A format whose *output* SQNR is this much below the median of the other layers' in the same
+format is refused (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``,
+at most 1.5 dB for the other layers)."""
 SAFE_SQNR_DB = 40.0
 """An SQNR above this (noise below 0.01 % of the signal's power, BF16 territory) is never refused
 for being below the other layers'."""
 
 
-def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float = MIN_SQNR_DB,
+def gate_limits(fmt: str, min_sqnr_db: float | None = None,
+                max_flush: float | None = None) -> FormatLimits:
+    """The limits the gates apply to ``fmt``: its own (:mod:`mixprec.formats.limits`), or the
+    user's ``min_sqnr_db`` / ``max_flush`` as given."""
+    return format_limits(fmt, min_sqnr_db=min_sqnr_db, max_flush=max_flush)
+
+
+def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float,
                max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> tuple[str, float] | None:
     """(why, severity) when an SQNR is too low, else None: below ``min_sqnr_db``, or more than
     ``max_sqnr_drop_db`` below the median of ``peers`` (other layers in the same format) while
     under :data:`SAFE_SQNR_DB`. Severity: the noise power over the limit's (> 1). The planner's
-    gates and the training guard's spike culprit use it."""
+    gates and the training guard's spike culprit use it, with the format's limit
+    (:func:`gate_limits`)."""
     if sqnr_db < min_sqnr_db:
         return f"SQNR {sqnr_db:.1f} dB < {min_sqnr_db:g}", 10 ** ((min_sqnr_db - sqnr_db) / 10)
     finite = [p for p in peers if p == p]
@@ -49,38 +59,41 @@ def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float = M
     return None
 
 
-def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float = MIN_SQNR_DB,
-         max_flush: float = MAX_FLUSH, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
+def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float | None = None,
+         max_flush: float | None = None, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
          peers: Sequence[float] = ()) -> tuple[str, float] | None:
     """(why, severity) when ``fmt`` is too risky for layer ``m`` whatever its estimated loss
-    change, else None. Refused: an SQNR (output, input gradient, weight gradient) below
-    ``min_sqnr_db``; an *output* SQNR more than ``max_sqnr_drop_db`` below ``peers`` (the other
+    change, else None. The limits are ``fmt``'s own (:func:`gate_limits`; a given ``min_sqnr_db``
+    / ``max_flush`` replaces them). Refused: an output SQNR below the format's limit, or an input-
+    or weight-gradient SQNR below its gradient limit; an *output* SQNR more than ``max_sqnr_drop_db`` below ``peers`` (the other
     layers' output SQNRs in ``fmt``: a layer the format treats worse than the rest, as outliers
     do; gradient SQNRs differ between layer kinds too much for that); more than ``max_flush`` of
     its inputs or output gradients flushed or saturated (outliers dominate a tensor's energy, so
     its SQNR can stay high while the rest of it is lost). Severity: how far over its worst limit
-    (noise power over the limit's, flushed share over ``max_flush``), for the ranking."""
+    (noise power over the limit's, flushed share over the limit), for the ranking."""
+    limits = gate_limits(fmt, min_sqnr_db, max_flush)
     found: list[tuple[str, float]] = []
     for label, d in (("output", m.sqnr_out), ("input-gradient", m.sqnr_dgrad), ("weight-gradient", m.sqnr_grad)):
         v = d.get(fmt)
         if v is None or v != v:                            # not measured (NaN)
             continue
-        bad = stands_out(v, peers if label == "output" else (), min_sqnr_db=min_sqnr_db,
+        floor = limits.min_sqnr_db if label == "output" else limits.min_grad_sqnr_db
+        bad = stands_out(v, peers if label == "output" else (), min_sqnr_db=floor,
                          max_sqnr_drop_db=max_sqnr_drop_db)
         if bad:
             found.append((f"{label} {bad[0]}", bad[1]))
     for label, d in (("inputs", m.flush_in), ("output gradients", m.flush_grad)):
         v = d.get(fmt)
-        if v is not None and v > max_flush:
-            found.append((f"{100 * v:.1f}% of its {label} flushed or saturated > {100 * max_flush:g}%",
-                          v / max_flush))
+        if v is not None and v > limits.max_flush:
+            found.append((f"{100 * v:.1f}% of its {label} flushed or saturated > "
+                          f"{100 * limits.max_flush:.3g}%", v / max(limits.max_flush, 1e-12)))
     if not found:
         return None
     return "; ".join(w for w, _ in found), max(sev for _, sev in found)
 
 
 def apply_gates(layers: Sequence[LayerMeasure], fmts: Sequence[str], *,
-                min_sqnr_db: float = MIN_SQNR_DB, max_flush: float = MAX_FLUSH,
+                min_sqnr_db: float | None = None, max_flush: float | None = None,
                 max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> None:
     """Set every layer's ``risky`` formats and their ``severity`` (:func:`gate`; peers: the other
     layers measured in the same format)."""

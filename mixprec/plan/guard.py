@@ -10,8 +10,10 @@ three signals, each pointing at one Linear layer:
   weight, so the guard promotes the layer and training simply continues.
 * **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
   step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
-  against the same GEMM in FP32 on the same input; every layer below ``min_sqnr_db``, or whose
-  format flushes more than ``max_flush`` of its inputs (outliers: the SQNR of a tensor they
+  against the same GEMM in FP32 on the same input; every layer below its format's SQNR limit, or
+  whose format flushes more than its limit of the layer's inputs (each format's own limits,
+  :mod:`mixprec.formats.limits`, which the planner and the what-if apply too; ``min_sqnr_db`` /
+  ``max_flush`` given replace them) (outliers: the SQNR of a tensor they
   dominate stays high while the rest of it is lost), is promoted. The steps since such a layer's
   last passing sample trained the whole model on its lost output, so when the snapshot is no
   older than that sample (a snapshot follows every sample all layers pass, and the first one is
@@ -22,7 +24,7 @@ three signals, each pointing at one Linear layer:
   more than ``spike_sigma`` standard deviations. The weights were hurt: the guard restores its
   last good snapshot (weights, optimizer state and the LR schedule's step; taken before step 1,
   after every passing SQNR sample and every ``window`` healthy steps) and, if one Linear stands
-  out in an SQNR replay of the spiking step (below ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under
+  out in an SQNR replay of the spiking step (below its format's limit, or ``MAX_SQNR_DROP_DB`` under
   the other layers' median while under 40 dB: :func:`mixprec.plan.gates.stands_out`), promotes
   it. With no culprit the formats stay.
 
@@ -80,7 +82,8 @@ from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.plan.replan import FormatSwitch
-from mixprec.plan.gates import stands_out
+from mixprec.plan.gates import gate_limits, stands_out
+from mixprec.formats.limits import FormatLimits
 
 __all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
 
@@ -98,12 +101,14 @@ class GuardConfig:
     """Consecutive skipped steps traced to the same Linear before it is promoted."""
     every: int = 50
     """Steps between SQNR samples, the first at step 1 (0: no sampling)."""
-    min_sqnr_db: float = 20.0
-    """A sampled layer output below this SQNR against FP32 is promoted."""
-    max_flush: float = 0.01
+    min_sqnr_db: float | None = None
+    """A sampled layer output below this SQNR against FP32 is promoted. None: the limit of the
+    format the layer runs in (:mod:`mixprec.formats.limits`, the planner's and the what-if's
+    limits too); a number: that limit for every format."""
+    max_flush: float | None = None
     """... and so is one whose format flushes more than this share of its sampled inputs
     (:func:`mixprec.plan.replan.flushed_share`: outliers keep a tensor's SQNR high while the
-    rest of it is lost)."""
+    rest of it is lost). None: the format's own limit (:mod:`mixprec.formats.limits`); a number: that share for every format."""
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
     window: int = 50
@@ -111,9 +116,13 @@ class GuardConfig:
 
     def validate(self) -> None:
         if (self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0
-                or not 0 <= self.max_flush <= 1):
+                or self.max_flush is not None and not 0 <= self.max_flush <= 1):
             raise ConfigError(f"guard settings: patience >= 1, window >= 2, every >= 0, "
                               f"spike_sigma >= 0 and max_flush in [0, 1], got {self}")
+
+    def limits(self, fmt: str) -> FormatLimits:
+        """The limits a layer sampled in ``fmt`` must keep (the planner's gates read the same)."""
+        return gate_limits(fmt, self.min_sqnr_db, self.max_flush)
 
 
 @dataclass(frozen=True)
@@ -229,12 +238,15 @@ class TrainingGuard:
         failing = []
         for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
             flushed = self.last_flush.get(name, 0.0)
+            fmt = self.precision.layer_formats[name]
+            limits = cfg.limits(fmt)
             why = []
-            if db < cfg.min_sqnr_db:
-                why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
-            if flushed > cfg.max_flush:
+            if db < limits.min_sqnr_db:
+                why.append(f"sampled output SQNR {db:.1f} dB < {limits.min_sqnr_db:g} dB ({fmt}'s "
+                           f"{'given ' if limits.given else ''}limit)")
+            if flushed > limits.max_flush:
                 why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
-                           f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
+                           f"{fmt} (limit {100 * limits.max_flush:.3g}%)")
             if why:
                 failing.append((name, "; ".join(why)))
             else:
@@ -336,7 +348,8 @@ class TrainingGuard:
             worst = None
             for n, db in sqnr.items():
                 peers = [sqnr[o] for o in by_format[self.precision.layer_formats[n]] if o != n]
-                bad = stands_out(db, peers, min_sqnr_db=self.config.min_sqnr_db)
+                fmt = self.precision.layer_formats[n]
+                bad = stands_out(db, peers, min_sqnr_db=self.config.limits(fmt).min_sqnr_db)
                 if bad and (worst is None or bad[1] > worst[1]):
                     worst = (n, bad[1], bad[0])
             culprit = worst

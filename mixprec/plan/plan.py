@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB
+from mixprec.plan.gates import MAX_SQNR_DROP_DB, gate_limits
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, is_micro, write_plan
 from mixprec.precision import Precision
@@ -112,8 +112,10 @@ class PrecisionPlan:
     demoted: list[dict] = field(default_factory=list)
     """Layers moved back after the whole plan measured over budget: ``layer``, ``from``, ``to``,
     ``calibration`` and ``heldout`` (the whole plan's changes after the move)."""
-    min_sqnr_db: float = MIN_SQNR_DB
-    max_flush: float = MAX_FLUSH
+    min_sqnr_db: float | None = None
+    """A user's SQNR limit for every format (None: each format's own, :mod:`mixprec.formats.limits`)."""
+    max_flush: float | None = None
+    """A user's flushed-share limit for every format (None: each format's own)."""
     max_sqnr_drop_db: float = MAX_SQNR_DROP_DB
     seconds: float = 0.0
     """Wall time the planner took."""
@@ -173,9 +175,14 @@ class PrecisionPlan:
         lines = layer_grid(rows, [_short(f) for f in fmts], what="sqnr o/dx/dw dB flush% dloss% meas/est",
                            width=42, lead=("flops", "share"), name_width=22)  # HF names run long
         if any(m.risky for m in self.layers):
-            lines.append(f"! refused by the sensitivity gates (an SQNR below {self.min_sqnr_db:g} dB or "
-                         f"an output SQNR {self.max_sqnr_drop_db:g} dB below the other layers', or over "
-                         f"{100 * self.max_flush:g}% flushed)")
+            lines.append(f"! refused by the sensitivity gates (an output SQNR below the format's "
+                         f"limit, a gradient SQNR 5 dB below that, an output SQNR "
+                         f"{self.max_sqnr_drop_db:g} dB below the other layers', or more flushed "
+                         f"than the format's limit)")
+        lines.append("limits: " + "; ".join(
+            f"{_short(f)} {gate_limits(f, self.min_sqnr_db, self.max_flush).describe()}"
+            for f in fmts) + (" (given)" if self.min_sqnr_db is not None or self.max_flush is not None
+                              else " (each format's own: docs/per-layer.md)"))
         lines.append(f"plan: {format_counts(m.chosen for m in self.layers)}; base {self.base}")
         held = (f", measured {100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens"
                 if self.measured_heldout is not None else ", no held-out batch")

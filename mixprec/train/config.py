@@ -120,10 +120,14 @@ class FitConfig:
     stands out). The run ends (exit 3) only when no safer format is left."""
     guard_every: int = 50
     """Steps between the guard's SQNR samples, the first at step 1 (0: none)."""
-    guard_min_sqnr: float = 20.0
-    """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer."""
-    guard_max_flush: float = 0.01
-    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes it."""
+    guard_min_sqnr: float | None = None
+    """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer. None: the
+    limit of the layer's format (``mixprec.formats.limits``, the planner's and the what-if's too;
+    docs/per-layer.md has the table); a number: that limit for every format, as given."""
+    guard_max_flush: float | None = None
+    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes
+    it. None: the format's own limit (``mixprec.formats.limits``); a number:
+    that share for every format, as given."""
     guard_spike_sigma: float = 6.0
     """A loss this many standard deviations above the guard's window mean is a spike (0: off)."""
     guard_window: int = 50
