@@ -55,14 +55,14 @@ GRAD_ALLOWANCE_DB = 5.0
 HEALTHY: dict[str, tuple[float, float]] = {
     # format: (healthy output SQNR dB, healthy flushed share), benchmarks/format_limits.py
     # (2026-12-01, AVX2 CPU): Gaussian SQNR rounded down to 0.5 dB; flushed share the largest of
-    # the synthetic inputs and the trained models' layers, rounded up.
-    "fp8-tensorwise": (28.5, 0.0003),
-    "fp8-delayed": (28.5, 0.0003),
-    "fp8-rowwise": (28.5, 0.0003),
-    "fp8-blockwise": (28.5, 0.0003),
+    # the synthetic inputs and the trained models' layers, rounded up (to 0.05 % below 1 %, to 1 % above).
+    "fp8-tensorwise": (28.5, 0.0005),
+    "fp8-delayed": (28.5, 0.0005),
+    "fp8-rowwise": (28.5, 0.0005),
+    "fp8-blockwise": (28.5, 0.0005),
     "mxfp8": (27.5, 0.014),
-    "mxfp4": (15.5, 0.36),
-    "nvfp4": (16.5, 0.27),
+    "mxfp4": (15.5, 0.37),
+    "nvfp4": (16.5, 0.28),
     "bf16": (50.5, 0.0),
     "fp16": (68.5, 0.0),
 }
