@@ -179,10 +179,11 @@ class PrecisionPlan:
                          f"limit, a gradient SQNR 5 dB below that, an output SQNR "
                          f"{self.max_sqnr_drop_db:g} dB below the other layers', or more flushed "
                          f"than the format's limit)")
-        lines.append("limits: " + "; ".join(
-            f"{_short(f)} {gate_limits(f, self.min_sqnr_db, self.max_flush).describe()}"
-            for f in fmts) + (" (given)" if self.min_sqnr_db is not None or self.max_flush is not None
-                              else " (each format's own: docs/per-layer.md)"))
+        if fmts:
+            lines.append("limits: " + "; ".join(
+                f"{_short(f)} {gate_limits(f, self.min_sqnr_db, self.max_flush).describe()}"
+                for f in fmts) + (" (given)" if self.min_sqnr_db is not None or self.max_flush is not None
+                                  else " (each format's own: docs/per-layer.md)"))
         lines.append(f"plan: {format_counts(m.chosen for m in self.layers)}; base {self.base}")
         held = (f", measured {100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens"
                 if self.measured_heldout is not None else ", no held-out batch")
@@ -226,9 +227,11 @@ class PrecisionPlan:
         # The plan keeps the summed loss change of its choices within this budget.
         ax2.axhline(100 * self.budget, color="tab:red", ls="--", lw=1.0,
                     label=f"budget {100 * self.budget:.3g}% (sum over layers)")
-        # Legends right of the axes: inside, they covered the last layers' bars.
-        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        # Legends right of the axes: inside, they covered the last layers' bars (none on an axis
+        # without a labelled bar: an all-fp32 plan draws none, and matplotlib would warn).
+        for a in (ax2, ax):
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         ax2.set_xticks(range(len(names)))
         ax2.set_xticklabels([f"{n}\n[{m.chosen}]" for n, m in zip(names, self.layers)], rotation=90,
                             fontsize=7)
@@ -267,14 +270,16 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
     """FLOP/s per candidate format: measured here (``target="measure"``) or a GPU's datasheet."""
     notes: list[str] = []
     if target != "measure":
-        from mixprec.estimate.gpus import format_peak_kind, get_gpu
+        from mixprec.estimate.gpus import GPUS, format_peak_kind, get_gpu
         gpu = get_gpu(target)
         out = {}
         for f in candidates:
             kind = format_peak_kind(f)
             value = getattr(gpu, f"{kind}_tflops")
             if value is None:
-                notes.append(f"{gpu.name} has no {kind.upper()} tensor cores: {f} left out")
+                has = " or ".join(g.name for g in GPUS.values() if getattr(g, f"{kind}_tflops") is not None)
+                notes.append(f"{f} left out: it gives no speed-up on {gpu.name} (no {kind.upper()} "
+                             f"tensor cores); pick --target {has} to plan for {kind.upper()}")
                 continue
             out[f] = value * 1e12
         notes.append(f"throughput: {gpu.name} dense datasheet peaks ({gpu.source})")

@@ -180,6 +180,10 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
         notes.insert(0, f"planning for {target} (datasheet throughput) while measuring numerics on "
                         f"{device.type}; target='measure' plans for this machine's own speed")
     cands = [c for c in cands if c in throughput]
+    if cands == ["fp32"]:                 # nothing left to choose: a plan of fp32 only says nothing
+        left_out = "; ".join(n for n in notes if " left out" in n)
+        raise ConfigError(f"nothing to plan on {'this machine' if target == 'measure' else target} "
+                          f"but fp32: {left_out}")
     base_precision = Precision(base, device=device)
     base_name = base_precision.name
     say = progress or (lambda s: None)
