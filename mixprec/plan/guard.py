@@ -180,6 +180,26 @@ class TrainingGuard:
         self.last_flush: dict[str, float] = {}
         self.actions: list[GuardAction] = []
 
+    def describe(self) -> str:
+        """The run's start line: what the guard watches, with which limits, how often."""
+        cfg = self.config
+        watched: dict[str, int] = {}
+        for f in self.precision.layer_formats.values():
+            if f != "fp32":
+                watched[f] = watched.get(f, 0) + 1
+        parts = [f"guard: on, watching {sum(watched.values())} Linear layers"]
+        if cfg.every and watched:
+            given = " (given)" if cfg.min_sqnr_db is not None or cfg.max_flush is not None else ""
+            parts.append(f"output SQNR and inputs flushed sampled at step 1 and every {cfg.every} "
+                         f"steps, promoted when " + ", ".join(
+                             f"{f} {cfg.limits(f).describe()}" for f in watched) + given)
+        elif not cfg.every:
+            parts.append("no SQNR samples (guard_every=0)")
+        parts.append(f"non-finite origin on {cfg.patience} consecutive skipped steps")
+        parts.append(f"loss spikes over {cfg.spike_sigma:g} sigma of the last {cfg.window} steps"
+                     if cfg.spike_sigma else "no spike watch (guard_spike_sigma=0)")
+        return "; ".join(parts)
+
     # ----------------------------------------------------------------- the hook
 
     def after_step(self, outcome: StepOutcome, probe: Callable[[], Any] | None = None
