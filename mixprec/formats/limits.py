@@ -74,6 +74,10 @@ class FormatLimits:
     """The limits a layer in ``format`` must keep (module docstring)."""
 
     format: str
+    healthy_sqnr_db: float
+    """What a healthy layer measures in this format (:data:`HEALTHY`): at or above it, a layer is
+    no outlier however far it sits below other layers (the planner's peer check)."""
+    healthy_flush: float
     min_sqnr_db: float
     """Output SQNR (dB, against FP32) below which the layer is refused / promoted."""
     max_flush: float
@@ -98,7 +102,7 @@ def format_limits(fmt: str, *, min_sqnr_db: float | None = None,
     own_sqnr = min(sqnr - SQNR_MARGIN_DB, SQNR_CAP_DB)
     own_flush = max(FLUSH_MARGIN * flush, FLUSH_FLOOR)
     out = own_sqnr if min_sqnr_db is None else float(min_sqnr_db)
-    return FormatLimits(format=fmt, min_sqnr_db=out,
+    return FormatLimits(format=fmt, healthy_sqnr_db=sqnr, healthy_flush=flush, min_sqnr_db=out,
                         max_flush=own_flush if max_flush is None else float(max_flush),
                         min_grad_sqnr_db=out - GRAD_ALLOWANCE_DB,
                         given=min_sqnr_db is not None or max_flush is not None)

@@ -17,7 +17,7 @@ LayerMeasure = Any
 
 from mixprec.formats.limits import FormatLimits, format_limits
 
-__all__ = ["gate", "apply_gates", "stands_out", "gate_limits", "MIN_SQNR_DB", "MAX_FLUSH",
+__all__ = ["gate", "apply_gates", "stands_out", "output_refusal", "gate_limits", "MIN_SQNR_DB", "MAX_FLUSH",
            "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
 
 MIN_SQNR_DB = format_limits("fp8-tensorwise").min_grad_sqnr_db
@@ -30,8 +30,11 @@ MAX_SQNR_DROP_DB = 4.0
 format is refused (measured: 4.8-5.8 dB for the outlier layer of ``tests/plan/test_planner.py``,
 at most 1.5 dB for the other layers)."""
 SAFE_SQNR_DB = 40.0
-"""An SQNR above this (noise below 0.01 % of the signal's power, BF16 territory) is never refused
-for being below the other layers'."""
+"""An SQNR above this (noise below 0.01 % of the signal's power, BF16 territory), or above the
+format's healthy SQNR (:mod:`mixprec.formats.limits`: 28.5 dB in FP8, 16.5 in NVFP4), is never
+refused for being below the other layers': layer kinds differ (an MLP's second Linear, reading
+GELU outputs, measures 8-9 dB above its first in FP8 and NVFP4 alike), and a layer at the format's
+healthy level is no outlier."""
 
 
 def gate_limits(fmt: str, min_sqnr_db: float | None = None,
@@ -42,21 +45,35 @@ def gate_limits(fmt: str, min_sqnr_db: float | None = None,
 
 
 def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float,
-               max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> tuple[str, float] | None:
+               max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
+               safe_sqnr_db: float = SAFE_SQNR_DB) -> tuple[str, float] | None:
     """(why, severity) when an SQNR is too low, else None: below ``min_sqnr_db``, or more than
     ``max_sqnr_drop_db`` below the median of ``peers`` (other layers in the same format) while
-    under :data:`SAFE_SQNR_DB`. Severity: the noise power over the limit's (> 1). The planner's
-    gates and the training guard's spike culprit use it, with the format's limit
-    (:func:`gate_limits`)."""
+    under ``safe_sqnr_db``. Severity: the noise power over the limit's (> 1). With a format's
+    limits: :func:`output_refusal`."""
     if sqnr_db < min_sqnr_db:
         return f"SQNR {sqnr_db:.1f} dB < {min_sqnr_db:g}", 10 ** ((min_sqnr_db - sqnr_db) / 10)
     finite = [p for p in peers if p == p]
-    if finite and sqnr_db < SAFE_SQNR_DB:
+    if finite and sqnr_db < safe_sqnr_db:
         limit = statistics.median(finite) - max_sqnr_drop_db
         if sqnr_db < limit:
             return (f"SQNR {sqnr_db:.1f} dB, {limit + max_sqnr_drop_db - sqnr_db:.1f} dB below the "
                     "other layers' median"), 10 ** ((limit - sqnr_db) / 10)
     return None
+
+
+def output_refusal(sqnr_db: float, fmt: str, peers: Sequence[float] = (), *,
+                   min_sqnr_db: float | None = None,
+                   max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> tuple[str, float] | None:
+    """(why, severity) when a layer's output SQNR in ``fmt`` fails: below the format's limit
+    (:func:`gate_limits`; a given ``min_sqnr_db`` replaces it), or, with two or more ``peers``
+    (the other layers' output SQNRs in ``fmt``), ``max_sqnr_drop_db`` below their median while
+    under the format's healthy SQNR (and :data:`SAFE_SQNR_DB`). The planner's gates, the guard's
+    samples and spike culprit, and the what-if's safe verdict all ask this."""
+    limits = gate_limits(fmt, min_sqnr_db)
+    return stands_out(sqnr_db, peers if len(peers) >= 2 else (), min_sqnr_db=limits.min_sqnr_db,
+                      max_sqnr_drop_db=max_sqnr_drop_db,
+                      safe_sqnr_db=min(limits.healthy_sqnr_db, SAFE_SQNR_DB))
 
 
 def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float | None = None,
@@ -77,9 +94,11 @@ def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float | None = None,
         v = d.get(fmt)
         if v is None or v != v:                            # not measured (NaN)
             continue
-        floor = limits.min_sqnr_db if label == "output" else limits.min_grad_sqnr_db
-        bad = stands_out(v, peers if label == "output" else (), min_sqnr_db=floor,
-                         max_sqnr_drop_db=max_sqnr_drop_db)
+        if label == "output":
+            bad = output_refusal(v, fmt, peers, min_sqnr_db=min_sqnr_db,
+                                 max_sqnr_drop_db=max_sqnr_drop_db)
+        else:
+            bad = stands_out(v, (), min_sqnr_db=limits.min_grad_sqnr_db)
         if bad:
             found.append((f"{label} {bad[0]}", bad[1]))
     for label, d in (("inputs", m.flush_in), ("output gradients", m.flush_grad)):

@@ -10,11 +10,12 @@ three signals, each pointing at one Linear layer:
   weight, so the guard promotes the layer and training simply continues.
 * **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
   step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
-  against the same GEMM in FP32 on the same input; every layer below its format's SQNR limit, or
-  whose format flushes more than its limit of the layer's inputs (each format's own limits,
-  :mod:`mixprec.formats.limits`, which the planner and the what-if apply too; ``min_sqnr_db`` /
-  ``max_flush`` given replace them) (outliers: the SQNR of a tensor they
-  dominate stays high while the rest of it is lost), is promoted. The steps since such a layer's
+  against the same GEMM in FP32 on the same input; every layer below its format's SQNR limit (or
+  standing out below the other layers in its format, :func:`mixprec.plan.gates.output_refusal`),
+  or whose format flushes more than its limit of the layer's inputs (outliers: the SQNR of a
+  tensor they dominate stays high while the rest of it is lost), is promoted. The limits are each
+  format's own (:mod:`mixprec.formats.limits`), the planner's and the what-if's too;
+  ``min_sqnr_db`` / ``max_flush`` given replace them. The steps since such a layer's
   last passing sample trained the whole model on its lost output, so when the snapshot is no
   older than that sample (a snapshot follows every sample all layers pass, and the first one is
   taken before step 1), the guard restores it first; with an older snapshot it continues (a
@@ -25,8 +26,8 @@ three signals, each pointing at one Linear layer:
   last good snapshot (weights, optimizer state and the LR schedule's step; taken before step 1,
   after every passing SQNR sample and every ``window`` healthy steps) and, if one Linear stands
   out in an SQNR replay of the spiking step (below its format's limit, or ``MAX_SQNR_DROP_DB`` under
-  the other layers' median while under 40 dB: :func:`mixprec.plan.gates.stands_out`), promotes
-  it. With no culprit the formats stay.
+  the other layers' median in its format while under the format's healthy SQNR:
+  :func:`mixprec.plan.gates.output_refusal`, the same test as the samples'), promotes it. With no culprit the formats stay.
 
 A restore takes the snapshot's state (weights, moments, step counts) but this run's settings: the
 optimizer's hyper-parameters and the LR schedule's curve stay as they are and the schedule is
@@ -82,7 +83,7 @@ from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.plan.replan import FormatSwitch
-from mixprec.plan.gates import gate_limits, stands_out
+from mixprec.plan.gates import gate_limits, output_refusal
 from mixprec.formats.limits import FormatLimits
 
 __all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
@@ -256,14 +257,15 @@ class TrainingGuard:
         cfg = self.config
         sqnr = self.sample_sqnr(probe)
         failing = []
+        peers = self._peers(sqnr)
         for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
             flushed = self.last_flush.get(name, 0.0)
             fmt = self.precision.layer_formats[name]
             limits = cfg.limits(fmt)
             why = []
-            if db < limits.min_sqnr_db:
-                why.append(f"sampled output SQNR {db:.1f} dB < {limits.min_sqnr_db:g} dB ({fmt}'s "
-                           f"{'given ' if limits.given else ''}limit)")
+            bad = output_refusal(db, fmt, peers[name], min_sqnr_db=cfg.min_sqnr_db)
+            if bad:
+                why.append(f"sampled output {bad[0]} ({fmt}'s {'given ' if limits.given else ''}limits)")
             if flushed > limits.max_flush:
                 why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
                            f"{fmt} (limit {100 * limits.max_flush:.3g}%)")
@@ -354,6 +356,11 @@ class TrainingGuard:
         self.last_sqnr, self.last_flush = out, flush
         return out
 
+    def _peers(self, sqnr: dict[str, float]) -> dict[str, list[float]]:
+        """Per sampled layer, the other sampled layers' SQNRs in the same format."""
+        fmt = self.precision.layer_formats
+        return {n: [v for o, v in sqnr.items() if o != n and fmt[o] == fmt[n]] for n in sqnr}
+
     def _spike(self, outcome: StepOutcome, probe: Callable[[], Any] | None) -> list[GuardAction]:
         step = outcome.step
         mean = sum(self.losses) / len(self.losses)
@@ -362,14 +369,11 @@ class TrainingGuard:
         culprit = None
         if probe is not None:
             sqnr = self.sample_sqnr(probe)         # on the hurt weights: what made the spike
-            by_format: dict[str, list[str]] = {}
-            for n in sqnr:
-                by_format.setdefault(self.precision.layer_formats[n], []).append(n)
+            peers = self._peers(sqnr)
             worst = None
             for n, db in sqnr.items():
-                peers = [sqnr[o] for o in by_format[self.precision.layer_formats[n]] if o != n]
-                fmt = self.precision.layer_formats[n]
-                bad = stands_out(db, peers, min_sqnr_db=self.config.limits(fmt).min_sqnr_db)
+                bad = output_refusal(db, self.precision.layer_formats[n], peers[n],
+                                     min_sqnr_db=self.config.min_sqnr_db)
                 if bad and (worst is None or bad[1] > worst[1]):
                     worst = (n, bad[1], bad[0])
             culprit = worst

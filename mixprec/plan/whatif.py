@@ -47,6 +47,7 @@ from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
 from mixprec.formats.limits import format_limits
+from mixprec.plan.gates import output_refusal
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.plan.measure import (Call, Replay, block_list, format_variants, layer_alone,
                                   linear_names, losses_with, planned_layers, reference_pass)
@@ -78,6 +79,8 @@ class FormatCell:
     """Relative loss change with only this layer in this format."""
     speedup: float = 1.0
     """Projected GEMM speed-up over BF16 on the chosen GPU."""
+    finite: bool = True
+    """Whether the layer's output in this format was finite."""
     safe: bool = False
     why: str = ""
     """Why the cell is unsafe (empty when safe)."""
@@ -287,17 +290,20 @@ def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str) -> float:
     return float(torch.stack([flushed_share(r[0], fmt, "act") for r in records]).max())
 
 
-def _unsafe(c: FormatCell, fmt: str, tolerance: float, finite: bool, min_sqnr_db: float | None,
-            max_flush: float | None) -> str:
-    """Why a measured cell is unsafe ("" when it is safe): the loss, then the format's limits."""
+def _unsafe(c: FormatCell, fmt: str, tolerance: float, peers: list[float],
+            min_sqnr_db: float | None, max_flush: float | None) -> str:
+    """Why a measured cell is unsafe ("" when it is safe): the loss, then the format's limits
+    (output SQNR against its limit and against ``peers``, the other layers' in ``fmt``: the
+    guard's and the planner's test, :func:`mixprec.plan.gates.output_refusal`)."""
     limits = format_limits(fmt, min_sqnr_db=min_sqnr_db, max_flush=max_flush)
     why = []
-    if not (finite and math.isfinite(c.loss_change)):
+    if not (c.finite and math.isfinite(c.loss_change)):
         why.append("non-finite output or loss")
     elif c.loss_change > tolerance:
         why.append(f"loss change {100 * c.loss_change:.3g}% > {100 * tolerance:.3g}%")
-    if c.sqnr_out < limits.min_sqnr_db:
-        why.append(f"output SQNR {c.sqnr_out:.1f} dB < {limits.min_sqnr_db:g}")
+    bad = output_refusal(c.sqnr_out, fmt, peers, min_sqnr_db=min_sqnr_db)
+    if bad:
+        why.append(f"output {bad[0]}")
     if c.sqnr_grad < limits.min_grad_sqnr_db:             # (NaN: not measured, passes)
         why.append(f"weight-gradient SQNR {c.sqnr_grad:.1f} dB < {limits.min_grad_sqnr_db:g}")
     if c.flushed > limits.max_flush:
@@ -387,12 +393,19 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
                 underflow=under, saturation=sat, loss_change=change,
                 speedup=1.0 if peak is None else peak / bf16_peak)
             cell.flushed = _flushed(records[row.name], f)
-            cell.why = _unsafe(cell, f, tolerance, bool(torch.isfinite(out).all()), min_sqnr_db, max_flush)
-            cell.safe = not cell.why
+            cell.finite = bool(torch.isfinite(out).all())
             row.cells[f] = cell
         say(f"[{i + 1}/{len(rows)}] {row.name}")
     del variants
 
+    for f in fmts:                          # the verdicts: the other layers are the peers
+        measured = {r.name: r.cells[f].sqnr_out for r in rows if r.cells[f].available}
+        for r in rows:
+            c = r.cells[f]
+            if c.available:
+                c.why = _unsafe(c, f, tolerance, [v for n, v in measured.items() if n != r.name],
+                                min_sqnr_db, max_flush)
+                c.safe = not c.why
     for row in rows:
         safe = [f for f in fmts if row.cells[f].available and row.cells[f].safe]
         row.choice = max(safe, key=lambda f: (row.cells[f].speedup, row.cells[f].sqnr_out)) if safe else "fp32"
