@@ -84,3 +84,11 @@ def test_an_all_fp32_plan_plots_without_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plan.plot(tmp_path / "plan.png").is_file()
+
+
+def test_given_limits_are_checked_in_one_line_before_the_model_is_built(capsys):
+    for command in ("plan", "whatif"):
+        assert main([command, "model=tiny", "--max-flush", "150"]) == 2
+        err = capsys.readouterr().err
+        assert "--max-flush is in percent of a layer's inputs, in [0, 100], got 150" in err
+        assert "Traceback" not in err and "measured" not in err
