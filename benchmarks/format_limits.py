@@ -11,10 +11,13 @@ the format flushes to zero or saturates):
    Linear the format may take in that format; min / median output SQNR and the largest flushed
    share over the layers;
 3. **outlier layers**: the guard tests' net with outlier channels grown (``tests/guard_nets.py``,
-   ``blocks.0.proj``) and the what-if tests' outlier net (``blocks.1.proj``), to check that they
-   fail the limits in FP4 while their ordinary layers pass.
+   ``blocks.0.proj``) and the what-if tests' outlier net (``blocks.1.proj``), both at
+   initialisation, to check that they fail the limits in FP4 while their ordinary layers pass;
+4. **the planner's gates** (``--plan``) on the trained ``small`` model, without and with
+   ``benchmarks/plan_outliers.py``'s outliers in ``blocks.1.mlp.proj``: per layer, the formats
+   refused and why, and the choice (target B200, budget 5 %).
 
-    python benchmarks/format_limits.py --steps 30
+    python benchmarks/format_limits.py --steps 30 --plan
 """
 from __future__ import annotations
 
@@ -102,7 +105,7 @@ def trained(name: str, steps: int):
         loss(model, batch()).backward()
         opt.step()
     x = torch.cat([batch(), batch()])
-    return model, (lambda m: loss(m, x)), float(loss(model, x))
+    return model, (lambda m: loss(m, x)), float(loss(model, x).detach())
 
 
 def outlier_nets():
@@ -124,6 +127,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--models", default="tiny,small,hf-llama")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--plan", action="store_true", help="also the planner's gates on small (section 4)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     fmts = args.formats.split(",")
@@ -162,7 +166,38 @@ def main() -> None:
             cells.append(f"{sqnr[bad]:.1f} / {100 * flush[bad]:.1f}; "
                          f"{min(sqnr[n] for n in rest):.1f} / {100 * max(flush[n] for n in rest):.1f}")
         print(f"| {label} | " + " | ".join(cells) + " |")
+    if args.plan:
+        plan_gates(args.steps)
     print(f"\ntook {time.perf_counter() - t0:.0f} s")
+
+
+def plan_gates(steps: int) -> None:
+    import mixprec as mp
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from plan_outliers import inject_outliers
+    for outlier in (None, "blocks.1.mlp.proj"):
+        model, _, _ = trained("small", steps)
+        if outlier:
+            inject_outliers(model, outlier)
+        g = torch.Generator().manual_seed(5)
+
+        def batch():
+            seq = [torch.randint(0, 256, (4, 1), generator=g)]
+            for _ in range(32):
+                seq.append((7 * seq[-1] + 3) % 256)
+            x = torch.cat(seq, 1)
+            return x[:, :-1], x[:, 1:]
+        plan = mp.plan_precision(model, [batch(), batch()], candidates=FORMATS[:-1], target="B200",
+                                 heldout=[], budget=0.05)
+        print(f"\n## planner's gates, small trained {steps} steps"
+              + (f", outliers in {outlier}" if outlier else "") + ": chosen; refused formats")
+        for m in plan.layers:
+            extra = ""
+            if m.name == outlier:
+                extra = " | " + ", ".join(f"{f} {m.sqnr_out[f]:.1f} dB / {100 * m.flush_in[f]:.1f} %"
+                                          for f in m.sqnr_out if f != "fp32")
+            print(f"{m.name}: {m.chosen}; " + ("; ".join(f"{f}: {w}" for f, w in m.risky.items())
+                                               or "-") + extra)
 
 
 if __name__ == "__main__":
