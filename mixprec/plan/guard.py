@@ -68,7 +68,6 @@ optimizer state when every layer passes; one such copy in memory (the snapshot).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections import deque
@@ -79,12 +78,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.optim.schedule import rewind
-from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.plan.replan import FormatSwitch
-from mixprec.plan.gates import gate_limits, output_refusal
 from mixprec.formats.limits import FormatLimits
+from mixprec.plan.gates import gate_limits, output_refusal
+from mixprec.plan.guard_state import restore_snapshot, sample_layers, take_snapshot
+from mixprec.plan.replan import FormatSwitch
+from mixprec.precision import Precision
 
 __all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
 
@@ -302,59 +301,15 @@ class TrainingGuard:
         std = math.sqrt(sum((v - mean) ** 2 for v in self.losses) / (len(self.losses) - 1))
         return loss > mean + self.config.spike_sigma * max(std, 1e-12)
 
-    @torch.no_grad()
     def sample_sqnr(self, probe: Callable[[], Any]) -> dict[str, float]:
         """Output SQNR (dB) of every Linear not in FP32 against its GEMM in FP32 on the same
         inputs, over one replay of the forward (one host sync); also sets :attr:`last_flush`
-        (the share of each layer's inputs its format flushes)."""
-        from mixprec.plan.replan import flushed_share
-        watched = {n: f for n, f in self.precision.layer_formats.items() if f != "fp32"}
-        energy: dict[str, list[torch.Tensor]] = {}
-        handles = []
-
-        def hook(name: str):
-            def fn(module: nn.Module, args, output) -> None:
-                x = args[0]
-                bias = None if module.bias is None else module.bias.float()
-                ref = torch.nn.functional.linear(x.float(), module.weight.float(), bias)
-                noise = (output.float() - ref).square().sum()
-                zero = torch.zeros((), device=ref.device)
-                sig, err, flush = energy.get(name, [zero, zero, zero])
-                energy[name] = [sig + ref.square().sum(), err + noise,
-                                torch.maximum(flush, flushed_share(x, watched[name], "act"))]
-            return fn
-
-        for name in watched:
-            handles.append(self.model.get_submodule(name).register_forward_hook(hook(name)))
-        try:
-            with torch.random.fork_rng(devices=[]):
-                probe()
-        finally:
-            for h in handles:
-                h.remove()
-        if not watched or (self.agree is None and not energy):
-            return {}                        # (the watched set is the same on every rank)
-        # One row per watched layer in the same order on every rank: (-SQNR, flushed, seen).
-        names = list(watched)
-        device = next(iter(energy.values()))[0].device if energy else torch.device("cpu")
-        rows = []
-        for n in names:
-            if n not in energy:
-                rows.append(torch.tensor([-math.inf, 0.0, 0.0], dtype=torch.float64, device=device))
-                continue
-            sig, err, flush = (v.double() for v in energy[n])
-            db = torch.where(err == 0, math.inf, torch.where(
-                (sig > 0) & err.isfinite(), 10 * torch.log10(sig / err), -math.inf))
-            rows.append(torch.stack([-db, flush, torch.ones((), dtype=torch.float64)]))
-        votes = torch.stack(rows)
-        if self.agree is not None:
-            votes = self.agree(votes)        # the lowest SQNR, the largest flush of any rank
-        out, flush = {}, {}
-        for n, (neg_db, flushed, seen) in zip(names, votes.tolist()):
-            if seen:
-                out[n], flush[n] = -neg_db, flushed
-        self.last_sqnr, self.last_flush = out, flush
-        return out
+        (the share of each layer's inputs its format flushes). :func:`sample_layers`."""
+        sampled = sample_layers(self.precision, self.model, probe, self.agree)
+        if sampled is None:
+            return {}
+        self.last_sqnr, self.last_flush = sampled
+        return self.last_sqnr
 
     def _peers(self, sqnr: dict[str, float]) -> dict[str, list[float]]:
         """Per sampled layer, the other sampled layers' SQNRs in the same format."""
@@ -401,36 +356,14 @@ class TrainingGuard:
         return GuardAction("promote", step, switch.message, switch)
 
     def _take_snapshot(self, step: int) -> None:
-        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self._snapshot = {
-            "step": step,
-            "model": model,
-            # Buffers outside the state dict: the FP8 amax histories of delayed scaling.
-            "buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()
-                        if k not in model},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
-        }
+        self._snapshot = take_snapshot(self.model, self.optimizer, self.scheduler, step)
         self._healthy = 0
 
     def _restore(self, step: int, what: str) -> GuardAction:
         snap = self._snapshot
         if snap is None:
             return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
-        self.model.load_state_dict(snap["model"])
-        live = dict(self.model.named_buffers())
-        with torch.no_grad():                 # (a layer promoted since has none left)
-            for k, v in snap.get("buffers", {}).items():
-                if k in live and live[k].shape == v.shape:
-                    live[k].copy_(v)
-        # The snapshot's state (moments, step counts), this run's settings: a snapshot saved in a
-        # checkpoint may predate a resume that changed lr, the schedule or weight decay.
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        # load_state_dict may keep the given tensors: hand it copies, keep the snapshot intact.
-        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
-        for group, kept in zip(self.optimizer.param_groups, settings):
-            group.update(kept)
-        rewind(self.scheduler, copy.deepcopy(snap["scheduler"]))   # this run's curve, its step
+        restore_snapshot(snap, self.model, self.optimizer, self.scheduler)
         self.losses.clear()
         self._healthy = 0
         # Steps after the snapshot are undone: no layer is verified later than it.
