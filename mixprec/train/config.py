@@ -121,13 +121,14 @@ class FitConfig:
     guard_every: int = 50
     """Steps between the guard's SQNR samples, the first at step 1 (0: none)."""
     guard_min_sqnr: float | None = None
-    """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer. None: the
-    limit of the layer's format (``mixprec.formats.limits``, the planner's and the what-if's too;
-    docs/per-layer.md has the table); a number: that limit for every format, as given."""
+    """SQNR limit (dB) of the guard's samples (none: each format's own, FP8 20 dB, NVFP4 8 dB).
+    Those are ``mixprec.formats.limits``, the planner's and the what-if's too (docs/per-layer.md).
+    A layer whose sampled output SQNR against FP32 is below it is promoted; a number given applies
+    to every format, as given."""
     guard_max_flush: float | None = None
-    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes
-    it. None: the format's own limit (``mixprec.formats.limits``); a number:
-    that share for every format, as given."""
+    """Flushed-input limit (share) of the guard's samples (none: each format's own, FP8 0.01, NVFP4 0.42).
+    Those are ``mixprec.formats.limits``. A layer whose format flushes more of its
+    sampled inputs is promoted; a number given applies to every format, as given."""
     guard_spike_sigma: float = 6.0
     """A loss this many standard deviations above the guard's window mean is a spike (0: off)."""
     guard_window: int = 50
