@@ -114,3 +114,16 @@ def test_plan_can_choose_nvfp4_for_healthy_layers_and_refuses_it_for_the_outlier
     assert healthy and not any("nvfp4" in m.risky for m in healthy), plan.table()
     assert "nvfp4" in plan.formats.values()
     assert "nvfp4 < 8 dB" in plan.table()
+
+
+def test_the_peer_check_spares_a_layer_at_its_formats_healthy_level():
+    """Measured on a trained ``small`` (docs/per-layer.md): MLP-input and QKV layers sit 8-9 dB
+    below the MLP-output layers in every format. Before, the planner refused NVFP4 and FP8 on all
+    of them for standing 4 dB below the median, and then chose MXFP4 for them."""
+    from mixprec.plan.gates import output_refusal
+    assert output_refusal(20.5, "nvfp4", [26.0, 29.0, 21.0, 29.5, 28.0]) is None
+    assert output_refusal(32.4, "fp8-tensorwise", [37.0, 38.5, 33.0, 41.0, 40.0]) is None
+    low = output_refusal(12.0, "nvfp4", [20.0, 21.0, 29.0, 29.0])      # under 16.5 and 4 dB down
+    assert low is not None and "below the other layers' median" in low[0]
+    assert "< 8" in output_refusal(4.5, "nvfp4", [])[0]
+    assert output_refusal(12.0, "nvfp4", [20.0]) is None                 # one peer: no median
