@@ -79,4 +79,9 @@ def run(args: argparse.Namespace) -> int:
     where = "--seq-len" if args.seq_len else spec.seq_source
     print(f"sequence length: {rows[0].seq} tokens ({where})")
     print(format_estimates(rows))
+    if args.gpu.strip().lower() == "cpu" and args.peak_tflops is None:   # a measured peak: whose?
+        from mixprec.policy.peak import format_peak_source
+        from mixprec.precision import Precision
+        for fmt in dict.fromkeys(Precision(m).peak_format for m in modes):
+            print(f"{fmt.upper()} peak of this CPU: {format_peak_source(fmt, 'cpu')}")
     return 0

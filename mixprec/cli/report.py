@@ -47,10 +47,11 @@ def run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     """``mixprec report RUN_A RUN_B ...``: the overlay page and a summary table."""
     html_path = write_comparison(args.run_dir, args.out)
-    rows = compare_summary([load_run(Path(d)) for d in args.run_dir])
+    runs = [load_run(Path(d)) for d in args.run_dir]
+    rows = compare_summary(runs)
     keys = list(rows[0])
-    # The table shows each mode by name (its whole description is listed under it), with columns
-    # aligned, so three runs read at a glance.
+    # The table shows what ran by its label (Precision.label; its whole description is listed
+    # under it), with columns aligned, so three runs read at a glance.
     cells = [["-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
               f"{r[k]:.4g}" if isinstance(r[k], float) else
               str(r[k]).split(" (", 1)[0] if k == "precision" else str(r[k]) for k in keys]
@@ -60,8 +61,8 @@ def _compare(args: argparse.Namespace) -> int:
     for c in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
     print("precision of each run:")
-    for r in rows:
-        print(f"  {r['run']}: {r['precision']}")
+    for r in runs:
+        print(f"  {r['name']}: {r['precision']}")
     print(f"comparison: {html_path}")
     print(f"plots:      {html_path.parent}/compare_*.png")
     return 0

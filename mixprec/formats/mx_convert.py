@@ -41,7 +41,10 @@ class MicroConversionReport:
         return len(self.converted)
 
     def __str__(self) -> str:
-        recipes = ", ".join(c.describe() for c in self.configs.values()) or "no micro format"
+        counts = {r: list(self.recipes.values()).count(r) for r in self.configs}
+        recipes = (", ".join(f"{counts[r]} {c.describe()}" for r, c in self.configs.items())
+                   if len(self.configs) > 1 else
+                   ", ".join(c.describe() for c in self.configs.values()) or "no micro format")
         lines = [f"{recipes}: {len(self.converted)} Linear layers converted, {len(self.skipped)} "
                  f"kept out; path: {self.expected_path} (numerics, not speed)"]
         lines += [f"  {self.recipes[n]:<6} {n}" for n in self.converted]

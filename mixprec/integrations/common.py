@@ -107,7 +107,7 @@ class RunRecord:
         self.host = host
         self.run_dir: Path | None = None
         if run_dir is not None and host.is_main:
-            self.run_dir = claim_run_dir(run_dir, precision=precision.name,
+            self.run_dir = claim_run_dir(run_dir, precision=precision.label,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
                                          overwrite=overwrite,
                                          ways_out="resume it from your framework's own checkpoint "

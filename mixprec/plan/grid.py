@@ -23,11 +23,11 @@ class GridRow:
     lead: str = ""
 
 
-def layer_grid(rows: Sequence[GridRow], heads: Sequence[str], *, what: str, width: int,
+def layer_grid(rows: Sequence[GridRow], heads: Sequence[str], *, what: str | Sequence[str], width: int,
                align: str = ">", lead: tuple[str, str] | None = None, name_width: int = 12,
                choice: str = "chosen") -> list[str]:
     """The table's lines: a header (``heads``, one per format, then ``choice``), a sub-header
-    saying ``what`` a cell holds, one line per row. Cells are ``width`` wide, aligned by ``align``
+    saying ``what`` a cell holds (one text for all, or one per head), one line per row. Cells are ``width`` wide, aligned by ``align``
     (a format-spec alignment: ``>``, ``^``); ``lead`` is the optional lead column's two header
     lines; the name column is as wide as the longest name (at least ``name_width``)."""
     w = max([name_width] + [len(r.name) for r in rows])
@@ -37,7 +37,7 @@ def layer_grid(rows: Sequence[GridRow], heads: Sequence[str], *, what: str, widt
         return f"{name:<{w}} {pre}" + " ".join(f"{c:{align}{width}}" for c in cells) + end
 
     out = [line("layer", lead[0] if lead else "", heads, f"  {choice}"),
-           line("", lead[1] if lead else "", [what] * len(heads), "")]
+           line("", lead[1] if lead else "", [what] * len(heads) if isinstance(what, str) else what, "")]
     out += [line(r.name, r.lead, ("n/a" if c is None else c for c in r.cells), f"  {r.choice}")
             for r in rows]
     return out

@@ -172,11 +172,11 @@ class PrecisionPlan:
         rows = [GridRow(name=m.name, lead=f"{100 * m.flops_share:.1f}%", choice=m.chosen,
                         cells=[None if f in m.unavailable else _cell(m, f) for f in fmts])
                 for m in self.layers]
-        lines = layer_grid(rows, [_short(f) for f in fmts], what="sqnr o/dx/dw dB flush% dloss% meas/est",
-                           width=42, lead=("flops", "share"), name_width=22)  # HF names run long
+        lines = layer_grid(rows, [_short(f) for f in fmts], what=_CELL_HEAD, width=len(_CELL_HEAD),
+                           lead=("flops", "share"), name_width=22)  # HF names run long
         if any(m.risky for m in self.layers):
-            lines.append(f"! refused by the sensitivity gates (an output SQNR below the format's "
-                         f"limit, a gradient SQNR 5 dB below that, an output SQNR "
+            lines.append(f"! before a cell: refused by the sensitivity gates (an output SQNR below "
+                         f"the format's limit, a gradient SQNR 5 dB below that, an output SQNR "
                          f"{self.max_sqnr_drop_db:g} dB below the other layers', or more flushed "
                          f"than the format's limit)")
         if fmts:
@@ -244,12 +244,24 @@ class PrecisionPlan:
         return path
 
 
+_CELL_HEAD = f" {'sqnr o/dx/dw dB':<15} {'flush%':>6} {'dloss% meas/est':<17}"
+"""The sub-header over each format's cells, column for column (:func:`_cell`)."""
+
+
 def _cell(m: LayerMeasure, f: str) -> str:
-    """SQNRs out/dgrad/wgrad, the flushed share (``!``: refused by a gate), measured/estimated change."""
+    """``!`` in front when a sensitivity gate refused the format (the gates read the SQNRs and
+    the flushed share, not the loss change), then the SQNRs out/dgrad/wgrad, the flushed share,
+    the measured/estimated loss change: each under its head in :data:`_CELL_HEAD`."""
     flush = 100 * max(m.flush_in.get(f, 0.0), m.flush_grad.get(f, 0.0))
     mark = "!" if f in m.risky else " "
-    return (f"{m.sqnr_out[f]:>5.1f}/{m.sqnr_dgrad.get(f, float('nan')):>5.1f}/{m.sqnr_grad[f]:>5.1f} "
-            f"{flush:>6.2g}{mark}{100 * m.loss_change[f]:>8.2g}/{100 * m.loss_change_est[f]:<8.2g}")
+    sqnr = "/".join(_db(v) for v in (m.sqnr_out[f], m.sqnr_dgrad.get(f, float("nan")), m.sqnr_grad[f]))
+    change = f"{100 * m.loss_change[f]:.2g}/{100 * m.loss_change_est[f]:.2g}"
+    return f"{mark}{sqnr:<15} {flush:>6.2g} {change:<17}"
+
+
+def _db(v: float) -> str:
+    """An SQNR in 4 characters (``28.6``, `` 120``, `` inf``)."""
+    return f"{v:4.1f}" if abs(v) < 99.95 else f"{v:4.0f}"
 
 
 def _short(fmt: str) -> str:

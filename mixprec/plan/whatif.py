@@ -33,6 +33,7 @@ FP8 GPU), so the answer does not need the target hardware; the speed-ups are the
 from __future__ import annotations
 
 import csv
+import textwrap
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,10 @@ __all__ = ["what_if", "WhatIfReport", "WhatIfRow", "FormatCell", "WHATIF_FORMATS
 WHATIF_FORMATS: tuple[str, ...] = ("fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8",
                                    "mxfp4", "nvfp4", "bf16")
 """The formats of the what-if table, in its column order."""
+
+TABLE_WIDTH = 120
+"""The terminal width the what-if table and its text lines are laid out for (long layer names
+widen the table past it; the prose lines wrap)."""
 
 
 @dataclass
@@ -125,29 +130,38 @@ class WhatIfReport:
         return tuple((r.name, r.choice) for r in self.rows)
 
     def table(self) -> str:
+        """The terminal table, one compact cell per format (it fits ~120 columns for short layer
+        names): the loss change in percent with ``!`` where unsafe, and the output SQNR; the
+        projected speed-up under each format's name. Every other number is in :meth:`write_csv`."""
         rows = [GridRow(name=r.name, choice=r.choice,
                         cells=[_cell(r.cells[f]) if r.cells[f].available else None for f in self.formats])
                 for r in self.rows]
-        lines = layer_grid(rows, self.formats, what="sqnr o/g dB  uf/sat %  dloss %  x", width=33,
-                           align="^", choice="choice")
-        lines.append(f"choice: {format_counts(r.choice for r in self.rows)}; measured loss change "
-                     f"of the whole choice {100 * self.choice_loss_change:.3f}% of {self.loss:.4f}; "
-                     f"projected GEMM speed-up over bf16 on {self.gpu} {self.choice_speedup:.2f}x; "
-                     f"'!' = unsafe (loss change above {100 * self.tolerance:.3g}%, or outside the "
-                     f"format's limits); took {self.seconds:.1f} s")
+        lines = layer_grid(rows, [_short(f) for f in self.formats], width=11, align=">",
+                           what=[_subhead(self.rows, f) for f in self.formats],
+                           choice="choice")
         given = self.min_sqnr_db is not None or self.max_flush is not None
-        lines.append("limits (output SQNR, inputs flushed; the guard's and the planner's): " + "; ".join(
-            f"{f} {format_limits(f, min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush).describe()}"
-            for f in self.formats) + (" (given)" if given else ""))
-        lines += [f"note: {n}" for n in self.notes]
+        text = [f"cell: loss change with only this layer in the format (% of the loss; '!' = "
+                f"unsafe: above {100 * self.tolerance:.3g}%, or outside the format's limits) and its "
+                f"output SQNR (dB); x = projected GEMM speed-up over bf16 on {self.gpu}; gradient "
+                "SQNR, underflow, saturation, inputs flushed and why a cell is unsafe: the CSV",
+                "limits (output SQNR, inputs flushed; the guard's and the planner's): " + "; ".join(
+                    f"{f} {format_limits(f, min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush).describe()}"
+                    for f in self.formats) + (" (given)" if given else ""),
+                f"choice: {format_counts(r.choice for r in self.rows)}; measured loss change "
+                f"of the whole choice {100 * self.choice_loss_change:.3f}% of {self.loss:.4f}; "
+                f"projected GEMM speed-up {self.choice_speedup:.2f}x; took {self.seconds:.1f} s",
+                *(f"note: {n}" for n in self.notes)]
+        lines += [textwrap.fill(t, TABLE_WIDTH, subsequent_indent="  ") for t in text]
         return "\n".join(lines)
 
     def write_csv(self, path: str | Path) -> Path:
-        """One row per layer; per format the column group ``FORMAT:sqnr_out_db``, ...; the choice."""
+        """One row per layer; per format the column group ``FORMAT:sqnr_out_db``, ...; the choice.
+        Each column names its unit: ``_db``, ``_frac`` (a fraction: 0.01 is the table's 1 %),
+        ``_x`` (a speed-up factor)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        keys = ("available", "sqnr_out_db", "sqnr_grad_db", "underflow", "saturation", "flushed",
-                "loss_change", "speedup", "safe", "reason")
+        keys = ("available", "sqnr_out_db", "sqnr_grad_db", "underflow_frac", "saturation_frac",
+                "flushed_frac", "loss_change_frac", "speedup_x", "safe", "reason")
         with p.open("w", newline="") as fh:
             out = csv.writer(fh)
             out.writerow(["layer", "flops_per_token", *(f"{f}:{k}" for f in self.formats for k in keys),
@@ -160,9 +174,9 @@ class WhatIfReport:
                              _num(c.saturation), _num(c.flushed), _num(c.loss_change),
                              f"{c.speedup:.3g}", int(c.safe), c.reason or c.why]
                 out.writerow(vals + [r.choice])
-            out.writerow(["# whole choice", "", f"measured loss change {self.choice_loss_change:.6g}",
-                          f"projected speed-up {self.choice_speedup:.4g} on {self.gpu}",
-                          f"tolerance {self.tolerance:g}", f"fp32 loss {self.loss:.6g}"])
+            out.writerow(["# whole choice", "", f"measured loss change (fraction) {self.choice_loss_change:.6g}",
+                          f"projected speed-up {self.choice_speedup:.4g}x on {self.gpu}",
+                          f"tolerance (fraction) {self.tolerance:g}", f"fp32 loss {self.loss:.6g}"])
         return p
 
     def heatmap(self, path: str | Path) -> Path:
@@ -218,10 +232,32 @@ class WhatIfReport:
 
 
 def _cell(c: FormatCell) -> str:
-    """SQNRs out/grad, underflow/saturation, loss change (``!``: unsafe), projected speed-up."""
+    """The loss change in percent (``!``: unsafe) and the output SQNR in dB, 11 characters."""
     mark = " " if c.safe else "!"
-    return (f"{c.sqnr_out:>4.1f}/{c.sqnr_grad:<4.1f} {100 * c.underflow:>4.1f}/{100 * c.saturation:<4.1f} "
-            f"{100 * c.loss_change:>7.3f}{mark}{c.speedup:>4.1f}")
+    return f"{_pct(100 * c.loss_change):>6}{mark}{c.sqnr_out:>4.0f}"
+
+
+def _pct(v: float) -> str:
+    """A percentage in at most 6 characters, three decimals while small."""
+    if not math.isfinite(v):
+        return str(v)
+    for digits in (3, 2, 1, 0):
+        text = f"{v:.{digits}f}"
+        if len(text) <= 6:
+            return text
+    return f"{v:.0e}"
+
+
+def _short(fmt: str) -> str:
+    """A column head of at most 10 characters: ``fp8-tensorwise`` -> ``fp8-tensor``."""
+    return fmt.removesuffix("wise")
+
+
+def _subhead(rows: list[WhatIfRow], fmt: str) -> str:
+    """The line under a format's name, over its cells: its projected speed-up, ``%`` over the loss
+    changes and ``dB`` over the SQNRs."""
+    ups = [r.cells[fmt].speedup for r in rows if r.cells[fmt].available]
+    return f"{f'x{max(ups):.1f}' if ups else '':<4} %   dB"
 
 
 def _speedup_label(rows: list[WhatIfRow], fmt: str) -> str:

@@ -3,7 +3,11 @@
 Vendor peak numbers say nothing about a shared 2-core VM or a CPU that emulates BF16, so mixprec
 measures: a square GEMM, warmed up, synchronised, timed for a minimum duration, FLOPs = 2*n^3.
 The result is cached per (device name, thread count, torch version, dtype) in the user cache
-folder, so a run measures once per machine.
+folder, so a run measures once per machine. Each entry records when it was measured, the three
+runs it is the best of (their spread) and the machine's load then; an entry older than
+:data:`MAX_AGE_S` (a week) is measured again (:data:`CACHE_FILE`: older versions' undated
+``peak_flops.json`` is left alone and not trusted).
+:func:`describe_peak` says where a run's peak comes from.
 """
 from __future__ import annotations
 
@@ -12,13 +16,26 @@ import os
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mixprec.policy.dtypes import dtype_name, parse_dtype
 
 __all__ = ["matmul_flops", "time_matmul", "peak_flops", "format_peak_flops", "no_peak_reason",
-           "cache_dir"]
+           "cache_dir", "peak_record", "describe_peak", "format_peak_source", "MAX_AGE_S", "CACHE_FILE"]
+
+MAX_AGE_S = 7 * 24 * 3600
+"""A cached peak older than this (seconds) is measured again: the machine, its load and its
+firmware change; a week keeps a run's start cheap."""
+
+CACHE_FILE = "peak_records.json"
+"""The cache file in :func:`cache_dir`. Not the ``peak_flops.json`` of earlier versions:
+its bare numbers have no date (so are never trusted here), and such a version, sharing the
+cache folder, reads every entry as a number (a record would break it)."""
+
+_now = time.time
+"""The clock cache ages are read on (tests replace it)."""
 
 
 def cache_dir() -> Path:
@@ -108,28 +125,78 @@ def _cpu_model() -> str:
     return "unknown"
 
 
+def _cache_key(dtype: torch.dtype, device: torch.device) -> str:
+    return f"{_device_key(device)}|torch{torch.__version__}|{dtype_name(dtype)}"
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _fresh(entry: Any) -> bool:
+    """A usable cache entry: a record (not the bare number of old caches, whose age is unknown),
+    measured less than :data:`MAX_AGE_S` ago (a date in the future is not trusted either)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("flops"), (int, float)):
+        return False
+    age = _now() - float(entry.get("measured_at", -1e18))
+    return 0 <= age < MAX_AGE_S
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):    # not on every platform
+        return None
+
+
+def peak_record(dtype: torch.dtype, device: torch.device | str) -> dict[str, Any] | None:
+    """The cache entry :func:`peak_flops` uses for ``dtype`` on ``device`` (None: none fresh):
+    ``{flops, measured_at, runs, spread, load, threads, torch}``."""
+    entry = _read_cache(cache_dir() / CACHE_FILE).get(_cache_key(dtype, torch.device(device)))
+    return entry if _fresh(entry) else None
+
+
+def describe_peak(record: dict[str, Any] | None) -> str:
+    """Where a peak comes from, in one clause: when it was measured, how far apart its three runs
+    were, and the load then (a peak measured on a busy machine is low, so MFU comes out high)."""
+    if record is None:
+        return "measured at start, not cached"
+    age = max(0.0, _now() - float(record["measured_at"]))
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(float(record["measured_at"])))
+    ago = (f"{age / 86400:.1f} d" if age >= 86400 else f"{age / 3600:.1f} h" if age >= 3600
+           else f"{age / 60:.0f} min")
+    load = record.get("load")
+    cores = os.cpu_count() or 1
+    busy = (f"; load {load:g} on {cores} cores then" + (": likely low, delete the cache to measure "
+            "again" if load > 0.75 * cores else "")) if isinstance(load, (int, float)) else ""
+    return (f"measured {when} ({ago} ago), best of {len(record.get('runs', []))} runs "
+            f"{100 * float(record.get('spread', 0.0)):.0f} % apart{busy}; cached in "
+            f"{cache_dir() / CACHE_FILE} for {MAX_AGE_S // 86400} days")
+
+
 def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
                use_cache: bool = True, refresh: bool = False) -> float:
     """Measured GEMM FLOP/s for ``dtype`` on ``device``, cached on disk after the first call.
 
     Sizes adapt to the hardware: the matrix grows until one product takes a few milliseconds, so
     an emulated BF16 GEMM on a CPU does not take minutes to measure. The best of three runs at that
-    size counts. A measurement taken while other jobs share the machine comes out low, so
+    size counts. A cached value older than :data:`MAX_AGE_S` (or from a cache without dates) is
+    measured again. A measurement taken while other jobs share the machine comes out low, so
     ``refresh=True`` measures again and keeps the higher of the new and the cached value (the
     trainer does this when it sees an MFU above 100%).
     """
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    key = f"{_device_key(device)}|torch{torch.__version__}|{dtype_name(dtype)}"
-    path = cache_dir() / "peak_flops.json"
-    cached: dict[str, float] = {}
-    if use_cache and path.exists():
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = {}
-        if key in cached and not refresh:
-            return float(cached[key])
+    key = _cache_key(dtype, device)
+    path = cache_dir() / CACHE_FILE
+    cached = _read_cache(path) if use_cache else {}
+    old = cached.get(key) if _fresh(cached.get(key)) else None
+    if old is not None and not refresh:
+        return float(old["flops"])
     n, best = 256, 0.0
     while True:
         flops = matmul_flops(dtype, device, n=n, min_time=0.1)
@@ -137,11 +204,15 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
         if 2.0 * n**3 / flops > 0.02 or n >= 4096:  # one product takes > 20 ms: big enough
             break
         n *= 2
-    for _ in range(2):  # best of three at the final size: noise only ever slows a GEMM down
-        best = max(best, matmul_flops(dtype, device, n=n, min_time=0.1))
+    # Best of three at the final size: noise only ever slows a GEMM down.
+    runs = [best, *(matmul_flops(dtype, device, n=n, min_time=0.1) for _ in range(2))]
+    best = max(runs)
     if use_cache:
-        cached[key] = max(best, float(cached.get(key, 0.0)))
-        best = cached[key]
+        if old is not None and float(old["flops"]) >= best:
+            return float(old["flops"])            # the cached one was measured on a quieter machine
+        cached[key] = {"flops": best, "measured_at": _now(), "runs": runs, "n": n,
+                       "spread": (best - min(runs)) / best, "load": _load(),
+                       "threads": torch.get_num_threads(), "torch": torch.__version__}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -190,3 +261,12 @@ def format_peak_flops(fmt: str, device: torch.device | str | None = None, *,
             return peak_flops(torch.float32, device, refresh=refresh)   # TF32 is a CUDA mode
         return max(time_matmul("tf32", torch.float32, device, 4096, 0.2) for _ in range(3))
     return peak_flops(parse_dtype(fmt), device, refresh=refresh)
+
+
+def format_peak_source(fmt: str, device: torch.device | str) -> str:
+    """Where :func:`format_peak_flops`'s value for ``fmt`` on ``device`` comes from
+    (:func:`describe_peak`; FP8 and CUDA TF32 are measured at every start, not cached)."""
+    device = torch.device(device)
+    if fmt == "fp8" or (fmt == "tf32" and device.type == "cuda"):
+        return "measured at start, not cached"
+    return describe_peak(peak_record(torch.float32 if fmt == "tf32" else parse_dtype(fmt), device))

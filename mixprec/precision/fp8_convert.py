@@ -43,14 +43,31 @@ class Fp8ConversionReport:
     for the ``fp8-*`` presets), else "high precision"."""
     expected_path: str = "emulated"
     """Path the converted layers will take on the model's current device (each layer records the
-    path it actually ran in ``Fp8Linear.execution_path``)."""
+    path it actually ran in ``Fp8Linear.execution_path``); with several recipes, each one's
+    (``fp8-tensorwise emulated, fp8-blockwise emulated``) when they differ."""
+    configs: dict[str, Fp8Config] = field(default_factory=dict)
+    """The config of each recipe some layer was converted to, in first-use order."""
 
     @property
     def num_converted(self) -> int:
         return len(self.converted)
 
+    def what_runs(self) -> str:
+        """The converted layers by recipe: the one recipe's description, or, for a plan that
+        mixes recipes, each one's count and description (``4 fp8-tensorwise (...), 2
+        fp8-blockwise (...)``). No layer converted: the config's description."""
+        counts: dict[str, int] = {}
+        for name in self.converted:
+            recipe = self.recipes.get(name, self.config.recipe)
+            counts[recipe] = counts.get(recipe, 0) + 1
+        if len(counts) <= 1:
+            only = next(iter(counts), self.config.recipe)
+            return self.configs.get(only, self.config).describe()
+        return ", ".join(f"{n} {self.configs[r].describe() if r in self.configs else 'fp8-' + r}"
+                         for r, n in counts.items())
+
     def __str__(self) -> str:
-        lines = [f"{self.config.describe()}: {len(self.converted)} Linear layers converted, "
+        lines = [f"{self.what_runs()}: {len(self.converted)} Linear layers converted, "
                  f"{len(self.skipped)} modules kept in {self.high_precision}; expected path: "
                  f"{self.expected_path}"]
         lines += [f"  fp8   {name}" + (f" ({self.recipes[name]})" if self.recipes.get(name, self.config.recipe)
@@ -120,11 +137,18 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         replace_module(parent, child, swap(module, layer_config, fqn=name))
         report.converted.append(name)
         report.recipes[name] = layer_config.recipe
+        report.configs.setdefault(layer_config.recipe, layer_config)
     device = next((p.device for p in model.parameters()), None)
+    paths = {r: _expected_path(c, device) for r, c in (report.configs or {config.recipe: config}).items()}
+    report.expected_path = (next(iter(paths.values())) if len(set(paths.values())) == 1 else
+                            ", ".join(f"fp8-{r} {p}" for r, p in paths.items()))
+    return report
+
+
+def _expected_path(config: Fp8Config, device) -> str:
+    """The GEMM path layers of ``config`` take on ``device``."""
     if config.backend == "emulated" or device is None or device.type != "cuda" or \
             not hardware.cuda_supports_fp8() or config.limited_accumulation or config.format == "e5m2":
-        report.expected_path = ("cpu-scaled-mm" if config.backend == "scaled-mm" and device is not None
-                                and device.type == "cpu" else "emulated")
-    else:
-        report.expected_path = "cuda-scaled-mm"
-    return report
+        return ("cpu-scaled-mm" if config.backend == "scaled-mm" and device is not None
+                and device.type == "cpu" else "emulated")
+    return "cuda-scaled-mm"

@@ -147,6 +147,33 @@ class Precision:
         return self.policy.name if self.policy.name != "custom" else self.policy.spec()
 
     @property
+    def has_plan(self) -> bool:
+        """Some layers carry a per-layer format (``precision_overrides``, a plan file): what runs
+        is a per-layer plan on top of the mode, not the mode alone."""
+        return bool(self.policy.overrides)
+
+    @property
+    def label(self) -> str:
+        """The run's short name for what runs, the one every label asks: the run folder's
+        suffix, the last line of ``train``, ``config.toml`` and the reports. The mode's name, with
+        ``+plan`` when per-layer formats run on top of it (``32-true+plan``)."""
+        return f"{self.name}+plan" if self.has_plan else self.name
+
+    def format_counts(self) -> str:
+        """How many Linears run in each format after :meth:`setup` (``8 nvfp4, 1 fp32``; ``""``
+        before it), largest count first."""
+        counts: dict[str, int] = {}
+        for f in self.layer_formats.values():
+            counts[f] = counts.get(f, 0) + 1
+        return ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda c: -c[1]))
+
+    def ran(self) -> str:
+        """:attr:`label` with the Linear layers' formats when a plan runs (``32-true+plan (8
+        nvfp4, 1 fp32)``): what a run's last line and record say ran."""
+        counts = self.format_counts()
+        return f"{self.label} ({counts})" if self.has_plan and counts else self.label
+
+    @property
     def param_dtype(self) -> torch.dtype:
         return self.policy.param_dtype
 
@@ -457,10 +484,7 @@ class Precision:
             return str(self.resolve(model))
         text = self.policy.describe()
         if self.layer_formats:
-            counts: dict[str, int] = {}
-            for f in self.layer_formats.values():
-                counts[f] = counts.get(f, 0) + 1
-            text += "; Linear layers: " + ", ".join(f"{n} {f}" for f, n in counts.items())
+            text += "; Linear layers: " + self.format_counts()
         return text
 
     def __repr__(self) -> str:

@@ -1,7 +1,8 @@
 """``mixprec report RUN_A RUN_B ...``: several runs overlaid in one HTML page and a few PNGs.
 
-The first run is the reference. Plots (drawn with :mod:`mixprec.report.figures`; each line is
-labelled with its run's folder name, the table maps names to precisions): train loss, validation
+The first run is the reference (called so only when it ran one mode everywhere: a run with
+per-layer formats is "the first run, a per-layer plan", :func:`reference_words`). Plots (drawn with :mod:`mixprec.report.figures`; each line is
+labelled with its run's folder name, the table maps names to what ran, ``Precision.label``): train loss, validation
 loss, learning rate, the relative difference of each run's loss from the reference's
 (``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
 (log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.report.figures import (caption, figure, integer_count_axis, legend_below, mark_events,
-                                    save, scale_series)
+                                    plot_series, save, scale_series)
 from mixprec.policy.overrides import is_micro
 from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
@@ -37,7 +38,16 @@ def load_run(run_dir: Path) -> dict[str, Any]:
     run = read_run(run_dir)
     run["layers"], run["formats"] = format_timeline(run["events"], run["last"])
     run["precision"] = run["precision"] or "?"
+    run["label"] = run["label"] or run["precision"]
     return run
+
+
+def reference_words(ref: dict[str, Any]) -> str:
+    """What the first run is called: "the reference" when it ran one mode everywhere; a run with
+    per-layer formats (a plan) is only the first run, named by what ran."""
+    if ref["plan"]:
+        return f"the first run, a per-layer plan ({ref['label']}), not a uniform reference"
+    return "the reference"
 
 
 def _last_common(runs: list[dict[str, Any]], key: str) -> int | None:
@@ -60,7 +70,7 @@ def compare_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     out = []
     for r in runs:
-        row: dict[str, Any] = {"run": r["name"], "precision": r["precision"],
+        row: dict[str, Any] = {"run": r["name"], "precision": r["label"],
                                "steps": run_progress(r["config"], r["events"], r["last"])}
         for key, name in (("loss", "loss"), ("val_loss", "val loss")):
             s, rs = _series(r["rows"], key), _series(ref["rows"], key)
@@ -91,8 +101,8 @@ def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, l
     for r in runs:
         s = _series(r["rows"], key)
         if keep(s):
-            line, = ax.plot(list(s), list(s.values()), marker=style, ms=4, label=r["name"],
-                            color=r["colour"])
+            line, = plot_series(ax, list(s), list(s.values()), label=r["name"], color=r["colour"],
+                                **({"marker": style, "ms": 4} if style else {}))
             mark_events(ax, r["events"], skips=False, colour=line.get_color(), run=r["name"])
     if not ax.lines:
         return None
@@ -108,14 +118,15 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
                       style="o"),
              _overlay(runs, "lr", "learning rate", "lr", out, "compare_lr.png")]
     ref = runs[0]
-    fig, ax = figure(f"train loss relative to {ref['name']} (the reference)", "loss / reference - 1 (%)")
+    fig, ax = figure(f"train loss relative to {ref['name']} ({reference_words(ref)})",
+                     "loss / first run - 1 (%)")
     rs = _series(ref["rows"], "loss")
     for r in runs[1:]:
         s = _series(r["rows"], "loss")
         common = sorted(set(s) & set(rs))
         if common:
-            ax.plot(common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"],
-                    color=r["colour"])
+            plot_series(ax, common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"],
+                        color=r["colour"])
     if ax.lines:
         ax.axhline(0, color="#888", lw=0.8)
         legend_below(ax)
@@ -181,7 +192,7 @@ th, td {{ border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; }}
 th {{ background: #f4f4f4; }} img {{ max-width: 100%; }} figcaption {{ color: #666; font-size: 0.9em; }}
 </style></head><body>
 <h1>mixprec comparison</h1>
-<p>Reference (differences are against it): <code>{esc(str(runs[0]['dir'].resolve()))}</code></p>
+<p>Differences are against {esc(reference_words(runs[0]))}: <code>{esc(str(runs[0]['dir'].resolve()))}</code></p>
 <table><tr>{head}</tr>
 {body}
 </table>

@@ -11,7 +11,7 @@ from typing import Any
 
 from mixprec.runs.metrics import is_finite_number
 
-__all__ = ["figure", "save", "legend_below", "mark_events", "scale_series", "skip_events",
+__all__ = ["figure", "save", "plot_series", "legend_below", "mark_events", "scale_series", "skip_events",
            "integer_count_axis", "caption", "memory_label"]
 
 # Events drawn on the curves: kind -> (label, colour). A resume is a ``start`` event after step 0.
@@ -29,7 +29,7 @@ _CAPTIONS = {
     "formats": "Compute format per Linear layer over time",
     "compare_loss": "Train loss of each run",
     "compare_val_loss": "Validation loss of each run",
-    "compare_loss_relative": "Train loss relative to the reference run",
+    "compare_loss_relative": "Train loss relative to the first run",
     "compare_skipped": "Skipped steps (cumulative)",
     "compare_loss_scale": "Loss scale of each run",
     "compare_lr": "Learning rate of each run",
@@ -67,6 +67,14 @@ def figure(title: str, ylabel: str | None = None, *, xlabel: str = "step", log: 
     if log:
         axes[0].set_yscale("log")
     return (fig, axes[0]) if rows == 1 else (fig, list(axes))
+
+
+def plot_series(ax, xs, ys, **style: Any):
+    """``ax.plot`` for a series of logged rows; a series of one row (a run that logged once) is
+    drawn as a dot, since a line through one point draws nothing."""
+    if len(xs) == 1 and "marker" not in style:
+        style = {**style, "marker": "o", "ms": 5}
+    return ax.plot(xs, ys, **style)
 
 
 def legend_below(ax, *, ncol: int | None = None) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import DataError
-from mixprec.report.figures import (caption, figure, legend_below, mark_events, memory_label, save,
-                                    scale_series, skip_events)
+from mixprec.report.figures import (caption, figure, legend_below, mark_events, memory_label, plot_series,
+                                    save, scale_series, skip_events)
 from mixprec.runs.read import read_run_config, run_precision, run_progress, run_scales_loss, start_field
 from mixprec.runs.metrics import (METRICS_FILE, is_finite_number, read_events, read_metrics,
                                    read_numerics)
@@ -159,7 +159,7 @@ def _plot_loss(rows, events, out: Path) -> Path | None:
         return None
     fig, ax = figure("loss", "loss")
     if loss:
-        ax.plot(steps, loss, label="train", lw=1.2)
+        plot_series(ax, steps, loss, label="train", lw=1.2)
     if vloss:
         ax.plot(vsteps, vloss, "o-", label="validation", lw=1.5, ms=4)
     mark_events(ax, events)
@@ -194,7 +194,7 @@ def _plot_grad_norm(rows, events, out: Path) -> Path | None:
     if not norm:
         return None
     fig, ax = figure("gradient norm (unscaled, before clipping)", "global L2 norm")
-    ax.plot(steps, norm, lw=1.0, label="gradient norm")
+    plot_series(ax, steps, norm, lw=1.0, label="gradient norm")
     if all(v > 0 for v in norm) and max(norm) / min(norm) > 100:
         ax.set_yscale("log")
     mark_events(ax, events)
@@ -207,7 +207,7 @@ def _plot_lr(rows, events, out: Path) -> Path | None:
     if not lr:
         return None
     fig, ax = figure("learning rate", "lr")
-    ax.plot(steps, lr, lw=1.2)
+    plot_series(ax, steps, lr, lw=1.2)
     ax.set_ylim(bottom=0)
     mark_events(ax, events, skips=False)
     legend_below(ax)
@@ -224,7 +224,7 @@ def _plot_throughput(rows, events, out: Path) -> Path | None:
     # One panel per quantity: MFU is tokens/s times a constant, so on one axis the lines coincide.
     fig, axes = figure("throughput", rows=len(panels), figsize=(7.5, 2.6 + 1.9 * len(panels)))
     for ax, (label, xs, ys, colour) in zip(axes if len(panels) > 1 else [axes], panels):
-        ax.plot(xs, ys, color=colour, lw=1.2)
+        plot_series(ax, xs, ys, color=colour, lw=1.2)
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)   # from zero, so timer noise does not look like a trend
         mark_events(ax, events, skips=False)
@@ -236,7 +236,7 @@ def _plot_memory(rows, events, out: Path) -> Path | None:
     if not mem:
         return None
     fig, ax = figure(f"peak memory: {memory_label(start_field(events, 'device'))}", "MiB")
-    ax.plot(steps, mem, lw=1.2)
+    plot_series(ax, steps, mem, lw=1.2)
     ax.set_ylim(0, 1.1 * max(mem))
     return save(fig, out / "memory.png")
 

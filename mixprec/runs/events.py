@@ -127,7 +127,7 @@ class RunEvents:
                    if r is not None]
         full = lines + [f"{name}: {r}" for name, r in reports]
         lines += [f"{name}: {str(r).partition(chr(10))[0]}" for name, r in reports]   # whole first line
-        if len(set(precision.layer_formats.values())) > 1 or precision.policy.overrides:
+        if len(set(precision.layer_formats.values())) > 1 or precision.has_plan:
             why = {n: w for _, r in reports for n, w in getattr(r, "skipped", [])}
             table = ["layer formats:", *(f"  {row}" + (f"  ({why[n]})" if n in why else "")
                                          for n, row in zip(precision.layer_formats,
@@ -140,6 +140,7 @@ class RunEvents:
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
         self.logger.event({"kind": "start", "step": step, "precision": precision.describe(),
+                           "label": precision.label, "plan": precision.has_plan,
                            "watching": list(watching), "message": "; ".join(full)})
         self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
                            "message": f"{len(precision.layer_formats)} Linear layers: "

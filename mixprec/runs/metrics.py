@@ -182,7 +182,24 @@ class MetricsLogger:
                           stacklevel=3)
             return None
         purge = None if self.resume_step is None else self.resume_step + 1
-        return SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+        folder = self.run_dir / TB_DIR
+        before = _event_files(folder)
+        writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+        # TensorBoard reads a folder's event files in name order, and the purge at the resumed
+        # step works only if this file comes after the earlier ones. A name is
+        # "<second>.<host>.<pid>.<writer count in this process>": two writers of one process in
+        # the same second sort by that count as text, so a 10th writer sorts before a 9th (the
+        # earlier rows were then purged instead). Such a file is dropped and made again in the
+        # next second, whose name sorts after.
+        new = _event_files(folder) - before
+        if before and new and min(new) < max(before):
+            writer.close()
+            for name in new:
+                (folder / name).unlink(missing_ok=True)
+            now = time.time()
+            time.sleep(math.floor(now) + 1.0 - now)
+            writer = SummaryWriter(log_dir=str(folder), purge_step=purge)
+        return writer
 
     # -- logging -----------------------------------------------------------------------------
 
@@ -249,6 +266,11 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _event_files(folder: Path) -> set[str]:
+    """Names of the TensorBoard event files in ``folder``."""
+    return {p.name for p in folder.glob("*tfevents*")} if folder.is_dir() else set()
 
 
 def _tb_tag(key: str) -> str:

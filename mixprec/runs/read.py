@@ -12,7 +12,7 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.runs.metrics import read_events, read_metrics, read_numerics
 
-__all__ = ["read_run", "read_run_config", "run_precision", "run_progress", "start_field"]
+__all__ = ["read_run", "read_run_config", "run_label", "run_precision", "run_progress", "start_field"]
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -48,6 +48,24 @@ def run_precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str |
     return config.get("precision")
 
 
+def run_label(config: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str | None, bool]:
+    """What ran, by its short label (``Precision.label``: ``32-true``, or ``32-true+plan`` when
+    per-layer formats ran on top of the mode), and whether it was a per-layer plan. From the start
+    event; runs written before it recorded them: asked of ``Precision`` from ``config.toml``."""
+    for e in events:
+        if e.get("kind") == "start" and e.get("label"):
+            return str(e["label"]), bool(e.get("plan"))
+    name = config.get("precision")
+    if not isinstance(name, str) or name == "auto":      # "auto" recorded unresolved: not askable
+        return name if isinstance(name, str) else None, bool(config.get("overrides"))
+    from mixprec.precision import Precision
+    try:
+        precision = Precision(name, overrides=dict(config.get("overrides") or {}) or None)
+    except ValueError:
+        return name, bool(config.get("overrides"))
+    return precision.label, precision.has_plan
+
+
 def run_scales_loss(config: dict[str, Any]) -> bool | None:
     """Whether the run's precision scales the loss (asked of ``Precision``); None when the
     config does not name a mode that can be asked (``auto`` recorded unresolved, or unknown)."""
@@ -81,7 +99,7 @@ def run_progress(config: dict[str, Any], events: list[dict[str, Any]], last: int
 
 def read_run(run_dir: str | os.PathLike, *, require_rows: bool = True) -> dict[str, Any]:
     """Everything a run folder says: ``{dir, name, config, rows, numerics, events, last,
-    precision}``. Raises :class:`~mixprec.errors.DataError` (one line, with the fix) for a path
+    precision, label, plan}`` (``label``/``plan``: :func:`run_label`). Raises :class:`~mixprec.errors.DataError` (one line, with the fix) for a path
     that is not a run folder, or, with ``require_rows``, one without metrics rows yet."""
     path = Path(run_dir)
     if not path.is_dir():
@@ -91,7 +109,8 @@ def read_run(run_dir: str | os.PathLike, *, require_rows: bool = True) -> dict[s
         raise DataError(f"{path} has no metrics rows yet; train for at least one logging interval")
     events = read_events(path)
     config = read_run_config(path)
+    label, plan = run_label(config, events)
     return {"dir": path, "name": path.name, "config": config, "rows": rows,
             "numerics": read_numerics(path), "events": events,
             "last": max((int(r["step"]) for r in rows), default=0),
-            "precision": run_precision(config, events)}
+            "precision": run_precision(config, events), "label": label, "plan": plan}

@@ -15,7 +15,8 @@ from torch import nn
 
 from mixprec.models.objective import add_tokens, count_samples
 from mixprec.precision import Precision
-from mixprec.policy.peak import format_peak_flops
+from mixprec.estimate.flops import model_flops
+from mixprec.policy.peak import format_peak_flops, format_peak_source
 from mixprec.strategies import Strategy
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.train.step import StepOutput
@@ -40,9 +41,15 @@ class IntervalMeter:
         # The peak of the format the mode's GEMMs run in (fp8 for fp8-*), as `mixprec estimate`
         # uses; None where this device has no such GEMMs (emulated): MFU is then not measured.
         self.peak = format_peak_flops(precision.peak_format, self.device)
+        if self.peak is not None and strategy.is_main:
+            self.note(f"MFU peak: {precision.peak_format.upper()} {self.peak / 1e9:.3g} GFLOP/s, "
+                      + format_peak_source(precision.peak_format, self.device))
         self.counted_flops = hasattr(model, "flops_per_token")
+        # A model that does not count its own: matmul parameters (no embedding look-ups) and the
+        # attention term at the batches' mean sequence length (docs/estimates.md).
+        self.model_flops = None if self.counted_flops else model_flops(model)
         self.flops_per_token = (model.flops_per_token() if self.counted_flops
-                                else 6 * sum(p.numel() for p in model.parameters()))
+                                else self.model_flops.per_token(None))
         self.refreshed = False
         self.last_tps: float | None = 0.0
         self.last_sps: float | None = None   # samples/s, for batches without token ids
@@ -90,6 +97,9 @@ class IntervalMeter:
         tps = mfu = None
         if tokens is not None:                    # None: inputs without token ids (images)
             tps = tokens * strategy.world_size / elapsed
+            if self.model_flops is not None:      # the attention term needs the sequence length
+                seq = tokens / self.samples if self.samples else None
+                self.flops_per_token = self.model_flops.per_token(seq)
             if self.peak:                         # no peak: no FP8/FP4 GEMM rule for this mode
                 mfu = tps / strategy.world_size * self.flops_per_token / self.peak
         if mfu is not None and mfu > 1.0 and not self.refreshed:
@@ -99,8 +109,8 @@ class IntervalMeter:
             mfu = tps / strategy.world_size * self.flops_per_token / self.peak
         if mfu is not None and mfu > 1.0:
             # Still above the measured peak: the peak cannot be trusted here; no MFU from now on.
-            counted = ("the model's flops_per_token()" if self.counted_flops
-                       else "6 x parameters, embeddings included")
+            counted = ("the model's flops_per_token()" if self.counted_flops else
+                       self.model_flops.describe(tokens / self.samples if self.samples else None))
             self.note(f"MFU not measured from step {step} on: {mfu:.0%} of the measured "
                       f"{precision.peak_format.upper()} peak ({self.peak / 1e9:.1f} GFLOP/s), so the "
                       f"peak (measured while other jobs ran?) or the FLOPs per token ({counted}) "

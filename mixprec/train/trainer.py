@@ -60,6 +60,7 @@ class FitResult:
     final_loss: float | None
     final_val_loss: float | None
     policy: str
+    """What ran (``Precision.ran``): the mode, or ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan."""
 
 
 class Trainer:
@@ -385,7 +386,7 @@ class Trainer:
         if self.strategy.is_main:
             try:
                 path, self._lock = claim_locked_run_dir(
-                    cfg.run_dir, precision=self.precision.name, resume=resume and not start_over,
+                    cfg.run_dir, precision=self.precision.label, resume=resume and not start_over,
                     overwrite=cfg.overwrite or start_over)
                 claim = (str(path), None)
             except ConfigError as e:
@@ -502,8 +503,10 @@ class Trainer:
                         f"# optimizer: the caller's {type(mine).__name__}; lr, weight_decay and betas above are "
                         f"its own where all its groups agree ({', '.join(_optimizer_settings(mine)) or 'none'}), "
                         "the others were not used\n")
+                ran = f"# ran: {self.precision.ran()}\n" if self.precision.has_plan else ""
                 (self.run_dir / "config.toml").write_text(
-                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used)
+                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used
+                    + ran)
                 from mixprec.models.hf import is_hf_spec, keep_run_config
                 if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
                     keep_run_config(cfg.model, self.run_dir)
@@ -594,7 +597,7 @@ class Trainer:
             logger.close()
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
-                         last_val, self.precision.name)
+                         last_val, self.precision.ran())
 
     def _reschedule(self, total: int, peaks: list[float], saved_lr: list[float]) -> None:
         """After a restore, this run's settings set the learning rate, not the checkpoint's.

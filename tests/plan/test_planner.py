@@ -251,3 +251,16 @@ def test_a_model_set_up_in_fp32_can_be_planned_and_one_set_up_otherwise_is_refus
     mp.Precision("bf16-true").setup(other)
     with pytest.raises(ConfigError, match="set up for precision"):
         mp.plan_precision(other, _batches(2), target="H100")
+
+
+def test_the_gate_mark_stands_in_front_of_the_refused_cell_not_under_the_loss_change(plan):
+    """The '!' (refused by a gate, which reads SQNRs and the flushed share) sat under the
+    'dloss%' head, as if the loss change were flagged; the heads did not line up with the values."""
+    lines = plan.table().splitlines()
+    sub, row = lines[1], next(line for line in lines if line.startswith(OUTLIER_LAYER + " "))
+    cells = [i for i in range(len(sub)) if sub.startswith(" sqnr o/dx/dw dB", i)]
+    assert row.count("!") == 1 and row.index("!") in cells               # first character of a cell
+    start = row.index("!")
+    flush_end = sub.index("flush%", start) + len("flush%")
+    assert row[flush_end - 1] != " " and row[flush_end] == " "          # the share ends under "flush%"
+    assert row[sub.index("dloss%", start)] != " "                        # the change starts under its head

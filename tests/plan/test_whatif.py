@@ -90,7 +90,7 @@ def test_csv_and_heatmap_are_written(outlier_report, tmp_path):
     path = outlier_report.write_csv(tmp_path / "w.csv")
     rows = list(csv.reader(path.open()))
     assert rows[0][:3] == ["layer", "flops_per_token", "fp8-tensorwise:available"]
-    assert "nvfp4:loss_change" in rows[0] and rows[0][-1] == "choice"
+    assert "nvfp4:loss_change_frac" in rows[0] and rows[0][-1] == "choice"
     assert [r[0] for r in rows[1:-1]] == [r.name for r in outlier_report.rows]
     png = outlier_report.heatmap(tmp_path / "w.png")
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 20_000
@@ -233,3 +233,17 @@ def test_cli_measures_a_small_batch_unless_given():
     assert (cfg.batch_size, cfg.seq_len, cfg.max_seq_len) == (2, 64, 128) and small == {"seq_len": 64}
     cfg, small = measure_config(*load_config(None, parse_overrides(["batch_size=2", "seq_len=32"])))
     assert (cfg.batch_size, cfg.seq_len, cfg.max_seq_len, small) == (2, 32, None, {})
+
+
+def test_the_table_fits_120_columns_and_the_csv_names_its_units(outlier_report, tmp_path):
+    """The table was 235-277 characters wide; the CSV's fractions read like the table's percent."""
+    table = outlier_report.table()
+    assert max(len(line) for line in table.splitlines()) <= 120
+    row = next(line for line in table.splitlines() if line.startswith(OUTLIER + " "))
+    assert "!" in row                                  # unsafe in FP4, marked in its cell
+    header = next(csv.reader(outlier_report.write_csv(tmp_path / "w.csv").open()))
+    assert {"nvfp4:loss_change_frac", "nvfp4:underflow_frac", "nvfp4:saturation_frac",
+            "nvfp4:sqnr_out_db", "nvfp4:sqnr_grad_db", "nvfp4:speedup_x"} <= set(header)
+    values = {r.name: r for r in outlier_report.rows}[OUTLIER].cells["nvfp4"]
+    line = next(r for r in csv.reader((tmp_path / "w.csv").open()) if r[0] == OUTLIER)
+    assert float(line[header.index("nvfp4:loss_change_frac")]) == pytest.approx(values.loss_change, rel=1e-5)

@@ -150,3 +150,15 @@ def test_single_run_pictures_lr_separate_mfu_memory_label_events_and_titles(tmp_
     ticks = [l for l in loss.lines if l.get_label() == "skipped step"]
     assert list(ticks[0].get_xdata()) == [5, 6]
     assert "<figcaption>Learning rate</figcaption>" in html and "<figcaption>lr</figcaption>" not in html
+
+
+def test_a_run_with_one_logged_row_draws_its_point(tmp_path, drawn):
+    """A line through one point draws nothing: a one-row run got an empty throughput picture."""
+    _run(tmp_path / "run", steps=1, max_steps=1, final=3.0)
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    for name in ("throughput.png", "loss.png", "lr.png", "memory.png"):
+        drawn_lines = [line for ax in drawn[name].axes for line in ax.lines
+                       if len(line.get_xdata()) == 1 and line.get_linestyle() != "--"]
+        assert drawn_lines and all(line.get_marker() not in (None, "", "None") for line in drawn_lines), name
+    tokens = drawn["throughput.png"].axes[0].lines[0]
+    assert list(tokens.get_xdata()) == [1] and list(tokens.get_ydata()) == [1001.0]

@@ -187,6 +187,25 @@ def test_resume_purges_tensorboard_events_after_the_resumed_step(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
 
 
+def test_resume_purge_holds_whatever_tensorboard_writers_the_process_made_before(tmp_path, monkeypatch):
+    """The order dependence: TensorBoard names event files "<second>.<host>.<pid>.<count>", the
+    count being process-wide. After 9 earlier writers in one process (other tests' runs), the
+    resumed writer's ".10" file sorted before the first run's ".9" within one second, so the
+    first run's rows were read after the purge and the rows started at step 4."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    with MetricsLogger(tmp_path) as log:                    # this process's 10th writer: ".9"
+        for step in range(1, 6):
+            log.log(step, loss=float(step))
+    with MetricsLogger(tmp_path, resume_step=3) as log:     # ".10"
+        log.log(4, loss=40.0)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss/train")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
 def test_the_steps_a_row_averages_and_its_evaluation_time_reach_tensorboard_too(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

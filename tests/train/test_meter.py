@@ -6,10 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import mixprec as mp
-from mixprec.policy import hardware
+from mixprec.policy import hardware, peak
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger, read_metrics
 from mixprec.strategies import SingleDeviceStrategy
@@ -36,6 +37,11 @@ class FakeClock:
 
 def _meter(tmp_path, precision, monkeypatch, notes=None):
     clock = FakeClock()
+    # The fake clock is time.perf_counter for everyone: a peak measured now (no fresh cache
+    # entry) would time its GEMMs on it and never end. A cache of the test's own and a fixed
+    # GEMM rate: the meter's peak never depends on the machine's cache.
+    monkeypatch.setenv("MIXPREC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "matmul_flops", lambda *a, **k: 1e12)
     monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
     logger = MetricsLogger(tmp_path, tensorboard=False)
     note = (lambda m: notes.append(m)) if notes is not None else (lambda m: None)
@@ -71,7 +77,8 @@ def test_mfu_above_the_measured_peak_after_a_remeasure_is_not_recorded_and_is_sa
         meter.log(_out(), step=step, epoch=0, lr=1e-3, val_loss=None)
     logger.close()
     assert [r["mfu"] for r in read_metrics(tmp_path)] == [None, None]
-    assert len(notes) == 1 and "MFU not measured from step 1 on" in notes[0]
+    assert notes[0].startswith("MFU peak: FP32 1e-09 GFLOP/s, measured at start")   # where it comes from
+    assert len(notes) == 2 and "MFU not measured from step 1 on" in notes[1]
 
 
 def test_evaluation_time_is_kept_out_of_throughput_and_recorded_apart(tmp_path, monkeypatch):
@@ -114,3 +121,30 @@ def test_a_plan_with_fp8_layers_is_measured_against_the_fp8_peak_and_gets_no_mfu
     assert precision.peak_format == "fp8" and peak_kind(precision) == "fp8"   # MFU and estimate alike
     from mixprec.policy.peak import no_peak_reason
     assert no_peak_reason("fp8", "cpu") is not None      # this CPU: no honest FP8 peak, no MFU
+
+
+def test_a_model_without_flops_per_token_is_measured_on_its_matmuls_and_attention(tmp_path, monkeypatch):
+    """6 x all parameters counted the embedding look-ups (an HF model's MFU was overstated)."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    class _Hf(nn.Module):                           # a config like a Hugging Face model's
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(num_hidden_layers=2, hidden_size=8)
+            self.wte = nn.Embedding(1000, 8)
+            self.fc = nn.Linear(8, 8)
+
+    clock = FakeClock()
+    monkeypatch.setenv("MIXPREC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "matmul_flops", lambda *a, **k: 1e12)
+    monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    meter = meter_mod.IntervalMeter(SingleDeviceStrategy(), mp.Precision("32-true"), _Hf(), logger)
+    meter.add(_out(tokens=32), [(torch.zeros(2, 16, dtype=torch.long), None)])   # 2 x 16 tokens
+    clock.now += 1.0
+    meter.log(_out(), step=1, epoch=0, lr=1e-3, val_loss=None)
+    logger.close()
+    assert meter.flops_per_token == 6.0 * (8 * 8 + 8) + 6.0 * 2 * 8 * 16       # not 6 x 8,072
+    assert read_metrics(tmp_path)[0]["mfu"] == pytest.approx(32 * meter.flops_per_token / 1e12)
