@@ -36,9 +36,13 @@ _OFF = {"rht": "hadamard_wgrad=false", "2d": "weight_2d=false", "sr": "stochasti
 
 
 def mode_args(mode: str, num_layers: int) -> list[str]:
-    """``mixprec train`` arguments of a mode: a preset, or FORMAT[-plain|-no-rht|-no-2d|-no-sr|-no-keep]."""
+    """``mixprec train`` arguments of a mode: a preset, ``lean``, or
+    FORMAT[-plain|-no-rht|-no-2d|-no-sr|-no-keep]."""
     if mode in ("32-true", "bf16-mixed"):
         return ["--precision", mode]
+    if mode == "lean":   # every lean option of docs/lean.md: split masters (bf16-true's default) + int8
+        # moments + FP8-stored activations + the chunked loss (4 slices of a 4 x 32 batch)
+        return ["--precision", "bf16-true", "moments=int8", "fp8_activations=true", "loss_chunk=32"]
     fmt, _, variant = mode.partition("-")
     last = math.ceil(0.16 * num_layers)
     keep = fmt == "nvfp4" and variant not in ("plain", "no-keep")

@@ -46,7 +46,7 @@ VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments",
 masters and master gradients, mixprec before split masters), ``bf16-true+bf16moments``
 (moments=bf16; ``+int8moments``, ``+fp8moments``, ``+fp8e5m2moments`` likewise), ``+fp8acts``
 (fp8_activations=true), ``+ckpt`` (activation checkpointing of every block), ``+chunkedloss``
-(``Transformer.loss_chunk = LOSS_CHUNK`` tokens), or several
+(``loss_chunk=LOSS_CHUNK`` tokens), or several
 (``bf16-mixed+overlap+compile``)."""
 
 
@@ -153,12 +153,12 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     mode, variants = split_variant(name)
     model, x, y = _model_and_batch(cfg, device)
     model.gradient_checkpointing = "ckpt" in variants       # recompute each block in backward
-    model.loss_chunk = LOSS_CHUNK if "chunkedloss" in variants else 0
     fit = FitConfig(precision=mode, clip_grad_norm=cfg.clip, lr=cfg.lr, warmup_steps=0,
                     log_interval=10**9, audit=False, progress=False, trace_nonfinite=False,
                     overlap_optimizer="overlap" in variants, compile="compile" in variants,
                     split_masters="fullmasters" not in variants,
-                    moments=_moments_of(variants), fp8_activations="fp8acts" in variants)
+                    moments=_moments_of(variants), fp8_activations="fp8acts" in variants,
+                    loss_chunk=LOSS_CHUNK if "chunkedloss" in variants else 0)
     trainer = Trainer(model, config=fit, strategy="single")
     trainer.prepare(total_steps=10**6)
     trainer.model.train()

@@ -166,6 +166,7 @@ def _step_memory(model, cfg: TrainConfig, on_cpu: bool):
     shape = ModelShape.from_config(model.config)
     kwargs = dict(batch=cfg.batch_size, seq=cfg.seq_len, checkpointing=cfg.gradient_checkpointing,
                   split_masters=cfg.split_masters, moments_dtype=cfg.moments,
+                  fp8_activations=cfg.fp8_activations, loss_chunk=cfg.loss_chunk,
                   device="cpu" if on_cpu else None)
     try:
         return shape, estimate_memory(shape, cfg.precision, **kwargs)

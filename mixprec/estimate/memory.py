@@ -29,7 +29,8 @@ parts. The rules it encodes:
   runs in FP32, see ``mixprec.nn.attention``, and saves ``10d`` bytes more per layer and token;
   not counted here: the estimate is the 16-bit kernel's, as on GPUs.) With activation checkpointing a layer keeps only
   its input (``d`` in the residual dtype), and one layer's full activations exist during its
-  recompute. An MoE MLP keeps ``top_k`` experts' worth of the MLP term per token.
+  recompute, in backward, once the loss's buffers are freed: they count against the loss
+  buffers (the larger of the two), not on top of them. An MoE MLP keeps ``top_k`` experts' worth of the MLP term per token.
   The head adds the final norm, the logits' log-softmax (FP32, ``4V`` per token) and, while the
   loss backward starts, two more FP32 ``V``-wide buffers. While a block runs backward, gradients
   shaped like its saved tensors exist next to them: one more block's worth (measured: the
@@ -495,7 +496,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         if loss_chunk:
             head = 4 * (d + 2) + cb * d + 8              # the final norm's output is the slices' input
             loss_tokens = min(tokens, loss_chunk)
-        acts = tokens * (kept + recompute + head) / tp
+        # A checkpointed block's recompute exists only in its backward, after the loss's buffers
+        # are freed: it is a backward buffer (below), not an activation kept at the forward's end
+        # (counting it here too over-counted the measured 32-true + checkpointing peak by 10 %).
+        acts = tokens * (kept + head) / tp
         loss_buffers = loss_tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
         if loss_chunk:
             # a slice's backward: its recomputed logits and log-softmax with their gradients

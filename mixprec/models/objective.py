@@ -53,7 +53,7 @@ from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 
 __all__ = ["Objective", "make_objective", "extract_loss", "is_causal_lm", "describe_batch",
-           "add_tokens", "count_samples"]
+           "add_tokens", "count_samples", "apply_loss_chunk"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _MISSING = object()
@@ -341,3 +341,32 @@ def count_samples(batch: Any) -> int | None:
 def make_objective(model: nn.Module, precision: Precision, loss_fn: LossFn | None = None) -> Objective:
     """The :class:`Objective` for ``model`` (module docstring); decided at its first batch."""
     return Objective(model, precision, loss_fn)
+
+
+def apply_loss_chunk(model: nn.Module, tokens: int, *, loss_fn: object = None) -> None:
+    """Set a run's chunked loss (``FitConfig.loss_chunk``: tokens per slice, 0: off) on ``model``.
+
+    A model that computes its loss in slices declares an integer ``loss_chunk`` attribute
+    (mixprec's :class:`~mixprec.models.Transformer` does); a setting that would not take effect
+    is refused in one line: a model without one (a Hugging Face model, a module of yours), a
+    ``loss_fn`` (the loss is then the caller's, over whole logits), and a model whose own
+    ``loss_chunk`` disagrees with the run's (config.toml records the run's).
+    """
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ConfigError(f"loss_chunk must be a number of tokens >= 0 (0: off), got {tokens!r}")
+    own = getattr(model, "loss_chunk", None)
+    if not isinstance(own, int) or isinstance(own, bool):
+        if tokens:
+            raise ConfigError(f"loss_chunk={tokens} slices the loss of mixprec's Transformer "
+                              f"(model=tiny, small, gpt-ref); a {type(model).__name__} computes its "
+                              "loss itself: set loss_chunk=0")
+        return
+    if tokens and loss_fn is not None:
+        raise ConfigError(f"loss_chunk={tokens} slices the model's own loss, but with loss_fn= the "
+                          "loss is computed by your function over whole logits: set loss_chunk=0 "
+                          "or drop loss_fn")
+    if own not in (0, tokens):
+        raise ConfigError(f"the model's loss_chunk is {own} but the run's is {tokens}: set "
+                          f"loss_chunk={own} in the run's config (it is what config.toml "
+                          "records), or model.loss_chunk = 0")
+    model.loss_chunk = tokens

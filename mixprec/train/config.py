@@ -155,6 +155,12 @@ class FitConfig:
     """Keep the tensors Linear layers save for backward (their inputs) in FP8 E4M3 with per-block
     scales, widened in backward: ~1 byte per value instead of 2 (BF16) or 4; the forward is
     unchanged, weight gradients see E4M3 rounding of the inputs. mixprec/nn/fp8_activations.py."""
+    loss_chunk: int = 0
+    """Compute the loss ``loss_chunk`` tokens at a time (0: off): the head and the FP32
+    cross-entropy run one slice at a time and are recomputed in backward, so the ``(tokens,
+    vocab)`` FP32 logits exist for one slice only (gpt-ref's default step: -160 MiB), at one more
+    head matmul per token. mixprec's Transformer only (refused for other models and with a
+    ``loss_fn``); docs/lean.md."""
     profile: int = 0
     """Profile this many steps (after 2 warm-up steps) with torch.profiler: ``profile.txt`` (top
     operators by category) and ``trace.json`` (Chrome trace) in the run folder. 0: off."""
@@ -186,7 +192,7 @@ class FitConfig:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("eval_interval", "ckpt_interval", "keep_last", "warmup_steps", "monitor_every",
-                     "weight_decay", "profile", "replan_every"):
+                     "weight_decay", "profile", "replan_every", "loss_chunk"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps <= 0:

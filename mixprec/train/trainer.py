@@ -24,7 +24,7 @@ from torch.autograd.profiler import record_function
 from mixprec import hints
 from mixprec.data.position import resumable
 from mixprec.errors import CheckpointError, ConfigError, RunInterrupted, TrainingDiverged, excerpt
-from mixprec.models.objective import add_tokens, make_objective
+from mixprec.models.objective import add_tokens, apply_loss_chunk, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.trace import capture_rng_state, gather_origins
@@ -174,6 +174,11 @@ class Trainer:
         sharded = strategy.shards_parameters              # FSDP2: FP32 shards are the masters
         # Storage dtypes, FP32 exemptions (norms, gates), FP8 swap.
         precision.setup_module(model, sharded=sharded, optimizer=self._user_optimizer)
+        apply_loss_chunk(model, cfg.loss_chunk, loss_fn=self.loss_fn)   # refused where it cannot act
+        if cfg.loss_chunk:
+            self._notes.append((f"loss: computed {cfg.loss_chunk} tokens at a time, each slice's head "
+                                "and cross-entropy recomputed in backward (loss_chunk; docs/lean.md)",
+                                "loss"))
         self.objective = make_objective(model, precision, self.loss_fn)
         self.model, _ = strategy.setup(model, precision=precision)  # DDP / FSDP wrapping (or none)
         if cfg.compile:
