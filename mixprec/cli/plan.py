@@ -49,6 +49,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="load the model weights of this run's latest checkpoint")
     parser.add_argument("-o", "--output", default="plan.json", help="plan file (.json or .toml)")
     parser.add_argument("--png", default=None, help="plot (default: the plan file's name, .png)")
+    add_limit_flags(parser)
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """``--min-sqnr`` / ``--max-flush``: a user's limits for every format (``mixprec plan`` and
+    ``mixprec whatif``; ``mixprec train`` has ``guard_min_sqnr=`` / ``guard_max_flush=``)."""
+    parser.add_argument("--min-sqnr", type=float, default=None, metavar="DB",
+                        help="refuse a format for a layer whose output SQNR is below this, for every "
+                             "format, as given (default: each format's own limit, the guard's too; "
+                             "docs/per-layer.md)")
+    parser.add_argument("--max-flush", type=float, default=None, metavar="PERCENT",
+                        help="refuse a format that flushes or saturates more than this percent of a "
+                             "layer's inputs, for every format, as given (default: each format's own)")
+
+
+def limit_args(args: argparse.Namespace) -> dict[str, float | None]:
+    """``min_sqnr_db`` / ``max_flush`` of :func:`add_limit_flags`'s flags, checked."""
+    if args.max_flush is not None and not 0 <= args.max_flush <= 100:
+        raise ConfigError(f"--max-flush is in percent of a layer's inputs, in [0, 100], got {args.max_flush:g}")
+    return {"min_sqnr_db": args.min_sqnr,
+            "max_flush": None if args.max_flush is None else args.max_flush / 100}
 
 
 def settings_file(config: str | None, from_run: str | None) -> str | None:
@@ -104,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.budget < 100:
         raise ConfigError(f"--budget is in percent of the loss, in [0, 100) (e.g. 0.1 for 0.1 %), "
                           f"got {args.budget:g}")
+    limits = limit_args(args)
     cfg, _ = load_config(settings_file(args.config, args.from_run), parse_overrides(args.settings))
     model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
     base = args.base or cfg.precision
@@ -114,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     say_untrained(args.from_run)
     plan = plan_precision(model, batches, candidates=args.candidates.split(","),
                           budget=args.budget / 100, base=base, target=args.target, seed=cfg.seed,
-                          criterion=args.criterion,
+                          criterion=args.criterion, **limits,
                           progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
     print(plan.table())
     print(f"[mixprec] trade-off: {plan.tradeoff()}", file=sys.stderr)

@@ -14,6 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from mixprec.cli.plan import add_limit_flags
 from mixprec.errors import ConfigError
 
 __all__ = ["configure", "run", "measure_config", "WHATIF_BATCH"]
@@ -45,6 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", default=None, help="heat-map (default: the CSV's name, .png)")
     parser.add_argument("--plan", default=None, metavar="FILE",
                         help="also write the choice as a plan file (.json or .toml)")
+    add_limit_flags(parser)
 
 
 def measure_config(cfg, source: dict[str, str]):
@@ -60,13 +62,14 @@ def measure_config(cfg, source: dict[str, str]):
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.plan.whatif import what_if
-    from mixprec.cli.plan import model_and_batches, say_untrained, settings_file
+    from mixprec.cli.plan import limit_args, model_and_batches, say_untrained, settings_file
     from mixprec.policy.overrides import write_plan
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
         raise ConfigError("--batches must be >= 1")
     if not 0 < args.tolerance < 100:
         raise ConfigError("--tolerance is in percent of the loss, between 0 and 100")
+    limits = limit_args(args)
     cfg, small = measure_config(*load_config(settings_file(args.config, args.from_run),
                                              parse_overrides(args.settings)))
     model, batches, strategy = model_and_batches(cfg, args.from_run, args.batches)
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
           f"(weights: {args.from_run or 'initialisation, seed ' + str(cfg.seed)})", file=sys.stderr)
     say_untrained(args.from_run)
     report = what_if(model, batches, formats=args.formats.split(","), gpu=args.gpu,
-                     tolerance=args.tolerance / 100, seed=cfg.seed,
+                     tolerance=args.tolerance / 100, seed=cfg.seed, **limits,
                      progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
     print(report.table())
     out = report.write_csv(args.output)

@@ -10,9 +10,12 @@ three signals, each pointing at one Linear layer:
   weight, so the guard promotes the layer and training simply continues.
 * **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
   step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
-  against the same GEMM in FP32 on the same input; every layer below ``min_sqnr_db``, or whose
-  format flushes more than ``max_flush`` of its inputs (outliers: the SQNR of a tensor they
-  dominate stays high while the rest of it is lost), is promoted. The steps since such a layer's
+  against the same GEMM in FP32 on the same input; every layer below its format's SQNR limit (or
+  standing out below the other layers in its format, :func:`mixprec.plan.gates.output_refusal`),
+  or whose format flushes more than its limit of the layer's inputs (outliers: the SQNR of a
+  tensor they dominate stays high while the rest of it is lost), is promoted. The limits are each
+  format's own (:mod:`mixprec.formats.limits`), the planner's and the what-if's too;
+  ``min_sqnr_db`` / ``max_flush`` given replace them. The steps since such a layer's
   last passing sample trained the whole model on its lost output, so when the snapshot is no
   older than that sample (a snapshot follows every sample all layers pass, and the first one is
   taken before step 1), the guard restores it first; with an older snapshot it continues (a
@@ -22,9 +25,9 @@ three signals, each pointing at one Linear layer:
   more than ``spike_sigma`` standard deviations. The weights were hurt: the guard restores its
   last good snapshot (weights, optimizer state and the LR schedule's step; taken before step 1,
   after every passing SQNR sample and every ``window`` healthy steps) and, if one Linear stands
-  out in an SQNR replay of the spiking step (below ``min_sqnr_db``, or ``MAX_SQNR_DROP_DB`` under
-  the other layers' median while under 40 dB: :func:`mixprec.plan.gates.stands_out`), promotes
-  it. With no culprit the formats stay.
+  out in an SQNR replay of the spiking step (below its format's limit, or ``MAX_SQNR_DROP_DB`` under
+  the other layers' median in its format while under the format's healthy SQNR:
+  :func:`mixprec.plan.gates.output_refusal`, the same test as the samples'), promotes it. With no culprit the formats stay.
 
 A restore takes the snapshot's state (weights, moments, step counts) but this run's settings: the
 optimizer's hyper-parameters and the LR schedule's curve stay as they are and the schedule is
@@ -65,7 +68,6 @@ optimizer state when every layer passes; one such copy in memory (the snapshot).
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections import deque
@@ -76,11 +78,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.optim.schedule import rewind
-from mixprec.precision import Precision
 from mixprec.errors import ConfigError
+from mixprec.formats.limits import FormatLimits
+from mixprec.plan.gates import gate_limits, output_refusal
+from mixprec.plan.guard_state import restore_snapshot, sample_layers, take_snapshot
 from mixprec.plan.replan import FormatSwitch
-from mixprec.plan.gates import stands_out
+from mixprec.precision import Precision
 
 __all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
 
@@ -98,12 +101,14 @@ class GuardConfig:
     """Consecutive skipped steps traced to the same Linear before it is promoted."""
     every: int = 50
     """Steps between SQNR samples, the first at step 1 (0: no sampling)."""
-    min_sqnr_db: float = 20.0
-    """A sampled layer output below this SQNR against FP32 is promoted."""
-    max_flush: float = 0.01
+    min_sqnr_db: float | None = None
+    """A sampled layer output below this SQNR against FP32 is promoted. None: the limit of the
+    format the layer runs in (:mod:`mixprec.formats.limits`, the planner's and the what-if's
+    limits too); a number: that limit for every format."""
+    max_flush: float | None = None
     """... and so is one whose format flushes more than this share of its sampled inputs
     (:func:`mixprec.plan.replan.flushed_share`: outliers keep a tensor's SQNR high while the
-    rest of it is lost)."""
+    rest of it is lost). None: the format's own limit (:mod:`mixprec.formats.limits`); a number: that share for every format."""
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
     window: int = 50
@@ -111,9 +116,13 @@ class GuardConfig:
 
     def validate(self) -> None:
         if (self.patience < 1 or self.window < 2 or self.every < 0 or self.spike_sigma < 0
-                or not 0 <= self.max_flush <= 1):
+                or self.max_flush is not None and not 0 <= self.max_flush <= 1):
             raise ConfigError(f"guard settings: patience >= 1, window >= 2, every >= 0, "
                               f"spike_sigma >= 0 and max_flush in [0, 1], got {self}")
+
+    def limits(self, fmt: str) -> FormatLimits:
+        """The limits a layer sampled in ``fmt`` must keep (the planner's gates read the same)."""
+        return gate_limits(fmt, self.min_sqnr_db, self.max_flush)
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,26 @@ class TrainingGuard:
         self.last_flush: dict[str, float] = {}
         self.actions: list[GuardAction] = []
 
+    def describe(self) -> str:
+        """The run's start line: what the guard watches, with which limits, how often."""
+        cfg = self.config
+        watched: dict[str, int] = {}
+        for f in self.precision.layer_formats.values():
+            if f != "fp32":
+                watched[f] = watched.get(f, 0) + 1
+        parts = [f"guard: on, watching {sum(watched.values())} Linear layers"]
+        if cfg.every and watched:
+            given = " (given)" if cfg.min_sqnr_db is not None or cfg.max_flush is not None else ""
+            parts.append(f"output SQNR and inputs flushed sampled at step 1 and every {cfg.every} "
+                         f"steps, promoted when " + ", ".join(
+                             f"{f} {cfg.limits(f).describe()}" for f in watched) + given)
+        elif not cfg.every:
+            parts.append("no SQNR samples (guard_every=0)")
+        parts.append(f"non-finite origin on {cfg.patience} consecutive skipped steps")
+        parts.append(f"loss spikes over {cfg.spike_sigma:g} sigma of the last {cfg.window} steps"
+                     if cfg.spike_sigma else "no spike watch (guard_spike_sigma=0)")
+        return "; ".join(parts)
+
     # ----------------------------------------------------------------- the hook
 
     def after_step(self, outcome: StepOutcome, probe: Callable[[], Any] | None = None
@@ -227,14 +256,18 @@ class TrainingGuard:
         cfg = self.config
         sqnr = self.sample_sqnr(probe)
         failing = []
+        peers = self._peers(sqnr)
         for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
             flushed = self.last_flush.get(name, 0.0)
+            fmt = self.precision.layer_formats[name]
+            limits = cfg.limits(fmt)
             why = []
-            if db < cfg.min_sqnr_db:
-                why.append(f"sampled output SQNR {db:.1f} dB < {cfg.min_sqnr_db:g} dB")
-            if flushed > cfg.max_flush:
+            bad = output_refusal(db, fmt, peers[name], min_sqnr_db=cfg.min_sqnr_db)
+            if bad:
+                why.append(f"sampled output {bad[0]} ({fmt}'s {'given ' if limits.given else ''}limits)")
+            if flushed > limits.max_flush:
                 why.append(f"{100 * flushed:.1f}% of its sampled inputs flush to zero in "
-                           f"{self.precision.layer_formats[name]} (limit {100 * cfg.max_flush:g}%)")
+                           f"{fmt} (limit {100 * limits.max_flush:.3g}%)")
             if why:
                 failing.append((name, "; ".join(why)))
             else:
@@ -268,59 +301,20 @@ class TrainingGuard:
         std = math.sqrt(sum((v - mean) ** 2 for v in self.losses) / (len(self.losses) - 1))
         return loss > mean + self.config.spike_sigma * max(std, 1e-12)
 
-    @torch.no_grad()
     def sample_sqnr(self, probe: Callable[[], Any]) -> dict[str, float]:
         """Output SQNR (dB) of every Linear not in FP32 against its GEMM in FP32 on the same
         inputs, over one replay of the forward (one host sync); also sets :attr:`last_flush`
-        (the share of each layer's inputs its format flushes)."""
-        from mixprec.plan.replan import flushed_share
-        watched = {n: f for n, f in self.precision.layer_formats.items() if f != "fp32"}
-        energy: dict[str, list[torch.Tensor]] = {}
-        handles = []
+        (the share of each layer's inputs its format flushes). :func:`sample_layers`."""
+        sampled = sample_layers(self.precision, self.model, probe, self.agree)
+        if sampled is None:
+            return {}
+        self.last_sqnr, self.last_flush = sampled
+        return self.last_sqnr
 
-        def hook(name: str):
-            def fn(module: nn.Module, args, output) -> None:
-                x = args[0]
-                bias = None if module.bias is None else module.bias.float()
-                ref = torch.nn.functional.linear(x.float(), module.weight.float(), bias)
-                noise = (output.float() - ref).square().sum()
-                zero = torch.zeros((), device=ref.device)
-                sig, err, flush = energy.get(name, [zero, zero, zero])
-                energy[name] = [sig + ref.square().sum(), err + noise,
-                                torch.maximum(flush, flushed_share(x, watched[name], "act"))]
-            return fn
-
-        for name in watched:
-            handles.append(self.model.get_submodule(name).register_forward_hook(hook(name)))
-        try:
-            with torch.random.fork_rng(devices=[]):
-                probe()
-        finally:
-            for h in handles:
-                h.remove()
-        if not watched or (self.agree is None and not energy):
-            return {}                        # (the watched set is the same on every rank)
-        # One row per watched layer in the same order on every rank: (-SQNR, flushed, seen).
-        names = list(watched)
-        device = next(iter(energy.values()))[0].device if energy else torch.device("cpu")
-        rows = []
-        for n in names:
-            if n not in energy:
-                rows.append(torch.tensor([-math.inf, 0.0, 0.0], dtype=torch.float64, device=device))
-                continue
-            sig, err, flush = (v.double() for v in energy[n])
-            db = torch.where(err == 0, math.inf, torch.where(
-                (sig > 0) & err.isfinite(), 10 * torch.log10(sig / err), -math.inf))
-            rows.append(torch.stack([-db, flush, torch.ones((), dtype=torch.float64)]))
-        votes = torch.stack(rows)
-        if self.agree is not None:
-            votes = self.agree(votes)        # the lowest SQNR, the largest flush of any rank
-        out, flush = {}, {}
-        for n, (neg_db, flushed, seen) in zip(names, votes.tolist()):
-            if seen:
-                out[n], flush[n] = -neg_db, flushed
-        self.last_sqnr, self.last_flush = out, flush
-        return out
+    def _peers(self, sqnr: dict[str, float]) -> dict[str, list[float]]:
+        """Per sampled layer, the other sampled layers' SQNRs in the same format."""
+        fmt = self.precision.layer_formats
+        return {n: [v for o, v in sqnr.items() if o != n and fmt[o] == fmt[n]] for n in sqnr}
 
     def _spike(self, outcome: StepOutcome, probe: Callable[[], Any] | None) -> list[GuardAction]:
         step = outcome.step
@@ -330,13 +324,11 @@ class TrainingGuard:
         culprit = None
         if probe is not None:
             sqnr = self.sample_sqnr(probe)         # on the hurt weights: what made the spike
-            by_format: dict[str, list[str]] = {}
-            for n in sqnr:
-                by_format.setdefault(self.precision.layer_formats[n], []).append(n)
+            peers = self._peers(sqnr)
             worst = None
             for n, db in sqnr.items():
-                peers = [sqnr[o] for o in by_format[self.precision.layer_formats[n]] if o != n]
-                bad = stands_out(db, peers, min_sqnr_db=self.config.min_sqnr_db)
+                bad = output_refusal(db, self.precision.layer_formats[n], peers[n],
+                                     min_sqnr_db=self.config.min_sqnr_db)
                 if bad and (worst is None or bad[1] > worst[1]):
                     worst = (n, bad[1], bad[0])
             culprit = worst
@@ -364,36 +356,14 @@ class TrainingGuard:
         return GuardAction("promote", step, switch.message, switch)
 
     def _take_snapshot(self, step: int) -> None:
-        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self._snapshot = {
-            "step": step,
-            "model": model,
-            # Buffers outside the state dict: the FP8 amax histories of delayed scaling.
-            "buffers": {k: v.detach().clone() for k, v in self.model.named_buffers()
-                        if k not in model},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
-        }
+        self._snapshot = take_snapshot(self.model, self.optimizer, self.scheduler, step)
         self._healthy = 0
 
     def _restore(self, step: int, what: str) -> GuardAction:
         snap = self._snapshot
         if snap is None:
             return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
-        self.model.load_state_dict(snap["model"])
-        live = dict(self.model.named_buffers())
-        with torch.no_grad():                 # (a layer promoted since has none left)
-            for k, v in snap.get("buffers", {}).items():
-                if k in live and live[k].shape == v.shape:
-                    live[k].copy_(v)
-        # The snapshot's state (moments, step counts), this run's settings: a snapshot saved in a
-        # checkpoint may predate a resume that changed lr, the schedule or weight decay.
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        # load_state_dict may keep the given tensors: hand it copies, keep the snapshot intact.
-        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
-        for group, kept in zip(self.optimizer.param_groups, settings):
-            group.update(kept)
-        rewind(self.scheduler, copy.deepcopy(snap["scheduler"]))   # this run's curve, its step
+        restore_snapshot(snap, self.model, self.optimizer, self.scheduler)
         self.losses.clear()
         self._healthy = 0
         # Steps after the snapshot are undone: no layer is verified later than it.

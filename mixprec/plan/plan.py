@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB
+from mixprec.plan.gates import MAX_SQNR_DROP_DB, gate_limits
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, is_micro, write_plan
 from mixprec.precision import Precision
@@ -112,8 +112,10 @@ class PrecisionPlan:
     demoted: list[dict] = field(default_factory=list)
     """Layers moved back after the whole plan measured over budget: ``layer``, ``from``, ``to``,
     ``calibration`` and ``heldout`` (the whole plan's changes after the move)."""
-    min_sqnr_db: float = MIN_SQNR_DB
-    max_flush: float = MAX_FLUSH
+    min_sqnr_db: float | None = None
+    """A user's SQNR limit for every format (None: each format's own, :mod:`mixprec.formats.limits`)."""
+    max_flush: float | None = None
+    """A user's flushed-share limit for every format (None: each format's own)."""
     max_sqnr_drop_db: float = MAX_SQNR_DROP_DB
     seconds: float = 0.0
     """Wall time the planner took."""
@@ -173,9 +175,15 @@ class PrecisionPlan:
         lines = layer_grid(rows, [_short(f) for f in fmts], what=_CELL_HEAD, width=len(_CELL_HEAD),
                            lead=("flops", "share"), name_width=22)  # HF names run long
         if any(m.risky for m in self.layers):
-            lines.append(f"! before a cell: refused by the sensitivity gates (an SQNR below {self.min_sqnr_db:g} dB or "
-                         f"an output SQNR {self.max_sqnr_drop_db:g} dB below the other layers', or over "
-                         f"{100 * self.max_flush:g}% flushed)")
+            lines.append(f"! before a cell: refused by the sensitivity gates (an output SQNR below "
+                         f"the format's limit, a gradient SQNR 5 dB below that, an output SQNR "
+                         f"{self.max_sqnr_drop_db:g} dB below the other layers', or more flushed "
+                         f"than the format's limit)")
+        if fmts:
+            lines.append("limits: " + "; ".join(
+                f"{_short(f)} {gate_limits(f, self.min_sqnr_db, self.max_flush).describe()}"
+                for f in fmts) + (" (given)" if self.min_sqnr_db is not None or self.max_flush is not None
+                                  else " (each format's own: docs/per-layer.md)"))
         lines.append(f"plan: {format_counts(m.chosen for m in self.layers)}; base {self.base}")
         held = (f", measured {100 * self.measured_heldout:.3g}% on {self.heldout_tokens} held-out tokens"
                 if self.measured_heldout is not None else ", no held-out batch")
@@ -219,9 +227,11 @@ class PrecisionPlan:
         # The plan keeps the summed loss change of its choices within this budget.
         ax2.axhline(100 * self.budget, color="tab:red", ls="--", lw=1.0,
                     label=f"budget {100 * self.budget:.3g}% (sum over layers)")
-        # Legends right of the axes: inside, they covered the last layers' bars.
-        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        # Legends right of the axes: inside, they covered the last layers' bars (none on an axis
+        # without a labelled bar: an all-fp32 plan draws none, and matplotlib would warn).
+        for a in (ax2, ax):
+            if a.get_legend_handles_labels()[0]:
+                a.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         ax2.set_xticks(range(len(names)))
         ax2.set_xticklabels([f"{n}\n[{m.chosen}]" for n, m in zip(names, self.layers)], rotation=90,
                             fontsize=7)
@@ -272,14 +282,16 @@ def format_throughput(target: str, candidates: Sequence[str], *, device: torch.d
     """FLOP/s per candidate format: measured here (``target="measure"``) or a GPU's datasheet."""
     notes: list[str] = []
     if target != "measure":
-        from mixprec.estimate.gpus import format_peak_kind, get_gpu
+        from mixprec.estimate.gpus import GPUS, format_peak_kind, get_gpu
         gpu = get_gpu(target)
         out = {}
         for f in candidates:
             kind = format_peak_kind(f)
             value = getattr(gpu, f"{kind}_tflops")
             if value is None:
-                notes.append(f"{gpu.name} has no {kind.upper()} tensor cores: {f} left out")
+                has = " or ".join(g.name for g in GPUS.values() if getattr(g, f"{kind}_tflops") is not None)
+                notes.append(f"{f} left out: it gives no speed-up on {gpu.name} (no {kind.upper()} "
+                             f"tensor cores); pick --target {has} to plan for {kind.upper()}")
                 continue
             out[f] = value * 1e12
         notes.append(f"throughput: {gpu.name} dense datasheet peaks ({gpu.source})")

@@ -25,9 +25,10 @@ Why both loss changes: quantization noise is uncorrelated with the gradient, so 
 term ``g . e`` of a measured loss difference is zero-mean noise, and on a few calibration batches
 it dominates. The estimate is free of it but sees only the forward. So the measurements are used
 together (:func:`mixprec.plan.gates.gate`): a format is refused for a layer when one of its SQNRs
-is below ``min_sqnr_db``, or ``max_sqnr_drop_db`` below the other layers' median in that format
-while under 40 dB (the layer the format treats worse than the rest: outliers), or it flushes more
-than ``max_flush`` of the layer's inputs or output gradients; the rest are ranked by the estimate
+is below that format's limit (:mod:`mixprec.formats.limits`, the guard's and the what-if's limits
+too), or ``max_sqnr_drop_db`` below the other layers' median in that format while under 40 dB (the
+layer the format treats worse than the rest: outliers), or it flushes more than the format's
+limit of the layer's inputs or output gradients; the rest are ranked by the estimate
 (``criterion="fisher"``, the default) or the single-layer measured change (``"measured"``).
 
 **The promise is measured, never estimated** (:mod:`mixprec.plan.verify`): after the first choice
@@ -68,7 +69,7 @@ from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
 from mixprec.plan.measure import (format_variants, layer_alone, losses_with, planned_layers,
                                   reference_pass)
-from mixprec.plan.gates import MAX_FLUSH, MAX_SQNR_DROP_DB, MIN_SQNR_DB, apply_gates
+from mixprec.plan.gates import MAX_SQNR_DROP_DB, apply_gates
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
 from mixprec.plan.verify import enforce_budget, forward_losses, fp32_copy
 from mixprec.policy.overrides import parse_format
@@ -132,8 +133,8 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
                    base: str = "auto", target: str | None = None,
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    layers: Sequence[str] | None = None, seed: int = 0, criterion: str = "fisher",
-                   heldout: Sequence[Any] | None = None, min_sqnr_db: float = MIN_SQNR_DB,
-                   max_flush: float = MAX_FLUSH, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
+                   heldout: Sequence[Any] | None = None, min_sqnr_db: float | None = None,
+                   max_flush: float | None = None, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
                    progress: Callable[[str], None] | None = None) -> PrecisionPlan:
     """Measure each Linear's sensitivity to each candidate format, choose a plan, then measure the
     whole plan and move layers back until it keeps its budget (module doc).
@@ -149,11 +150,13 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     (this machine) or a GPU name from the ``mixprec estimate`` table; default: measure on a CUDA
     GPU with FP8, else ``H100`` (stated in the notes). ``layers``: restrict to these Linear names.
     ``criterion``: what ranks the first choice, ``fisher`` (estimated loss increase) or
-    ``measured`` (single-layer measured change). ``min_sqnr_db`` / ``max_sqnr_drop_db`` /
-    ``max_flush``: a format whose output, input-gradient or weight-gradient SQNR is below
-    ``min_sqnr_db`` or ``max_sqnr_drop_db`` below the other layers' median in that format, or
-    which flushes or saturates more than ``max_flush`` of the layer's inputs or output gradients,
-    is refused for that layer whatever its estimate (:func:`mixprec.plan.gates.gate`).
+    ``measured`` (single-layer measured change). A format whose output SQNR is below its limit,
+    whose input- or weight-gradient SQNR is below its gradient limit, whose output SQNR is
+    ``max_sqnr_drop_db`` below the other layers' median in that format, or which flushes or
+    saturates more than its share of the layer's inputs or output gradients, is refused for that
+    layer whatever its estimate (:func:`mixprec.plan.gates.gate`). The limits are each format's
+    own (:mod:`mixprec.formats.limits`: the guard's and the what-if's too); ``min_sqnr_db`` /
+    ``max_flush`` given replace them for every format, as given (the gradient limit 5 dB below).
     """
     if criterion not in ("fisher", "measured"):
         raise ConfigError(f"criterion must be 'fisher' or 'measured', not '{criterion}'")
@@ -177,6 +180,10 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
         notes.insert(0, f"planning for {target} (datasheet throughput) while measuring numerics on "
                         f"{device.type}; target='measure' plans for this machine's own speed")
     cands = [c for c in cands if c in throughput]
+    if cands == ["fp32"]:                 # nothing left to choose: a plan of fp32 only says nothing
+        left_out = "; ".join(n for n in notes if " left out" in n)
+        raise ConfigError(f"nothing to plan on {'this machine' if target == 'measure' else target} "
+                          f"but fp32: {left_out}")
     base_precision = Precision(base, device=device)
     base_name = base_precision.name
     say = progress or (lambda s: None)

@@ -18,9 +18,12 @@ the same modules and the same eligibility rules), and with *only* ``L`` in ``f``
 * projected GEMM speed-up on a GPU: the format's dense datasheet peak over BF16's
   (:data:`mixprec.estimate.gpus.GPUS`; 1.0 where the rules keep the layer out of the format).
 
-A cell is *safe* when its loss change is at most ``tolerance`` (a fraction of the loss) and its
-results are finite. Each layer's choice is its safe format with the largest projected speed-up
-(ties: the higher output SQNR); no safe format at all: ``fp32``. The choice is then measured
+A cell is *safe* when its loss change is at most ``tolerance`` (a fraction of the loss), its
+results are finite, and it keeps the format's limits: output SQNR, weight-gradient SQNR and the
+share of its inputs flushed or saturated (:mod:`mixprec.formats.limits`; the training guard and
+the planner's gates apply the same limits, so a layer the what-if calls safe is not promoted by
+``guard=true`` at its first sample, nor refused by ``mixprec plan``). Each layer's choice is its
+safe format with the largest projected speed-up (ties: the higher output SQNR); no safe format at all: ``fp32``. The choice is then measured
 as a whole: every layer in its chosen format at once, loss change against FP32 as above.
 
 Works on anything :func:`mixprec.fit` trains: mixprec's Transformer, a Hugging Face causal LM,
@@ -44,6 +47,8 @@ from torch import nn
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
+from mixprec.formats.limits import format_limits
+from mixprec.plan.gates import output_refusal
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.plan.measure import (Call, Replay, block_list, format_variants, layer_alone,
                                   linear_names, losses_with, planned_layers, reference_pass)
@@ -72,11 +77,18 @@ class FormatCell:
     sqnr_grad: float = math.nan
     underflow: float = math.nan
     saturation: float = math.nan
+    flushed: float = math.nan
+    """Share of the layer's inputs the format flushes or saturates (the guard's and the planner's
+    measure, :func:`mixprec.plan.replan.flushed_share`; the largest over the batches)."""
     loss_change: float = math.nan
     """Relative loss change with only this layer in this format."""
     speedup: float = 1.0
     """Projected GEMM speed-up over BF16 on the chosen GPU."""
+    finite: bool = True
+    """Whether the layer's output in this format was finite."""
     safe: bool = False
+    why: str = ""
+    """Why the cell is unsafe (empty when safe)."""
 
 
 @dataclass
@@ -103,6 +115,10 @@ class WhatIfReport:
     """Projected GEMM speed-up of the choice over all-BF16 (the measured Linears' GEMMs)."""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    min_sqnr_db: float | None = None
+    """A user's SQNR limit for every format (None: each format's own)."""
+    max_flush: float | None = None
+    """A user's flushed-share limit for every format (None: each format's own)."""
 
     @property
     def choices(self) -> dict[str, str]:
@@ -123,10 +139,14 @@ class WhatIfReport:
         lines = layer_grid(rows, [_short(f) for f in self.formats], width=11, align=">",
                            what=[_subhead(self.rows, f) for f in self.formats],
                            choice="choice")
+        given = self.min_sqnr_db is not None or self.max_flush is not None
         text = [f"cell: loss change with only this layer in the format (% of the loss; '!' = "
-                f"unsafe, above {100 * self.tolerance:.3g}%) and its output SQNR (dB); x = projected "
-                f"GEMM speed-up over bf16 on {self.gpu}; gradient SQNR, underflow and saturation: "
-                "the CSV",
+                f"unsafe: above {100 * self.tolerance:.3g}%, or outside the format's limits) and its "
+                f"output SQNR (dB); x = projected GEMM speed-up over bf16 on {self.gpu}; gradient "
+                "SQNR, underflow, saturation, inputs flushed and why a cell is unsafe: the CSV",
+                "limits (output SQNR, inputs flushed; the guard's and the planner's): " + "; ".join(
+                    f"{f} {format_limits(f, min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush).describe()}"
+                    for f in self.formats) + (" (given)" if given else ""),
                 f"choice: {format_counts(r.choice for r in self.rows)}; measured loss change "
                 f"of the whole choice {100 * self.choice_loss_change:.3f}% of {self.loss:.4f}; "
                 f"projected GEMM speed-up {self.choice_speedup:.2f}x; took {self.seconds:.1f} s",
@@ -141,7 +161,7 @@ class WhatIfReport:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         keys = ("available", "sqnr_out_db", "sqnr_grad_db", "underflow_frac", "saturation_frac",
-                "loss_change_frac", "speedup_x", "safe", "reason")
+                "flushed_frac", "loss_change_frac", "speedup_x", "safe", "reason")
         with p.open("w", newline="") as fh:
             out = csv.writer(fh)
             out.writerow(["layer", "flops_per_token", *(f"{f}:{k}" for f in self.formats for k in keys),
@@ -151,8 +171,8 @@ class WhatIfReport:
                 for f in self.formats:
                     c = r.cells[f]
                     vals += [int(c.available), _num(c.sqnr_out), _num(c.sqnr_grad), _num(c.underflow),
-                             _num(c.saturation), _num(c.loss_change), f"{c.speedup:.3g}", int(c.safe),
-                             c.reason]
+                             _num(c.saturation), _num(c.flushed), _num(c.loss_change),
+                             f"{c.speedup:.3g}", int(c.safe), c.reason or c.why]
                 out.writerow(vals + [r.choice])
             out.writerow(["# whole choice", "", f"measured loss change (fraction) {self.choice_loss_change:.6g}",
                           f"projected speed-up {self.choice_speedup:.4g}x on {self.gpu}",
@@ -199,7 +219,8 @@ class WhatIfReport:
         cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
         cb.set_label("loss change with only this layer in this format (% of loss)", fontsize=8)
         cb.ax.axhline(100 * self.tolerance, color="black", lw=1.5)
-        ax.set_title(f"what-if: safe = loss change \u2264 {100 * self.tolerance:.3g}% (line on the colour bar); "
+        ax.set_title(f"what-if: safe = loss change \u2264 {100 * self.tolerance:.3g}% (line on the colour bar) "
+                     f"and within the format's limits; "
                      f"\u2717 unsafe; box = choice\nwhole choice measured: loss change "
                      f"{100 * self.choice_loss_change:.3f}%, projected GEMM speed-up "
                      f"{self.choice_speedup:.2f}x over bf16 on {self.gpu}", fontsize=8)
@@ -299,6 +320,33 @@ def _range_stats(fmt: str, layer: nn.Module, records: list[tuple[torch.Tensor, .
     return (under / total, sat / total) if total else (0.0, 0.0)
 
 
+def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str) -> float:
+    """The largest share over the batches of the layer's inputs ``fmt`` flushes or saturates."""
+    from mixprec.plan.replan import flushed_share
+    return float(torch.stack([flushed_share(r[0], fmt, "act") for r in records]).max())
+
+
+def _unsafe(c: FormatCell, fmt: str, tolerance: float, peers: list[float],
+            min_sqnr_db: float | None, max_flush: float | None) -> str:
+    """Why a measured cell is unsafe ("" when it is safe): the loss, then the format's limits
+    (output SQNR against its limit and against ``peers``, the other layers' in ``fmt``: the
+    guard's and the planner's test, :func:`mixprec.plan.gates.output_refusal`)."""
+    limits = format_limits(fmt, min_sqnr_db=min_sqnr_db, max_flush=max_flush)
+    why = []
+    if not (c.finite and math.isfinite(c.loss_change)):
+        why.append("non-finite output or loss")
+    elif c.loss_change > tolerance:
+        why.append(f"loss change {100 * c.loss_change:.3g}% > {100 * tolerance:.3g}%")
+    bad = output_refusal(c.sqnr_out, fmt, peers, min_sqnr_db=min_sqnr_db)
+    if bad:
+        why.append(f"output {bad[0]}")
+    if c.sqnr_grad < limits.min_grad_sqnr_db:             # (NaN: not measured, passes)
+        why.append(f"weight-gradient SQNR {c.sqnr_grad:.1f} dB < {limits.min_grad_sqnr_db:g}")
+    if c.flushed > limits.max_flush:
+        why.append(f"{100 * c.flushed:.1f}% of its inputs flushed > {100 * limits.max_flush:.3g}%")
+    return "; ".join(why)
+
+
 # --- the what-if run ----------------------------------------------------------------------
 
 def _peak(gpu, fmt: str) -> float | None:
@@ -311,6 +359,7 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
             gpu: str = "B200", tolerance: float = 5e-3,
             loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
             layers: Sequence[str] | None = None, seed: int = 0,
+            min_sqnr_db: float | None = None, max_flush: float | None = None,
             progress: Callable[[str], None] | None = None) -> WhatIfReport:
     """Measure every Linear of ``model`` in every format of ``formats`` (module docstring).
 
@@ -319,7 +368,8 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
     if given). ``gpu``: a name from the ``mixprec estimate`` table for the projected speed-ups
     (``B200``, ``GB200``, ``H100``, ...). ``tolerance``: the largest loss change, as a fraction of
     the loss, a layer may show alone in a format and be called safe (default 0.5 %).
-    ``layers``: restrict to these Linear names.
+    ``layers``: restrict to these Linear names. ``min_sqnr_db`` / ``max_flush``: replace every
+    format's own limits (:mod:`mixprec.formats.limits`), as the guard's and the planner's do.
     """
     from mixprec.estimate.gpus import get_gpu
     from mixprec.models.objective import make_objective
@@ -378,17 +428,26 @@ def what_if(model: nn.Module, batches: Sequence[Any], *, formats: Sequence[str] 
                 sqnr_grad=sqnr_db(ref_grad, grad) if grad is not None and ref_grad is not None else math.nan,
                 underflow=under, saturation=sat, loss_change=change,
                 speedup=1.0 if peak is None else peak / bf16_peak)
-            cell.safe = math.isfinite(change) and change <= tolerance and bool(torch.isfinite(out).all())
+            cell.flushed = _flushed(records[row.name], f)
+            cell.finite = bool(torch.isfinite(out).all())
             row.cells[f] = cell
         say(f"[{i + 1}/{len(rows)}] {row.name}")
     del variants
 
+    for f in fmts:                          # the verdicts: the other layers are the peers
+        measured = {r.name: r.cells[f].sqnr_out for r in rows if r.cells[f].available}
+        for r in rows:
+            c = r.cells[f]
+            if c.available:
+                c.why = _unsafe(c, f, tolerance, [v for n, v in measured.items() if n != r.name],
+                                min_sqnr_db, max_flush)
+                c.safe = not c.why
     for row in rows:
         safe = [f for f in fmts if row.cells[f].available and row.cells[f].safe]
         row.choice = max(safe, key=lambda f: (row.cells[f].speedup, row.cells[f].sqnr_out)) if safe else "fp32"
 
     report = WhatIfReport(rows=rows, formats=fmts, gpu=spec.name, tolerance=tolerance, loss=ref_loss,
-                          notes=list(planned.notes))
+                          notes=list(planned.notes), min_sqnr_db=min_sqnr_db, max_flush=max_flush)
     chosen = fp32_copy(model)
     Precision("32-true", device=device, overrides=report.overrides).setup(chosen)
     chosen.train()

@@ -133,14 +133,19 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
 
 
 def guard_summary(events: list[dict[str, Any]]) -> str:
-    """What guarded training did (``guard=true``): promotions, restores, a give-up; ``-`` if nothing."""
+    """What guarded training did (``guard=true``): promotions, restores, a give-up; ``on, 0
+    repairs`` when it watched and had nothing to do (its start line, ``events.jsonl``'s ``start``
+    record); ``-`` when it was off."""
     said = []
+    on = False
     for e in events:
-        if e.get("kind") == "format" and e.get("guard"):
+        if e.get("kind") == "start":
+            on = on or any(str(w).startswith("guard:") for w in e.get("watching", ()))
+        elif e.get("kind") == "format" and e.get("guard"):
             said.append(f"step {e.get('step')}: {e.get('module')} {e.get('from')} -> {e.get('to')}")
         elif e.get("kind") == "guard":
             said.append(f"step {e.get('step')}: {e.get('action')}")
-    return "; ".join(said) or "-"
+    return "; ".join(said) or ("on, 0 repairs" if on else "-")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
@@ -106,7 +107,9 @@ class RunEvents:
             self._bar = None
 
     def start(self, *, model: nn.Module, step: int, total: int, run_dir: Any,
-              fp8_report: Any = None) -> None:
+              fp8_report: Any = None, watching: Sequence[str] = ()) -> None:
+        """The start lines (terminal and ``events.jsonl``); ``watching``: the step hooks' own
+        lines (the guard's limits, ...), after the layer formats."""
         if not self.strategy.is_main:
             return
         precision = self.precision
@@ -132,11 +135,13 @@ class RunEvents:
             lines += table
             full += table
             self._listed_layers = True
+        lines += watching
+        full += watching
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
         self.logger.event({"kind": "start", "step": step, "precision": precision.describe(),
                            "label": precision.label, "plan": precision.has_plan,
-                           "message": "; ".join(full)})
+                           "watching": list(watching), "message": "; ".join(full)})
         self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
                            "message": f"{len(precision.layer_formats)} Linear layers: "
                                       + ", ".join(f"{n}={f}" for n, f in precision.layer_formats.items())})

@@ -120,10 +120,15 @@ class FitConfig:
     stands out). The run ends (exit 3) only when no safer format is left."""
     guard_every: int = 50
     """Steps between the guard's SQNR samples, the first at step 1 (0: none)."""
-    guard_min_sqnr: float = 20.0
-    """Sampled output SQNR (dB, against FP32) below which the guard promotes a layer."""
-    guard_max_flush: float = 0.01
-    """Share of a layer's sampled inputs its format may flush to zero before the guard promotes it."""
+    guard_min_sqnr: float | None = None
+    """SQNR limit (dB) of the guard's samples (none: each format's own, FP8 20 dB, NVFP4 8 dB).
+    Those are ``mixprec.formats.limits``, the planner's and the what-if's too (docs/per-layer.md).
+    A layer whose sampled output SQNR against FP32 is below it is promoted; a number given applies
+    to every format, as given."""
+    guard_max_flush: float | None = None
+    """Flushed-input limit (share) of the guard's samples (none: each format's own, FP8 0.01, NVFP4 0.42).
+    Those are ``mixprec.formats.limits``. A layer whose format flushes more of its
+    sampled inputs is promoted; a number given applies to every format, as given."""
     guard_spike_sigma: float = 6.0
     """A loss this many standard deviations above the guard's window mean is a spike (0: off)."""
     guard_window: int = 50

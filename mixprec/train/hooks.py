@@ -46,6 +46,10 @@ class StepHook:
     def close(self) -> None:
         return None
 
+    def describe(self) -> str | None:
+        """A line for the run's start lines (what the hook watches), or None."""
+        return None
+
 
 class NumericsHook(StepHook):
     """Per-layer range statistics on sampled steps (:class:`mixprec.monitor.NumericsMonitor`)."""
@@ -126,6 +130,9 @@ class GuardHook(StepHook):
 
     def __init__(self, guard: Any) -> None:
         self.guard = guard
+
+    def describe(self) -> str:
+        return self.guard.describe()
 
     def around_step(self, trainer, step):
         self.guard.before_step(step)        # the first snapshot: weights before any step

@@ -523,7 +523,8 @@ class Trainer:
         events = self.events = RunEvents(self.strategy, self.precision, logger, progress=cfg.progress)
         unwrapped = self.strategy.unwrap(self.model)
         events.start(model=unwrapped, step=self.step, total=total, run_dir=self.run_dir,
-                     fp8_report=self.fp8_report)
+                     fp8_report=self.fp8_report,
+                     watching=[line for h in self.hooks if (line := h.describe())])
         for message, kind in self._notes:
             events.note(message, self.step, kind)
         self._notes.clear()

@@ -308,3 +308,20 @@ def test_a_restore_rewinds_the_fp8_amax_history_with_the_weights():
         layer.amax_history.fill_(1e9)                       # a spike's amaxes
     guard._restore(1, "test")
     assert torch.equal(layer.amax_history, kept)
+
+
+def test_a_guarded_run_says_what_the_guard_watches_and_the_report_says_on_with_0_repairs(tmp_path, capsys):
+    """Before: with nothing to repair the guard was silent and the report's guard cell said '-'."""
+    run = tmp_path / "run"
+    trainer, _ = _fit(_Net(), run, 1)
+    assert trainer.guard.actions == []
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[mixprec] guard:"))
+    assert "watching 5 Linear layers" in line and "every 50 steps" in line
+    assert "bf16 < 20 dB" in line                               # the head
+    assert "fp8-tensorwise < 20 dB or > 1 % flushed" in line and "6 sigma" in line
+    from mixprec.report.report import summarize
+    from mixprec.runs.metrics import read_events, read_metrics
+    assert summarize(read_metrics(run), read_events(run))["guard"] == "on, 0 repairs"
+    from mixprec.report.report import guard_summary
+    unguarded = [e for e in read_events(run) if e["kind"] != "start"] + [{"kind": "start", "watching": []}]
+    assert guard_summary(unguarded) == "-"

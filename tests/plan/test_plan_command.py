@@ -58,3 +58,37 @@ def test_a_plan_on_initial_weights_says_they_are_untrained(tmp_path, capsys):
     assert main(["plan", "model=tiny", "batch_size=2", "seq_len=32", "--batches", "1", "--candidates",
                  "bf16", "--target", "H100", "-o", str(tmp_path / "p.json")]) == 0
     assert "initial, untrained weights" in capsys.readouterr().err
+
+
+def test_fp4_candidates_on_a_gpu_without_fp4_are_refused_in_one_line_that_says_why(capsys):
+    """Before: an all-fp32 plan, the reason in a note at the end, and a matplotlib warning."""
+    assert main(["plan", "model=tiny", "batch_size=2", "seq_len=32", "--batches", "1",
+                 "--candidates", "fp32,nvfp4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("mixprec: error: nothing to plan on H100 but fp32: nvfp4 left out: it gives "
+                       "no speed-up on H100 (no FP4 tensor cores); pick --target B200 or GB200 to "
+                       "plan for FP4")
+
+
+def test_an_all_fp32_plan_plots_without_a_warning(tmp_path):
+    import warnings
+
+    import torch
+
+    import mixprec as mp
+    from guard_nets import Net, loader
+    plan = mp.plan_precision(Net(), loader(n=1), candidates=("bf16",), budget=0.0, target="H100",
+                             layers=["blocks.0.fc"])
+    assert plan.formats == {"blocks.0.fc": "fp32"}
+    plan.layers[0].sqnr_out.clear()            # no bar with a label at all (an all-fp32 table)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan.plot(tmp_path / "plan.png").is_file()
+
+
+def test_given_limits_are_checked_in_one_line_before_the_model_is_built(capsys):
+    for command in ("plan", "whatif"):
+        assert main([command, "model=tiny", "--max-flush", "150"]) == 2
+        err = capsys.readouterr().err
+        assert "--max-flush is in percent of a layer's inputs, in [0, 100], got 150" in err
+        assert "Traceback" not in err and "measured" not in err
