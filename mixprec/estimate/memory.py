@@ -32,7 +32,8 @@ parts. The rules it encodes:
   recompute, in backward, once the loss's buffers are freed: they count against the loss
   buffers (the larger of the two), not on top of them. An MoE MLP keeps ``top_k`` experts' worth of the MLP term per token.
   The head adds the final norm, the logits' log-softmax (FP32, ``4V`` per token) and, while the
-  loss backward starts, two more FP32 ``V``-wide buffers. While a block runs backward, gradients
+  loss backward starts, two more FP32 ``V``-wide buffers; the 16-bit logits a 16-bit head makes
+  are freed once widened to FP32, before that peak, and are not counted. While a block runs backward, gradients
   shaped like its saved tensors exist next to them: one more block's worth (measured: the
   peak RSS exceeds the saved tensors by one block, 15-84 MiB for the small model at 2-8k tokens).
 * **Autocast weight copies**: under ``*-mixed`` each matmul weight is cast to the compute dtype
@@ -500,13 +501,20 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         # are freed: it is a backward buffer (below), not an activation kept at the forward's end
         # (counting it here too over-counted the measured 32-true + checkpointing peak by 10 %).
         acts = tokens * (kept + head) / tp
-        loss_buffers = loss_tokens * (8 * V + (cb * V if cb < 4 else 0)) / tp
+        # The loss backward's peak: the kept log-softmax (in ``acts``) and these two FP32 buffers,
+        # its incoming gradient and the logits' gradient. The 16-bit logits of ``head(h).float()``
+        # are never alive with them: nothing saves them (the cast saves no tensor), so they are
+        # freed in the forward once widened, and their 16-bit gradient is made after the two FP32
+        # buffers are released (measured with the allocator's events: 12 bytes per token and
+        # word at the peak in FP32 and BF16 alike; counting 2 more over-estimated the checkpointed
+        # lean gpt-ref step by 9 %, docs/performance.md).
+        loss_buffers = loss_tokens * 8 * V / tp
         if loss_chunk:
             # a slice's backward: its recomputed logits and log-softmax with their gradients
             # (16 bytes per token and word), and the head's weight gradient of the slice before it
             # is added to .grad (fitted to the one probe in docs/performance.md: 8 bytes per token
             # and word, without the weight gradient, under-counted 32-true by 5 %)
-            loss_buffers = (loss_tokens * (16 * V + (cb * V if cb < 4 else 0)) + pb * V * d) / tp
+            loss_buffers = (loss_tokens * 16 * V + pb * V * d) / tp     # no 16-bit logits: as above
         # A block's backward materialises gradients shaped like its saved tensors before it frees them.
         biggest = max(kept_moe if shape.moe_layers else 0, kept_dense if dense_layers else 0)
         # Without recompute, a block's backward frees its saved tensors as it goes: what is in
