@@ -20,6 +20,7 @@ import signal
 import sys
 
 from mixprec import hints
+from mixprec.cli.streams import outlive_readers
 from mixprec.errors import MixprecError, RunInterrupted
 from mixprec.train.signals import Aborted, StopRequest
 
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The process's signal policy, from here until it ends (argv None: this is the process's
     # entry point, so after a signal the exit itself must not be killable by the next one).
+    if args.command == "train" and argv_given is None:
+        outlive_readers()          # a run's checkpoint must not depend on who reads its output
     with StopRequest(loop=False, hold=argv_given is None) as signals:
         try:
             return int(importlib.import_module(args._module).run(args) or 0)

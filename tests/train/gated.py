@@ -19,14 +19,15 @@ EVENT_BOUND_S = 240
 
 class GatedRun:
     """``GatedRun(gates, *settings, launcher=())``: start the worker (under ``launcher``, e.g.
-    torchrun's arguments); its stdout and stderr are one stream of lines."""
+    torchrun's arguments); its stdout and stderr are one stream of lines (unless ``stderr`` says
+    otherwise)."""
 
     def __init__(self, gates: str, *settings: str, launcher: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, stderr: int = subprocess.STDOUT) -> None:
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, *launcher, str(WORKER), gates, *settings],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env)
+                                     stderr=stderr, text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
         self.pending: list[str] = []        # further events found in a line already returned

@@ -5,6 +5,7 @@ OS errors are one line."""
 import errno
 import os
 import signal
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -139,6 +140,23 @@ def test_first_signal_saves_a_checkpoint_prints_the_resume_command_and_exits_128
     if sig == signal.SIGTERM:                    # a preempted job continues where it stopped
         resumed = mixprec("train", "--resume", run, "max_steps=8")
         assert "steps: 6 -> 8" in resumed.stderr and "done:" in resumed.stderr
+
+
+def test_ctrl_c_after_the_terminal_reader_left_still_saves_and_exits_130(tmp_path, text_corpus):
+    """`mixprec train ... 2>&1 | tee log` then Ctrl-C: tee dies with the run's stderr reader.
+    Before, the next line the run printed raised BrokenPipeError and it ended without a
+    checkpoint (exit 141)."""
+    run = tmp_path / "run"
+    worker = GatedRun("step:6", *TINY, f"data={text_corpus}", "max_steps=100000", "ckpt_interval=0",
+                      f"run_dir={run}", stderr=subprocess.PIPE)
+    worker.proc.stderr.close()                   # the reader is gone before the run says a word
+    worker.wait_for("GATE step:6")
+    worker.signal(signal.SIGINT)
+    worker.release()
+    rc, _ = worker.finish()
+    assert rc == 130
+    from mixprec.runs.checkpoint import list_checkpoints
+    assert [s for s, _ in list_checkpoints(run)] == [6]
 
 
 def test_a_second_signal_during_a_step_aborts_at_once_with_128_plus_n(tmp_path, text_corpus):
