@@ -357,9 +357,10 @@ def apply_loss_chunk(model: nn.Module, tokens: int, *, loss_fn: object = None) -
     own = getattr(model, "loss_chunk", None)
     if not isinstance(own, int) or isinstance(own, bool):
         if tokens:
-            raise ConfigError(f"loss_chunk={tokens} slices the loss of mixprec's Transformer "
-                              f"(model=tiny, small, gpt-ref); a {type(model).__name__} computes its "
-                              "loss itself: set loss_chunk=0")
+            raise ConfigError(f"loss_chunk={tokens} runs the output head and the loss together in "
+                              "slices, which only mixprec's Transformer can (model=tiny, small, "
+                              f"gpt-ref); a {type(model).__name__} returns its whole logits: set "
+                              "loss_chunk=0")
         return
     if tokens and loss_fn is not None:
         raise ConfigError(f"loss_chunk={tokens} slices the model's own loss, but with loss_fn= the "

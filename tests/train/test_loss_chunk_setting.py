@@ -72,7 +72,7 @@ class _OwnModel(nn.Module):
 def test_models_it_does_not_apply_to_are_refused_in_one_line():
     with pytest.raises(ConfigError) as own:
         apply_loss_chunk(_OwnModel(), 256)
-    assert "_OwnModel computes its loss itself: set loss_chunk=0" in str(own.value)
+    assert "_OwnModel returns its whole logits: set loss_chunk=0" in str(own.value)
     assert "\n" not in str(own.value)
     apply_loss_chunk(_OwnModel(), 0)                  # off: nothing to refuse
     with pytest.raises(ConfigError, match="with loss_fn= the loss is computed by your function"):
@@ -90,7 +90,7 @@ def test_a_hugging_face_model_is_refused_before_training():
     model = transformers.LlamaForCausalLM(cfg)
     trainer = Trainer(model, config=FitConfig(precision="32-true", loss_chunk=256, **_QUIET),
                       strategy="single")
-    with pytest.raises(ConfigError, match="a LlamaForCausalLM computes its loss itself: set loss_chunk=0"):
+    with pytest.raises(ConfigError, match="a LlamaForCausalLM returns its whole logits: set loss_chunk=0"):
         trainer.prepare(total_steps=2)
 
 
