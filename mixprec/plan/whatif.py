@@ -150,9 +150,19 @@ class WhatIfReport:
                 f"choice: {format_counts(r.choice for r in self.rows)}; measured loss change "
                 f"of the whole choice {100 * self.choice_loss_change:.3f}% of {self.loss:.4f}; "
                 f"projected GEMM speed-up {self.choice_speedup:.2f}x; took {self.seconds:.1f} s",
+                *self._over_tolerance(),
                 *(f"note: {n}" for n in self.notes)]
         lines += [textwrap.fill(t, TABLE_WIDTH, subsequent_indent="  ") for t in text]
         return "\n".join(lines)
+
+    def _over_tolerance(self) -> list[str]:
+        """The choice is made layer by layer; its measured whole-model change can still exceed
+        the per-layer tolerance (small changes add up), and then the table says so."""
+        if not self.choice_loss_change > self.tolerance:
+            return []
+        return [f"warning: the whole choice changes the loss by {100 * self.choice_loss_change:.3g}%, "
+                f"more than the {100 * self.tolerance:.3g}% each layer was allowed (the layers' "
+                "changes add up); for a budget on the whole model use `mixprec plan --budget`"]
 
     def write_csv(self, path: str | Path) -> Path:
         """One row per layer; per format the column group ``FORMAT:sqnr_out_db``, ...; the choice.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 
 import pytest
 import torch
@@ -247,3 +248,15 @@ def test_the_table_fits_120_columns_and_the_csv_names_its_units(outlier_report, 
     values = {r.name: r for r in outlier_report.rows}[OUTLIER].cells["nvfp4"]
     line = next(r for r in csv.reader((tmp_path / "w.csv").open()) if r[0] == OUTLIER)
     assert float(line[header.index("nvfp4:loss_change_frac")]) == pytest.approx(values.loss_change, rel=1e-5)
+
+
+def test_a_choice_whose_whole_change_exceeds_the_tolerance_says_so(outlier_report):
+    """Each layer's change may be within the tolerance while the whole choice's is not (a user's
+    3-layer module: 0.608 % against 0.5 %, and the table said nothing)."""
+    within = dataclasses.replace(outlier_report, choice_loss_change=0.5 * outlier_report.tolerance)
+    assert "warning: the whole choice" not in within.table()
+    over = dataclasses.replace(outlier_report, choice_loss_change=2 * outlier_report.tolerance)
+    line = " ".join(over.table().split())
+    assert (f"warning: the whole choice changes the loss by {200 * outlier_report.tolerance:.3g}%, more "
+            f"than the {100 * outlier_report.tolerance:.3g}% each layer was allowed") in line
+    assert "mixprec plan --budget" in line
