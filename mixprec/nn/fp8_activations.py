@@ -83,6 +83,7 @@ class Fp8ActivationStore:
 
     def __init__(self, modules: list[nn.Module], *, block: int, min_numel: int) -> None:
         self.block, self.min_numel = block, min_numel
+        self.modules = modules
         self.packed = 0
         self.packed_bytes = 0
         self.original_bytes = 0

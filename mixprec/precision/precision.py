@@ -643,6 +643,11 @@ class Precision:
         if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
             self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
                               "remainder, no FP32 master gradients (bit-identical)")
+        if moments != "fp32":
+            self.notes.append(f"Adam moments stored in {moments}"
+                              + ("" if moments == "bf16" else " with per-block scales (matrices; "
+                                 "vectors keep FP32 moments)") + ", widened to FP32 in the update "
+                              "(moments; docs/lean.md)")
         return opt
 
     # ------------------------------------------------------------------ the step

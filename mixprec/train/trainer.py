@@ -241,6 +241,10 @@ class Trainer:
         if self.fp8_store is not None:
             self.fp8_store.remove()
         self.fp8_store = store_activations_in_fp8(unwrapped) if cfg.fp8_activations else None
+        if self.fp8_store is not None:
+            self._notes.append((f"activations: what {len(self.fp8_store.modules)} Linear layers save "
+                                "for backward kept in FP8 E4M3 with per-block scales, widened in "
+                                "backward (fp8_activations; docs/lean.md)", "memory"))
         if cfg.replan_every:
             if cfg.fp8_activations:
                 raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
