@@ -548,6 +548,9 @@ def format_table(rows: list[MemoryEstimate], *, unit: float = GB, unit_name: str
     for r in rows:
         out.append(f"{r.mode:<12} {r.peak / unit:>11.2f} {r.states / unit:>12.2f} "
                    f"{(r.activations + r.loss_buffers) / unit:>12.2f} {1 - r.peak / base.peak:>7.0%}")
+    out.append("(per device is the step's peak, not the columns' sum: activations and loss buffers live")
+    out.append(" in forward/backward, the optimizer's scratch only in its step; "
+               + ("GB = 10^9 bytes, as GPU datasheets count)" if unit_name == "GB" else "MiB = 2^20 bytes)"))
     out.append("")
     out.append(f"{'breakdown':<12} " + " ".join(f"{n:>10}" for n in (
         "params", "grads", "masters", "mgrads", "moments", "w.copies", "acts", "loss", "opt.tmp")))

@@ -158,6 +158,9 @@ def test_67b_table_has_seed_002_structure(capsys):
     assert rows["32-true"][2] == rows["bf16-mixed"][2]          # states: same 16 B/param
     assert float(rows["bf16-mixed"][3]) < 0.7 * float(rows["32-true"][3])   # activations shrink
     assert rows["32-true"][4] == "0%"
+    # The peak is not the columns' sum, and the unit is named (a new user read both wrong).
+    assert "per device is the step's peak, not the columns' sum" in out
+    assert "GB = 10^9 bytes" in out
 
 
 def test_unknown_optimizer_is_a_config_error():
