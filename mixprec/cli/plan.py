@@ -18,6 +18,11 @@ from mixprec.errors import ConfigError
 __all__ = ["configure", "run"]
 
 
+def percent(text: str) -> float:
+    """``--budget``'s value: a number of percent, with or without its ``%`` sign."""
+    return float(text.strip().removesuffix("%"))
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
                         help="training settings (model=small, seq_len=128, batch_size=..., see "
@@ -26,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", default="fp32,bf16,fp8-tensorwise,fp8-blockwise",
                         help="comma-separated formats to choose from (fp32 is always one; also "
                              "fp8-rowwise, mxfp8, nvfp4, mxfp4: plan those for --target B200)")
-    parser.add_argument("--budget", type=float, default=0.1,
+    parser.add_argument("--budget", type=percent, default=0.1,
                         help="allowed relative loss change of the whole plan against FP32, in percent "
                              "of the loss (default 0.1), measured with the planned formats on "
                              "held-out batches (and the calibration ones); a forward pass, not the "

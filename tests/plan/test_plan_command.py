@@ -2,6 +2,7 @@
 import json
 
 from mixprec.cli import main
+from mixprec.cli.plan import percent
 
 
 def test_plan_command_writes_a_plan_that_train_uses(tmp_path, capsys):
@@ -24,6 +25,12 @@ def test_plan_command_writes_a_plan_that_train_uses(tmp_path, capsys):
                  "progress=false"]) == 0
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert next(e for e in events if e["kind"] == "formats")["layers"] == formats
+
+
+def test_a_budget_may_carry_its_percent_sign(capsys):
+    """`--budget 5%` printed argparse's whole usage; the value is in percent either way."""
+    assert main(["plan", "model=tiny", "--budget", "150%"]) == 2
+    assert "got 150" in capsys.readouterr().err and percent("5%") == percent("5") == 5.0
 
 
 def test_a_budget_outside_percent_range_is_refused_in_one_line_before_the_model_is_built(capsys):
