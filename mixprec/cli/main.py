@@ -20,7 +20,7 @@ import signal
 import sys
 
 from mixprec import hints
-from mixprec.cli.streams import outlive_readers
+from mixprec.cli.streams import outlive_readers, reader_left
 from mixprec.errors import MixprecError, RunInterrupted
 from mixprec.train.signals import Aborted, StopRequest
 
@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         outlive_readers()          # a run's checkpoint must not depend on who reads its output
     with StopRequest(loop=False, hold=argv_given is None) as signals:
         try:
-            return int(importlib.import_module(args._module).run(args) or 0)
+            code = int(importlib.import_module(args._module).run(args) or 0)
+            # Output dropped after the reader left (`mixprec train ... | head`): the run is
+            # complete, and the exit says what a shell tool killed by SIGPIPE would.
+            return 128 + signal.SIGPIPE if code == 0 and reader_left() else code
         except Aborted as e:
             signals.ending = True          # an attribute store, not a call: no signal lands first
             print(f"mixprec: interrupted ({signal.Signals(e.signum).name})", file=sys.stderr)

@@ -5,7 +5,8 @@ When the reader of stdout or stderr goes away (``mixprec train ... 2>&1 | tee lo
 happens to be, and the run ends before it saves the checkpoint the signal asked for. Under
 :func:`outlive_readers` what the run prints after its reader left is dropped instead: the run
 goes on, saves, and exits as the signal asks (130 for SIGINT). The run folder (``metrics.csv``,
-``events.jsonl``, the checkpoint) keeps the record the terminal lost.
+``events.jsonl``, the checkpoint) keeps the record the terminal lost. A command that ends on its
+own after its reader left exits as a shell tool killed by SIGPIPE would (:func:`reader_left`).
 """
 from __future__ import annotations
 
@@ -56,3 +57,8 @@ def outlive_readers() -> None:
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, _ReaderMayLeave):
             setattr(sys, name, _ReaderMayLeave(stream))
+
+
+def reader_left() -> bool:
+    """Whether a stream :func:`outlive_readers` wrapped lost its reader."""
+    return any(isinstance(s, _ReaderMayLeave) and s.gone for s in (sys.stdout, sys.stderr))
