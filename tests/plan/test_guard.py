@@ -88,12 +88,7 @@ def test_guard_settings_are_checked_in_one_line():
 def _outlier_guard(every: int):
     """A set-up FP8 model whose ``blocks.0.proj`` input has two channels 10^5x the rest (its FP8
     output SQNR collapses), a guard over it, and a probe running one forward."""
-    net = _Net()
-    boost = torch.ones(64)
-    boost[[3, 40]] = 1e5
-    net.blocks[0].proj.register_forward_pre_hook(lambda mod, args: (args[0] * boost,))
-    with torch.no_grad():
-        net.blocks[0].proj.weight[:, [3, 40]] /= 1e5
+    net = _outlier_net()
     precision = mp.Precision("fp8-tensorwise")
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = precision.setup(net, opt)
