@@ -16,12 +16,12 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from mixprec.formats.limits import FormatLimits, format_limits
+from mixprec.formats.limits import format_limits
 
 LayerMeasure = Any
 """A :class:`mixprec.plan.plan.LayerMeasure` (not imported: ``plan`` imports these limits)."""
 
-__all__ = ["gate", "apply_gates", "stands_out", "output_refusal", "gate_limits", "MIN_SQNR_DB", "MAX_FLUSH",
+__all__ = ["gate", "apply_gates", "stands_out", "output_refusal", "MIN_SQNR_DB", "MAX_FLUSH",
            "MAX_SQNR_DROP_DB", "SAFE_SQNR_DB"]
 
 MIN_SQNR_DB = format_limits("fp8-tensorwise").min_grad_sqnr_db
@@ -39,13 +39,6 @@ format's healthy SQNR (:mod:`mixprec.formats.limits`: 28.5 dB in FP8, 16.5 in NV
 refused for being below the other layers': layer kinds differ (an MLP's second Linear, reading
 GELU outputs, measures 8-9 dB above its first in FP8 and NVFP4 alike), and a layer at the format's
 healthy level is no outlier."""
-
-
-def gate_limits(fmt: str, min_sqnr_db: float | None = None,
-                max_flush: float | None = None) -> FormatLimits:
-    """The limits the gates apply to ``fmt``: its own (:mod:`mixprec.formats.limits`), or the
-    user's ``min_sqnr_db`` / ``max_flush`` as given."""
-    return format_limits(fmt, min_sqnr_db=min_sqnr_db, max_flush=max_flush)
 
 
 def stands_out(sqnr_db: float, peers: Sequence[float], *, min_sqnr_db: float,
@@ -70,11 +63,11 @@ def output_refusal(sqnr_db: float, fmt: str, peers: Sequence[float] = (), *,
                    min_sqnr_db: float | None = None,
                    max_sqnr_drop_db: float = MAX_SQNR_DROP_DB) -> tuple[str, float] | None:
     """(why, severity) when a layer's output SQNR in ``fmt`` fails: below the format's limit
-    (:func:`gate_limits`; a given ``min_sqnr_db`` replaces it), or, with two or more ``peers``
+    (:func:`~mixprec.formats.limits.format_limits`; a given ``min_sqnr_db`` replaces it), or, with two or more ``peers``
     (the other layers' output SQNRs in ``fmt``), ``max_sqnr_drop_db`` below their median while
     under the format's healthy SQNR (and :data:`SAFE_SQNR_DB`). The planner's gates, the guard's
     samples and spike culprit, and the what-if's safe verdict all ask this."""
-    limits = gate_limits(fmt, min_sqnr_db)
+    limits = format_limits(fmt, min_sqnr_db=min_sqnr_db)
     return stands_out(sqnr_db, peers if len(peers) >= 2 else (), min_sqnr_db=limits.min_sqnr_db,
                       max_sqnr_drop_db=max_sqnr_drop_db,
                       safe_sqnr_db=min(limits.healthy_sqnr_db, SAFE_SQNR_DB))
@@ -84,7 +77,7 @@ def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float | None = None,
          max_flush: float | None = None, max_sqnr_drop_db: float = MAX_SQNR_DROP_DB,
          peers: Sequence[float] = ()) -> tuple[str, float] | None:
     """(why, severity) when ``fmt`` is too risky for layer ``m`` whatever its estimated loss
-    change, else None. The limits are ``fmt``'s own (:func:`gate_limits`; a given ``min_sqnr_db``
+    change, else None. The limits are ``fmt``'s own (:func:`~mixprec.formats.limits.format_limits`; a given ``min_sqnr_db``
     / ``max_flush`` replaces them). Refused: an output SQNR below the format's limit, or an input-
     or weight-gradient SQNR below its gradient limit; an *output* SQNR more than
     ``max_sqnr_drop_db`` below ``peers`` (the other layers' output SQNRs in ``fmt``: a layer the
@@ -92,7 +85,7 @@ def gate(m: LayerMeasure, fmt: str, *, min_sqnr_db: float | None = None,
     too much for that; :func:`output_refusal`); more than the format's flushed share of its inputs or output gradients flushed or saturated (outliers dominate a tensor's energy, so
     its SQNR can stay high while the rest of it is lost). Severity: how far over its worst limit
     (noise power over the limit's, flushed share over the limit), for the ranking."""
-    limits = gate_limits(fmt, min_sqnr_db, max_flush)
+    limits = format_limits(fmt, min_sqnr_db=min_sqnr_db, max_flush=max_flush)
     found: list[tuple[str, float]] = []
     for label, d in (("output", m.sqnr_out), ("input-gradient", m.sqnr_dgrad), ("weight-gradient", m.sqnr_grad)):
         v = d.get(fmt)

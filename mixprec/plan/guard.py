@@ -79,8 +79,8 @@ import torch
 from torch import nn
 
 from mixprec.errors import ConfigError
-from mixprec.formats.limits import FormatLimits
-from mixprec.plan.gates import gate_limits, output_refusal
+from mixprec.formats.limits import FormatLimits, format_limits
+from mixprec.plan.gates import output_refusal
 from mixprec.plan.guard_state import restore_snapshot, sample_layers, take_snapshot
 from mixprec.plan.replan import FormatSwitch
 from mixprec.precision import Precision
@@ -122,7 +122,7 @@ class GuardConfig:
 
     def limits(self, fmt: str) -> FormatLimits:
         """The limits a layer sampled in ``fmt`` must keep (the planner's gates read the same)."""
-        return gate_limits(fmt, self.min_sqnr_db, self.max_flush)
+        return format_limits(fmt, min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from mixprec.plan.gates import MAX_SQNR_DROP_DB, gate_limits
+from mixprec.formats.limits import format_limits
+from mixprec.plan.gates import MAX_SQNR_DROP_DB
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, is_micro, write_plan
 from mixprec.precision import Precision
@@ -181,7 +182,7 @@ class PrecisionPlan:
                          f"than the format's limit)")
         if fmts:
             lines.append("limits: " + "; ".join(
-                f"{_short(f)} {gate_limits(f, self.min_sqnr_db, self.max_flush).describe()}"
+                f"{_short(f)} {format_limits(f, min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush).describe()}"
                 for f in fmts) + (" (given)" if self.min_sqnr_db is not None or self.max_flush is not None
                                   else " (each format's own: docs/per-layer.md)"))
         lines.append(f"plan: {format_counts(m.chosen for m in self.layers)}; base {self.base}")
