@@ -3,6 +3,10 @@
 A new run never writes into a folder that already holds something: that would truncate the old
 run's metrics and move its ``latest`` checkpoint pointer. It is refused with the ways out that
 work (resume it, or ``overwrite=true``; hints in the caller's own syntax, mixprec/hints.py).
+A folder *is* a run only when it holds a run's own files (:data:`RUN_ENTRIES`); ``overwrite``
+deletes only those, and refuses in one line a folder that holds anything else (a project folder
+with ``train.py`` and ``.git``, a run folder where the user kept notes): mixprec never deletes a
+file it did not write.
 Default folder names cannot collide: the folder is created atomically and a ``-2``, ``-3``, ...
 suffix is added when the name is taken (two runs started in the same second). The run that
 claims a folder holds its lock (mixprec/runs/lock.py) until it ends: one folder, one writer.
@@ -17,7 +21,16 @@ from mixprec import hints
 from mixprec.errors import ConfigError
 from mixprec.runs.lock import LOCK_FILE, RunLock
 
-__all__ = ["claim_run_dir", "claim_locked_run_dir", "default_run_dir_name", "holds_a_run"]
+__all__ = ["claim_run_dir", "claim_locked_run_dir", "default_run_dir_name", "holds_a_run",
+           "RUN_ENTRIES", "RUN_MARKERS"]
+
+RUN_MARKERS = frozenset({"config.toml", "metrics.csv", "events.jsonl", "checkpoints"})
+"""Entries only a run writes at its start or first save: one of them makes a folder a run."""
+RUN_ENTRIES = RUN_MARKERS | frozenset({
+    LOCK_FILE, "numerics.csv", "tb", "hf", "hf_config.json", "report", "trace.json",
+    "profile.txt"})
+"""Every entry a run (``fit()``, ``mixprec train``, a framework callback, ``mixprec report``)
+writes into its folder: what ``overwrite`` may delete, and nothing else."""
 
 
 def default_run_dir_name(precision: str) -> str:
@@ -34,8 +47,21 @@ def _writable(path: Path) -> Path:
 
 
 def holds_a_run(path: Path) -> bool:
-    """Whether the folder holds anything but its lock file."""
-    return path.is_dir() and any(child.name != LOCK_FILE for child in path.iterdir())
+    """Whether the folder holds a run: one of the files only a run writes (:data:`RUN_MARKERS`)."""
+    return path.is_dir() and any((path / name).exists() for name in RUN_MARKERS)
+
+
+def _foreign(path: Path) -> list[str]:
+    """What the folder holds that no run wrote, sorted (``.git``, ``train.py``, ...)."""
+    if not path.is_dir():
+        return []
+    return sorted(child.name + ("/" if child.is_dir() else "") for child in path.iterdir()
+                  if child.name not in RUN_ENTRIES)
+
+
+def _listing(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def claim_run_dir(run_dir: str | Path | None, *, precision: str, resume: bool,
@@ -71,7 +97,15 @@ def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: 
         return path, RunLock.acquire(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run_dir {path} is a file; pass a folder")
-    if holds_a_run(path) and not overwrite:
+    run, foreign = holds_a_run(path), _foreign(path)
+    if foreign:
+        # Not mixprec's to delete or to mix a run into: refused whatever overwrite says.
+        what = "holds a run and also " if run else "is not empty and holds no run: it has "
+        raise ConfigError(
+            f"run folder {path} {what}{_listing(foreign)}; mixprec writes a run only into a new "
+            "or empty folder (or a run's own) and never deletes what it did not write: choose "
+            "another run_dir" + (" or move those files out" if run else ""))
+    if run and not overwrite:
         lock = RunLock.acquire(path)          # a live run's folder: say whose it is
         lock.release()
         raise ConfigError(f"run folder {path} already holds a run; " + (ways_out or (
@@ -80,7 +114,7 @@ def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: 
     lock = RunLock.acquire(_writable(path))
     if overwrite:
         for child in path.iterdir():   # the user asked for it: remove the old run's files
-            if child.name == LOCK_FILE:
+            if child.name == LOCK_FILE or child.name not in RUN_ENTRIES:
                 continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)

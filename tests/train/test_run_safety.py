@@ -46,6 +46,60 @@ def test_overwrite_true_starts_over_in_the_same_folder(tmp_path):
     assert [p.name for p in run.iterdir()] == [".lock"]      # the folder's lock file (runs/lock.py)
 
 
+def _project_folder(root: Path) -> Path:
+    """A user's project folder: a git repository with code, and no run."""
+    project = root / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "train.py").write_text("print('mine')\n")
+    (project / "src" / "model.py").write_text("x = 1\n")
+    subprocess.run(["git", "init", "-q", str(project)], check=True)
+    return project
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_overwrite_refuses_a_folder_that_holds_no_run_and_deletes_nothing(tmp_path, text_corpus):
+    project = _project_folder(tmp_path)
+    before = _tree(project)
+    proc = mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", "run_dir=.",
+                   "overwrite=true", check=False, cwd=project)
+    assert proc.returncode == 2, proc.stderr
+    assert "is not empty and holds no run: it has .git/, src/, train.py" in proc.stderr
+    assert "overwrite" not in proc.stderr.split("[mixprec]")[-1]   # never suggests deleting it
+    assert "Traceback" not in proc.stderr
+    assert _tree(project) == before and (project / ".git" / "HEAD").is_file()
+    with pytest.raises(ConfigError, match="holds no run"):        # fit()'s path, the same rule
+        claim_run_dir(project, precision="32-true", resume=False, overwrite=True)
+    assert _tree(project) == before
+
+
+def test_a_new_run_without_overwrite_into_a_non_run_folder_is_refused_without_suggesting_deletion(tmp_path):
+    project = _project_folder(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        claim_run_dir(project, precision="32-true", resume=False, overwrite=False)
+    assert "holds no run" in str(e.value) and "overwrite" not in str(e.value)
+
+
+def test_overwrite_of_a_run_folder_that_also_holds_user_files_is_refused(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.csv").write_text("old")
+    (run / "notes.md").write_text("mine")
+    with pytest.raises(ConfigError, match="holds a run and also notes.md; .* move those files out"):
+        claim_run_dir(run, precision="32-true", resume=False, overwrite=True)
+    assert (run / "notes.md").read_text() == "mine" and (run / "metrics.csv").is_file()
+
+
+def test_overwrite_removes_every_file_a_run_writes_and_nothing_else(tmp_path, text_corpus):
+    run = tmp_path / "run"
+    mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={run}")
+    mixprec("report", str(run))
+    mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={run}", "overwrite=true")
+    assert (run / "metrics.csv").is_file() and not (run / "report").exists()
+
+
 def test_default_run_folders_started_in_the_same_second_do_not_collide(tmp_path):
     names = {claim_run_dir(None, precision="bf16-mixed", resume=False, overwrite=False, root=tmp_path)
              for _ in range(3)}
