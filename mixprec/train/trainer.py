@@ -60,7 +60,8 @@ class FitResult:
     final_loss: float | None
     final_val_loss: float | None
     policy: str
-    """What ran (``Precision.ran``): the mode, or ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan."""
+    """What ran (``Precision.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
+    ``fp8-tensorwise+switched (5 bf16)`` when layers changed format while training (the guard)."""
 
 
 class Trainer:
@@ -512,7 +513,8 @@ class Trainer:
                         f"# optimizer: the caller's {type(mine).__name__}; lr, weight_decay and betas above are "
                         f"its own where all its groups agree ({', '.join(_optimizer_settings(mine)) or 'none'}), "
                         "the others were not used\n")
-                ran = f"# ran: {self.precision.ran()}\n" if self.precision.has_plan else ""
+                ran = (f"# ran: {self.precision.ran()}\n"
+                       if self.precision.has_plan or self.precision.switched else "")
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used
                     + ran)
