@@ -408,6 +408,21 @@ class Trainer:
         self.run_dir = Path(path)
         hints.set_run_dir(self.run_dir)
 
+    def _resume_into_its_run(self, resume: str | Path | bool | None) -> str | Path | bool | None:
+        """``run_dir`` naming a run's checkpoint (``RUN/checkpoints/step-N``, or ``RUN/checkpoints``)
+        with ``resume``: continue RUN from that checkpoint, as ``mixprec train --resume`` does,
+        instead of writing a new run inside the checkpoint folder. Returns what to resume from."""
+        from mixprec.runs import checkpoint as ckpt
+        cfg = self.config
+        run = ckpt.run_of_checkpoint(cfg.run_dir) if resume and cfg.run_dir else None
+        if run is None:
+            return resume
+        given = Path(cfg.run_dir)
+        self.config = dataclasses.replace(cfg, run_dir=str(run))
+        self._notes.append((f"run_dir={given} is a checkpoint of the run {run}: continuing that run "
+                            f"from it (its metrics, events and checkpoints)", "checkpoint"))
+        return given if resume is True else resume
+
     def _start_over(self, resume: str | Path | bool | None) -> bool:
         """A resume of a run folder that holds no complete checkpoint (the run stopped before its
         first save, or a second Ctrl-C aborted it): it starts again from step 0 with this run's
@@ -479,6 +494,7 @@ class Trainer:
         total = self._total_steps(train_loader)
         seed_everything(self.config.seed)          # dropout, data order of plain loaders
         self.prepare(total)
+        resume = self._resume_into_its_run(resume)
         start_over = self._start_over(resume)
         if start_over:
             resume = None

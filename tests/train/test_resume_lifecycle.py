@@ -270,3 +270,19 @@ def test_a_warm_up_longer_than_the_run_is_said_and_one_as_long_is_not(tmp_path, 
     # warmup_steps == max_steps: the last step runs at the peak LR, so there is nothing to say.
     mp.fit(Regressor(), batches(), max_steps=4, warmup_steps=4, run_dir=str(tmp_path / "s"), **QUIET)
     assert "warm-up (" not in capsys.readouterr().err
+
+
+def test_fit_into_a_checkpoint_folder_with_resume_continues_its_run_from_that_checkpoint(tmp_path):
+    """Before: ``fit(run_dir=RUN/checkpoints/step-N, resume=True)`` said "resuming from step-N"
+    and wrote a whole new run (config, metrics, checkpoints/) inside the checkpoint folder."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=6, run_dir=str(straight), **QUIET)
+    mp.fit(Regressor(), batches(), max_steps=6, ckpt_interval=3, run_dir=str(run), **QUIET)
+    step3 = run / "checkpoints" / "step-00000003"
+    before = sorted(p.name for p in step3.iterdir())
+    result = mp.fit(Regressor(), batches(), max_steps=6, run_dir=str(step3), resume=True, **QUIET)
+    assert result.run_dir == run
+    assert sorted(p.name for p in step3.iterdir()) == before        # nothing written inside it
+    assert metrics_lr(run) == metrics_lr(straight)                  # RUN continued from step 3
+    said = [e["message"] for e in events(run) if e["kind"] == "checkpoint"]
+    assert said[0].startswith(f"run_dir={step3} is a checkpoint of the run {run}: continuing")
