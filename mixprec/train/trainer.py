@@ -522,7 +522,10 @@ class Trainer:
         try:
             logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
             if main:  # the resolved precision ("auto" means something else on another machine)
+                # A plan's layers (plan:PATH, precision_overrides) are kept as the [overrides]
+                # table beside its base mode: what a resume rebuilds the same Precision from.
                 resolved = dataclasses.replace(cfg, precision=self.precision.name,
+                                               precision_overrides=self.precision.policy.overrides,
                                                **_optimizer_settings(self._user_optimizer))
                 mine = self._user_optimizer
                 used = ("" if mine is None else
