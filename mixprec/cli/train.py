@@ -383,9 +383,10 @@ def run(args: argparse.Namespace) -> int:
                   f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
             print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
             more = 2 * result.steps
-            print(f"[mixprec] resume:  {hints.resume(result.run_dir, max_steps=more)}  (train on to "
-                  f"step {more}: the LR schedule is re-stretched to the new end, docs/checkpoints.md)",
-                  file=sys.stderr)
+            # The command ends its line: a note after it ("  (train on ...)") broke the paste.
+            print(f"[mixprec] to train on to step {more} (the LR schedule is re-stretched to the "
+                  "new end, docs/checkpoints.md):", file=sys.stderr)
+            print(f"[mixprec] resume:  {hints.resume(result.run_dir, max_steps=more)}", file=sys.stderr)
             print(f"[mixprec] report:  {hints.report(result.run_dir)}", file=sys.stderr)
         strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
     except BaseException as exc:
