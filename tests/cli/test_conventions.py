@@ -133,6 +133,15 @@ def test_a_setting_written_as_a_flag_is_shown_as_key_value(capsys):
     assert "write max_steps=5" in capsys.readouterr().err
 
 
+def test_a_setting_written_as_a_flag_gets_the_one_line_hint_without_the_usage_block(capsys):
+    """Before: argparse's usage block (three lines) came before the one-line hint."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--max_steps", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mixprec train: error: --max_steps is not a flag: settings are key=value, write max_steps=2"]
+
+
 def test_a_flag_with_underscores_suggests_the_dashed_one(capsys):
     with pytest.raises(SystemExit):
         main(["memory", "--batch_size", "3"])
