@@ -286,3 +286,27 @@ def test_fit_into_a_checkpoint_folder_with_resume_continues_its_run_from_that_ch
     assert metrics_lr(run) == metrics_lr(straight)                  # RUN continued from step 3
     said = [e["message"] for e in events(run) if e["kind"] == "checkpoint"]
     assert said[0].startswith(f"run_dir={step3} is a checkpoint of the run {run}: continuing")
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_counted_whole_names(tmp_path):
+    """Before: torch's list of every missing key, cut to 240 characters ('"blocks.2.attn.proj.bias"
+    ...'): no count, and the rest unsaid. Now each kind of misfit is counted, a few whole names shown."""
+    from mixprec.errors import CheckpointError
+    from mixprec.models import Transformer
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        return [(x[:, :-1], x[:, 1:]) for x in (torch.randint(0, 256, (2, 17), generator=g) for _ in range(2))]
+    run = tmp_path / "run"
+    mp.fit(Transformer(num_layers=1, d_model=32, num_heads=2, vocab_size=256, max_seq_len=16), data(),
+           max_steps=1, run_dir=str(run), **QUIET)
+    bigger = Transformer(num_layers=2, d_model=32, num_heads=2, vocab_size=256, max_seq_len=16)
+    with pytest.raises(CheckpointError) as err:
+        mp.fit(bigger, data(), max_steps=2, run_dir=str(run), resume=True, **QUIET)
+    message = str(err.value)
+    assert "(12 weights missing from the checkpoint (blocks.1.ln1.weight, blocks.1.ln1.bias, " \
+           "blocks.1.attn.qkv.weight and 9 more)); resume with the model settings" in message
+    wider = Transformer(num_layers=1, d_model=32, num_heads=2, vocab_size=300, max_seq_len=16)
+    with pytest.raises(CheckpointError, match=r"of another shape, the checkpoint's -> this model's "
+                                              r"\(wte\.weight \[256, 32\] -> \[300, 32\]"):
+        mp.fit(wider, data(), max_steps=2, run_dir=str(run), resume=True, **QUIET)
