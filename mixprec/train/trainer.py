@@ -423,6 +423,27 @@ class Trainer:
                             f"from it (its metrics, events and checkpoints)", "checkpoint"))
         return given if resume is True else resume
 
+    def _refuse_another_models_run(self, resume: str | Path | bool) -> None:
+        """A ``fit()`` resume of a folder whose ``config.toml`` says ``fit()`` trained another
+        model class there is another run, not this one: refused in one line naming both, before
+        a restore fails on whatever differs first (the data's length, a weight's shape)."""
+        from mixprec.runs import checkpoint as ckpt
+        from mixprec.runs.read import read_run_config
+        if hasattr(self.config, "model"):        # mixprec train: its own config names the model
+            return
+        folder = self.run_dir if resume is True else (ckpt.run_of_checkpoint(resume) or Path(resume))
+        recorded = read_run_config(folder).get("model")
+        mine = _fit_model_name(self.raw_model)
+        # By class name: the same class imported from another module (a script run as
+        # __main__, then imported) is the same model.
+        same = lambda a, b: a.rpartition(".")[2] == b.rpartition(".")[2]  # noqa: E731
+        if isinstance(recorded, str) and recorded.startswith("fit: ") \
+                and not same(recorded[len("fit: "):], mine):
+            raise ConfigError(
+                f"{folder} holds another run: fit() trained {recorded[len('fit: '):]} there "
+                f"(its config.toml), this fit() trains {mine}; choose another run_dir, or pass "
+                f"{hints.overwrite()} without resume to delete that run and start over")
+
     def _start_over(self, resume: str | Path | bool | None) -> bool:
         """A resume of a run folder that holds no complete checkpoint (the run stopped before its
         first save, or a second Ctrl-C aborted it): it starts again from step 0 with this run's
@@ -504,6 +525,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last,
                                          export_hf=cfg.export_hf, model=self.model)
         if resume:
+            self._refuse_another_models_run(resume)
             # This run's peak LR per group, as prepare() built the schedule (cfg.lr for mixprec's
             # optimizer; your optimizer's own LRs for one you passed).
             peaks = list(self.scheduler.base_lrs) if self._user_scheduler is None else []
@@ -754,16 +776,20 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer | None) -> dict[str, fl
     return found
 
 
+def _fit_model_name(model: nn.Module) -> str:
+    """The model class a ``fit()`` run records in ``config.toml`` (``model = "fit: <this>"``)."""
+    from mixprec.models.hf import is_hf_model
+    kind = type(model)
+    return (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
+            else f"{kind.__module__}.{kind.__qualname__}")
+
+
 def _what_fit_trained(cfg: FitConfig, model: nn.Module, loader: Any) -> str:
     """For a ``fit()`` run (a config without ``model``): the model and, where the loader says, the
     batch shape, as ``config.toml`` lines, so a reader (and ``mixprec train --resume``) learns them."""
     if hasattr(cfg, "model"):
         return ""
-    from mixprec.models.hf import is_hf_model
-    kind = type(model)
-    name = (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
-            else f"{kind.__module__}.{kind.__qualname__}")
-    lines = [f"model = {json.dumps('fit: ' + name)}"]
+    lines = [f"model = {json.dumps('fit: ' + _fit_model_name(model))}"]
     inner = getattr(loader, "loader", loader)
     seq_len = getattr(getattr(inner, "dataset", None), "max_length", None)
     for key, value in (("seq_len", seq_len), ("batch_size", getattr(inner, "batch_size", None))):

@@ -310,3 +310,29 @@ def test_a_checkpoint_of_another_model_is_refused_with_counted_whole_names(tmp_p
     with pytest.raises(CheckpointError, match=r"of another shape, the checkpoint's -> this model's "
                                               r"\(wte\.weight \[256, 32\] -> \[300, 32\]"):
         mp.fit(wider, data(), max_steps=2, run_dir=str(run), resume=True, **QUIET)
+
+
+class _OtherModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+
+def test_a_resume_into_a_folder_of_another_models_run_names_that_run(tmp_path):
+    """Before: "cannot resume the training data mid-epoch: it was saved with num_batches=4 (now
+    6)", as if this run's data had changed, when the folder held another model's run."""
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(4), max_steps=2, run_dir=str(run), **QUIET)
+    before = (run / "metrics.csv").read_text()
+    with pytest.raises(ConfigError) as err:
+        mp.fit(_OtherModel(), batches(6), max_steps=3, run_dir=str(run), resume=True, **QUIET)
+    message = str(err.value)
+    assert message.startswith(f"{run} holds another run: fit() trained ")
+    assert ".Regressor there (its config.toml), this fit() trains " in message
+    assert message.endswith("._OtherModel; choose another run_dir, or pass overwrite=True without "
+                            "resume to delete that run and start over")
+    assert (run / "metrics.csv").read_text() == before               # nothing changed
