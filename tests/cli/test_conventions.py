@@ -181,3 +181,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_sigpipes_code():
     os.close(write)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
     assert "error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_misspelt_overrides_table_is_named_not_taken_for_a_setting(tmp_path):
+    """Before: ``[overides] head = "bf16"`` said "unknown setting 'head' (did you mean
+    'num_heads'?)", sending the user to a setting they never meant."""
+    from mixprec.errors import ConfigError
+    from mixprec.train.config import load_config
+    path = tmp_path / "cfg.toml"
+    path.write_text('[overides]\nhead = "bf16"\n"blocks.0.*" = "fp32"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith("unknown table [overides] (file cfg.toml) (did you mean [overrides]?)")
+    path.write_text('[optim]\nlrr = 0.1\n')              # a grouping table: the setting is named
+    with pytest.raises(ConfigError, match=r"unknown setting 'lrr' \(file cfg.toml\) \(did you mean 'lr'\?\)"):
+        load_config(path)
