@@ -196,3 +196,12 @@ def test_a_misspelt_overrides_table_is_named_not_taken_for_a_setting(tmp_path):
     path.write_text('[optim]\nlrr = 0.1\n')              # a grouping table: the setting is named
     with pytest.raises(ConfigError, match=r"unknown setting 'lrr' \(file cfg.toml\) \(did you mean 'lr'\?\)"):
         load_config(path)
+
+
+def test_two_different_precisions_on_one_command_line_are_refused_in_one_line(capsys):
+    """Before: ``--precision bf16-mixed precision=16-mixed`` trained in one of the two, silently."""
+    assert main(["train", "--precision", "bf16-mixed", "precision=16-mixed"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mixprec: error: --precision bf16-mixed and precision=16-mixed disagree; pass one of them"]
+    from mixprec.cli.train import _same_mode
+    assert _same_mode("bf16", "bf16-mixed") and not _same_mode("auto", "bf16-mixed")
