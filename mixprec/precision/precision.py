@@ -110,8 +110,10 @@ class Precision:
         self.policy: Policy = get_policy(precision, device=self.device)
         extra = normalize_overrides(overrides)
         if extra:
-            self.policy = self.policy.replace(name=self.policy.name,
-                                              overrides=extra + self.policy.overrides)
+            # A pair given twice (a resumed plan run's [overrides] and the same plan:PATH again)
+            # is kept once: first match wins, so a later identical pair never decided anything.
+            self.policy = self.policy.replace(name=self.policy.name, overrides=extra + tuple(
+                o for o in self.policy.overrides if o not in extra))
         if micro_options:
             from mixprec.formats.micro_config import parse_micro_options
             self.policy = self.policy.replace(name=self.policy.name,

@@ -123,3 +123,7 @@ def test_a_plan_run_resumes_with_the_command_it_printed(tmp_path, capsys):
     assert command[:3] == ["mixprec", "train", "--resume"]
     assert main([*command[1:], "progress=false"]) == 0
     assert tomllib.loads((run / "config.toml").read_text())["overrides"] == saved["overrides"]
+    # Naming the plan again on the resume is the same plan, not its layers twice.
+    assert main(["train", "--resume", str(run), "--precision", f"plan:{plan}", "max_steps=5",
+                 "progress=false"]) == 0
+    assert tomllib.loads((run / "config.toml").read_text())["overrides"] == saved["overrides"]
