@@ -7,8 +7,9 @@ loss, learning rate, the relative difference of each run's loss from the referen
 (``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
 (log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary
 table has one row per run: precision, the training settings unlike the first run's (config.toml,
-besides where it wrote and what it logged; also in each plot's line labels), how far it got (``320 of 2000`` and whether it completed,
-stopped, diverged, or is still running or was killed), final train and validation loss, each
+besides where it wrote and what it logged; also in each plot's line labels), how far it got
+(``320 of 2000`` and whether it completed, stopped, diverged, or is still running or was
+killed), final train and validation loss, each
 against the reference's final value and at the last step every run reached (named in the column
 header), skipped steps, final loss scale, and the final layer formats.
 """

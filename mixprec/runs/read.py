@@ -12,7 +12,8 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.runs.metrics import read_events, read_metrics, read_numerics
 
-__all__ = ["format_counts", "layer_formats_over_run", "read_run", "read_run_config", "run_label", "run_precision", "run_progress", "start_field"]
+__all__ = ["format_counts", "layer_formats_over_run", "read_run", "read_run_config", "run_label",
+           "run_precision", "run_progress", "start_field"]
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
