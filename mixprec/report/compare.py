@@ -49,6 +49,8 @@ def reference_words(ref: dict[str, Any]) -> str:
     per-layer formats (a plan) is only the first run, named by what ran."""
     if ref["plan"]:
         return f"the first run, a per-layer plan ({ref['label']}), not a uniform reference"
+    if str(ref["label"]).endswith("+switched"):     # its layers changed format while training
+        return f"the first run, whose layers switched format ({ref['label']}), not a uniform reference"
     return "the reference"
 
 

@@ -342,6 +342,8 @@ def test_a_guarded_run_whose_fp8_layers_all_went_to_bf16_is_labelled_by_what_ran
     assert summary["layer formats at the end"] == "5 bf16"
     assert summary["layer formats over the run"] == "bf16 100 % of layer-steps"
     assert compare_summary([load_run(run)])[0]["precision"] == "fp8-tensorwise+switched"
+    from mixprec.report.compare import reference_words
+    assert "not a uniform reference" in reference_words(load_run(run))
     # A guarded run whose guard did nothing keeps its mode's label.
     quiet = tmp_path / "quiet"
     trainer, result = _fit(_Net(), quiet, 1)
