@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = [e for e in extra if e.startswith("-")]
     if flags:
         sub = _subparser(parser, args)
-        (sub or parser).error(_unknown_flag_line(flags[0], argv, sub, hasattr(args, "settings")))
+        # The line says the fix: argparse's usage block before it only buried it.
+        (sub or parser).exit(2, f"{(sub or parser).prog}: error: "
+                             f"{_unknown_flag_line(flags[0], argv, sub, hasattr(args, 'settings'))}\n")
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "command", None):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from mixprec.errors import DataError
 from mixprec.report.compare import compare_summary, load_run, write_comparison
-from mixprec.report.report import guard_summary, write_report
+from mixprec.report.report import formats_over_run, guard_summary, write_report
+from mixprec.runs.read import format_counts, layer_formats_over_run
 from mixprec.runs.metrics import read_events
 
 __all__ = ["configure", "run"]
@@ -30,9 +31,15 @@ def run(args: argparse.Namespace) -> int:
         if len(args.run_dir) > 1:
             return _compare(args)
         html_path = write_report(args.run_dir[0], args.out)
-        guard = guard_summary(read_events(Path(args.run_dir[0])))
+        events = read_events(Path(args.run_dir[0]))
+        guard = guard_summary(events)
         if guard != "-":
             print(f"guard: {guard}")                # what guarded training did (guard=true)
+        start, end = layer_formats_over_run(events)
+        if start != end:                            # what ran is not what the run started with
+            last = max((int(e.get("step") or 0) for e in events), default=0)
+            print(f"layer formats: {format_counts(start)} at the start, {format_counts(end)} at the "
+                  f"end; over the run {formats_over_run(events, last)}")
     except OSError as e:
         if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
             raise

@@ -43,6 +43,11 @@ def _resolve(args: argparse.Namespace) -> tuple[TrainConfig, dict[str, str], Pat
     """The config, where each value came from, and the run folder to resume (None: fresh)."""
     overrides = parse_overrides(args.settings)
     if args.precision:
+        given = overrides.get("precision")
+        if given is not None and given.strip() != args.precision.strip() \
+                and not _same_mode(given, args.precision):
+            raise ConfigError(f"--precision {args.precision} and precision={given} disagree; "
+                              "pass one of them")
         overrides["precision"] = args.precision
     cfg, source = load_config(args.config, overrides)
     resume_dir = resume_from = None
@@ -106,6 +111,18 @@ def _with_max_seq_len(cfg: TrainConfig, base: TrainConfig | None) -> TrainConfig
                           f"seq_len<={length}" + (", or start a new run for longer sequences"
                                                  if base is not None else ""))
     return dataclasses.replace(cfg, max_seq_len=length)
+
+
+def _same_mode(a: str, b: str) -> bool:
+    """Two names of one mode (``bf16`` and ``bf16-mixed``); False when either is unknown, or
+    ``auto`` (which mode it is depends on the machine)."""
+    from mixprec.precision import get_policy
+    if "auto" in (a.strip().lower(), b.strip().lower()):
+        return False
+    try:
+        return get_policy(a, device="cpu").spec() == get_policy(b, device="cpu").spec()
+    except (ValueError, OSError):
+        return False
 
 
 def _run_folder_of(path: Path) -> tuple[Path, Path]:
@@ -383,9 +400,10 @@ def run(args: argparse.Namespace) -> int:
                   f"final validation loss {val}, precision {result.policy}", file=sys.stderr)
             print(f"[mixprec] run folder: {result.run_dir}", file=sys.stderr)
             more = 2 * result.steps
-            print(f"[mixprec] resume:  {hints.resume(result.run_dir, max_steps=more)}  (train on to "
-                  f"step {more}: the LR schedule is re-stretched to the new end, docs/checkpoints.md)",
-                  file=sys.stderr)
+            # The command ends its line: a note after it ("  (train on ...)") broke the paste.
+            print(f"[mixprec] to train on to step {more} (the LR schedule is re-stretched to the "
+                  "new end, docs/checkpoints.md):", file=sys.stderr)
+            print(f"[mixprec] resume:  {hints.resume(result.run_dir, max_steps=more)}", file=sys.stderr)
             print(f"[mixprec] report:  {hints.report(result.run_dir)}", file=sys.stderr)
         strategy.teardown()   # barrier (bounded by the timeout), then destroy the group
     except BaseException as exc:

@@ -127,6 +127,10 @@ class NonFiniteEvent:
     """Global rank whose replay found it (set by :func:`gather_origins` in a multi-rank job)."""
     other_ranks: tuple[int, ...] = ()
     """Further ranks whose replay also found an origin (their own events are not kept)."""
+    made_by: str | None = None
+    """The operation that made it, when the tensor that showed it only received it: a parameter's
+    gradient (``tensor``: ``grad of weight``) made by the module's ``weight-gradient GEMM`` (its
+    ``dtype``: the GEMM's, FP16 under autocast, not the FP32 gradient it was cast into)."""
 
     def message(self, step: int | None = None, scale_before: float | None = None,
                 scale_after: float | None = None) -> str:
@@ -135,7 +139,8 @@ class NonFiniteEvent:
         step = self.step if step is None else step
         head = f"step {step} skipped" if step is not None else "non-finite step"
         where = f"rank {self.rank}, " if self.rank is not None else ""
-        line = f"{head}: {self.kind} first at {self.module} ({where}{self.direction}, {self.dtype})"
+        made = f" {self.made_by}" if self.made_by else ""
+        line = f"{head}: {self.kind} first at {self.module} ({where}{self.direction}, {self.dtype}{made})"
         scale_before = self.loss_scale if scale_before is None else scale_before
         if scale_before is not None:
             line += f" — loss scale {_num(scale_before)}"
@@ -362,12 +367,14 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
     loss_nonfinite = None
     if isinstance(loss, torch.Tensor):
         loss_nonfinite = not bool(torch.isfinite(loss.detach()).all())
-    origin = _find_origin(rec.resolve(), loss_nonfinite)
+    obs = rec.resolve()
+    origin = _find_origin(obs, loss_nonfinite)
     if origin is None:
         return None
     src = origin.get("source")
     has_src = src is not None and src["absmax"] is not None
     dtype = origin["dtype"] if origin["dtype"] is not None else (loss.dtype if isinstance(loss, torch.Tensor) else None)
+    dtype, made_by = _made_by(model, origin, obs, dtype)
     return NonFiniteEvent(
         module=origin["module"] or f"<{type(model).__name__}>", direction=origin["direction"],
         kind="nan" if origin["code"] == 2 else "inf",
@@ -376,7 +383,30 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
         input_absmax=float(src["absmax"]) if has_src else None,
         input_absmin=(float(src["absmin"]) if has_src and math.isfinite(src["absmin"]) else None),
         loss_scale=None if loss_scale is None else float(loss_scale), step=step,
-        micro_batch=origin.get("micro"))
+        micro_batch=origin.get("micro"), made_by=made_by)
+
+
+def _made_by(model: nn.Module, origin: dict, obs: list[dict],
+             dtype: torch.dtype | None) -> tuple[torch.dtype | None, str | None]:
+    """(the dtype, the operation) that made a parameter-gradient origin: the module's gradient
+    GEMM (a weight of 2+ dims) or reduction, in the dtype the module computed its output in. Under
+    autocast an FP32 parameter's gradient only receives, cast to FP32, the inf its FP16 GEMM made:
+    naming FP32 sends the reader to the wrong format. Other origins: unchanged, None."""
+    tensor = str(origin.get("tensor", ""))
+    if origin.get("direction") != "backward" or not tensor.startswith("grad of "):
+        return dtype, None
+    pname = tensor[len("grad of "):]
+    try:
+        param = model.get_submodule(origin["module"]).get_parameter(pname)
+    except (AttributeError, KeyError):
+        return dtype, None
+    outs = [o["dtype"] for o in obs if o["direction"] == "forward" and o["kind"] == "out"
+            and o["module"] == origin["module"] and o["dtype"] is not None]
+    computed = outs[0] if outs else dtype
+    if computed is not None and dtype is not None and computed.is_floating_point \
+            and torch.finfo(computed).bits < torch.finfo(dtype).bits:
+        dtype = computed                  # the narrower dtype the module computed in made it
+    return dtype, (f"{pname}-gradient GEMM" if param.dim() >= 2 else f"{pname}-gradient")
 
 
 # --- across ranks ---------------------------------------------------------------------------------

@@ -121,11 +121,29 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         for device in devices:
             self._generator(device).manual_seed((self._seed * 1_000_003 + step) % (1 << 63))
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the stochastic-rounding seed in every param group (``sr_seed``): the
+        noise of every later step follows from it (see :meth:`_reseed`), so a resume rounds as the
+        uninterrupted run did however this optimizer was built. In the groups, not beside them:
+        FSDP2's gathered state keeps only the state and the groups."""
+        sd = super().state_dict()
+        if self._seed is not None:
+            sd["param_groups"] = [{**g, "sr_seed": self._seed} for g in sd["param_groups"]]
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
         # Checkpoints before the noise followed from (seed, step) saved the generators; the next
         # step reseeds them (_reseed), so that is all they need.
         sd.pop("sr_generators", None)
+        # The saved run's rounding seed wins over the one this optimizer drew or was given; a state
+        # dict saved before the seed travelled keeps this optimizer's.
+        seeds = {g["sr_seed"] for g in sd["param_groups"] if g.get("sr_seed") is not None}
+        sd["param_groups"] = [{k: v for k, v in g.items() if k != "sr_seed"} for g in sd["param_groups"]]
+        if seeds and self.stochastic_rounding:
+            self._seed = int(min(seeds))
+            self._generators.clear()
+            self._seeded_at = None
         # torch casts every tensor of the state to the param dtype (FP32), 8-bit codes and 16-bit
         # scales included: note the saved dtypes and store each tensor in its own dtype again.
         formats = {g.get("moments") for g in sd["param_groups"]} - {None}

@@ -110,8 +110,10 @@ class Precision:
         self.policy: Policy = get_policy(precision, device=self.device)
         extra = normalize_overrides(overrides)
         if extra:
-            self.policy = self.policy.replace(name=self.policy.name,
-                                              overrides=extra + self.policy.overrides)
+            # A pair given twice (a resumed plan run's [overrides] and the same plan:PATH again)
+            # is kept once: first match wins, so a later identical pair never decided anything.
+            self.policy = self.policy.replace(name=self.policy.name, overrides=extra + tuple(
+                o for o in self.policy.overrides if o not in extra))
         if micro_options:
             from mixprec.formats.micro_config import parse_micro_options
             self.policy = self.policy.replace(name=self.policy.name,
@@ -130,6 +132,8 @@ class Precision:
         it, refreshed when a layer's format changes); what FSDP2's islands are read from."""
         self.layer_formats: dict[str, str] = {}
         """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
+        self._set_up_formats: dict[str, str] = {}
+        """:attr:`layer_formats` as :meth:`setup` made them, before any switch while training."""
         self.last_grad_norm: torch.Tensor | None = None
         """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
 
@@ -167,11 +171,20 @@ class Precision:
             counts[f] = counts.get(f, 0) + 1
         return ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda c: -c[1]))
 
+    @property
+    def switched(self) -> bool:
+        """Some Linear changed format while training (the guard promoted it, re-planning or a
+        restored checkpoint moved it): what runs now is not what :meth:`setup` made."""
+        return bool(self._set_up_formats) and self.layer_formats != self._set_up_formats
+
     def ran(self) -> str:
         """:attr:`label` with the Linear layers' formats when a plan runs (``32-true+plan (8
-        nvfp4, 1 fp32)``): what a run's last line and record say ran."""
+        nvfp4, 1 fp32)``) or when layers switched format while training (``fp8-tensorwise+switched
+        (9 bf16)``: a guarded run whose FP8 layers all went to BF16 is not an FP8 run): what a
+        run's last line and record say ran."""
         counts = self.format_counts()
-        return f"{self.label} ({counts})" if self.has_plan and counts else self.label
+        label = f"{self.label}+switched" if self.switched else self.label
+        return f"{label} ({counts})" if (self.has_plan or self.switched) and counts else label
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -587,6 +600,7 @@ class Precision:
         surrounding one become ``FormatLinear``; the rest stay as they are."""
         from mixprec.precision.layer_formats import apply_formats
         self.layer_formats = apply_formats(self, model)
+        self._set_up_formats = dict(self.layer_formats)
 
     def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
                         sharded: bool = False) -> torch.optim.Optimizer | None:

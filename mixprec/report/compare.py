@@ -6,8 +6,10 @@ labelled with its run's folder name, the table maps names to what ran, ``Precisi
 loss, learning rate, the relative difference of each run's loss from the reference's
 (``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
 (log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary
-table has one row per run: precision, how far it got (``320 of 2000`` and whether it completed,
-stopped, diverged, or is still running or was killed), final train and validation loss, each
+table has one row per run: precision, the training settings unlike the first run's (config.toml,
+besides where it wrote and what it logged; also in each plot's line labels), how far it got
+(``320 of 2000`` and whether it completed, stopped, diverged, or is still running or was
+killed), final train and validation loss, each
 against the reference's final value and at the last step every run reached (named in the column
 header), skipped steps, final loss scale, and the final layer formats.
 """
@@ -26,7 +28,7 @@ from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
 from mixprec.runs.read import read_run, run_progress, run_scales_loss
 
-__all__ = ["write_comparison", "compare_summary", "load_run"]
+__all__ = ["write_comparison", "compare_summary", "load_run", "settings_that_differ"]
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -47,7 +49,38 @@ def reference_words(ref: dict[str, Any]) -> str:
     per-layer formats (a plan) is only the first run, named by what ran."""
     if ref["plan"]:
         return f"the first run, a per-layer plan ({ref['label']}), not a uniform reference"
+    if str(ref["label"]).endswith("+switched"):     # its layers changed format while training
+        return f"the first run, whose layers switched format ({ref['label']}), not a uniform reference"
     return "the reference"
+
+
+_NOT_SETTINGS = frozenset({
+    "precision", "run_dir", "overwrite", "resume", "progress", "audit", "log_interval",
+    "ckpt_interval", "keep_last", "export_hf", "profile", "monitor_every", "trace_nonfinite",
+    "overlap_optimizer", "num_workers"})
+"""``config.toml`` keys that are not a difference in training: where it was written and what was
+logged (``precision`` has its own column; ``overlap_optimizer`` is bit-identical)."""
+
+
+def _setting(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_setting(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def settings_that_differ(config: dict[str, Any], ref: dict[str, Any]) -> str:
+    """The training settings of ``config`` unlike the first run's (``ref``), as ``key=value`` in
+    ``config.toml``'s order (``lr=0.005 moments=int8 loss_chunk=64``); ``""`` when none: two runs
+    labelled alike that differ by their learning rate must not read as a precision effect."""
+    keys = [k for k in ref if k not in _NOT_SETTINGS] + \
+        [k for k in config if k not in ref and k not in _NOT_SETTINGS]
+    return " ".join(f"{k}={_setting(config.get(k))}" for k in keys if config.get(k) != ref.get(k))
 
 
 def _last_common(runs: list[dict[str, Any]], key: str) -> int | None:
@@ -71,6 +104,8 @@ def compare_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in runs:
         row: dict[str, Any] = {"run": r["name"], "precision": r["label"],
+                               "settings unlike the first's": (
+                                   settings_that_differ(r["config"], ref["config"]) or "-"),
                                "steps": run_progress(r["config"], r["events"], r["last"])}
         for key, name in (("loss", "loss"), ("val_loss", "val loss")):
             s, rs = _series(r["rows"], key), _series(ref["rows"], key)
@@ -101,7 +136,7 @@ def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, l
     for r in runs:
         s = _series(r["rows"], key)
         if keep(s):
-            line, = plot_series(ax, list(s), list(s.values()), label=r["name"], color=r["colour"],
+            line, = plot_series(ax, list(s), list(s.values()), label=r["legend"], color=r["colour"],
                                 **({"marker": style, "ms": 4} if style else {}))
             mark_events(ax, r["events"], skips=False, colour=line.get_color(), run=r["name"])
     if not ax.lines:
@@ -113,6 +148,9 @@ def _overlay(runs, key: str, title: str, ylabel: str, out: Path, name: str, *, l
 def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for i, r in enumerate(runs):            # one colour per run in every picture
         r["colour"] = f"C{i % 10}"
+        # Each line says how its run's settings differ from the first's, not its folder alone.
+        differ = settings_that_differ(r["config"], runs[0]["config"])
+        r["legend"] = f"{r['name']} ({differ})" if differ else r["name"]
     paths = [_overlay(runs, "loss", "train loss", "loss", out, "compare_loss.png"),
              _overlay(runs, "val_loss", "validation loss", "loss", out, "compare_val_loss.png",
                       style="o"),
@@ -125,7 +163,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         s = _series(r["rows"], "loss")
         common = sorted(set(s) & set(rs))
         if common:
-            plot_series(ax, common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["name"],
+            plot_series(ax, common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["legend"],
                         color=r["colour"])
     if ax.lines:
         ax.axhline(0, color="#888", lw=0.8)
@@ -136,7 +174,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for r in runs:
         s = _series(r["rows"], "skipped_total")
         if s and any(s.values()):
-            ax.step(list(s), list(s.values()), where="post", label=r["name"], color=r["colour"])
+            ax.step(list(s), list(s.values()), where="post", label=r["legend"], color=r["colour"])
         counts += list(s.values())
     if counts:
         integer_count_axis(ax, counts)
@@ -147,7 +185,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for r in runs:
         steps, scale = scale_series(r["rows"], r["events"])
         if scale and any(v != 1 for v in scale):
-            ax.step(steps, scale, where="post", label=r["name"], color=r["colour"])
+            ax.step(steps, scale, where="post", label=r["legend"], color=r["colour"])
     if ax.lines:
         ax.set_yscale("log", base=2)
         legend_below(ax)
@@ -158,7 +196,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
             n = len(r["layers"])
             share = [100 * sum(_narrow(r["formats"][name][t]) for name in r["layers"]) / n
                      for t in range(r["last"] + 1)]
-            ax.step(range(r["last"] + 1), share, where="post", label=r["name"], color=r["colour"])
+            ax.step(range(r["last"] + 1), share, where="post", label=r["legend"], color=r["colour"])
     if any(max(line.get_ydata(), default=0) > 0 for line in ax.lines):   # no FP8 anywhere: no picture
         ax.set_ylim(-2, 102)
         legend_below(ax)

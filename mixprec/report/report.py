@@ -27,7 +27,8 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.report.figures import (caption, figure, legend_below, mark_events, memory_label, plot_series,
                                     save, scale_series, skip_events)
-from mixprec.runs.read import read_run_config, run_precision, run_progress, run_scales_loss, start_field
+from mixprec.runs.read import (format_counts, layer_formats_over_run, read_run_config, run_label,
+                               run_precision, run_progress, run_scales_loss, start_field)
 from mixprec.runs.metrics import (METRICS_FILE, is_finite_number, read_events, read_metrics,
                                    read_numerics)
 
@@ -112,8 +113,14 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
     totals = [r["skipped_total"] for r in rows if r.get("skipped_total") is not None]
     skipped = totals[-1] if totals else sum(int(r.get("skipped") or 0) for r in rows)
     best = min(range(len(vals)), key=vals.__getitem__) if vals else None
+    label, _ = run_label(config, events)
+    start, end = layer_formats_over_run(events)
     return {
         "precision": run_precision(config, events),
+        "ran": f"{label} ({format_counts(end)})" if label and start != end else label,
+        "layer formats at the start": format_counts(start) or None,
+        "layer formats at the end": format_counts(end) or None,
+        "layer formats over the run": formats_over_run(events, rows[-1]["step"]),
         "model": _model(config, events),
         "last step": rows[-1]["step"],
         "steps": run_progress(config, events, rows[-1]["step"]),   # says an incomplete run is one
@@ -130,6 +137,24 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "events": len(events),
         "guard": guard_summary(events),
     }
+
+
+def formats_over_run(events: list[dict[str, Any]], last: int) -> str | None:
+    """Each format's share of the Linear-layer training steps (steps 1..``last``, a layer counted
+    at each step in the format it had after that step's switches): ``bf16 100 %`` for a guarded
+    FP8 run whose layers all went to BF16 at step 1. None when the run logged no formats."""
+    from mixprec.report.format_timeline import format_timeline
+    layers, rows = format_timeline(events, last)
+    steps = range(1, last + 1) if last >= 1 else range(0, 1)
+    counts: dict[str, int] = {}
+    for name in layers:
+        for s in steps:
+            counts[rows[name][s]] = counts.get(rows[name][s], 0) + 1
+    total = sum(counts.values())
+    if not total:
+        return None
+    return ", ".join(f"{f} {100 * n / total:.3g} %" for f, n in sorted(counts.items(), key=lambda c: -c[1])) \
+        + " of layer-steps"
 
 
 def guard_summary(events: list[dict[str, Any]]) -> str:

@@ -432,6 +432,20 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def run_of_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The run folder ``path`` belongs to when it is that run's ``checkpoints/`` folder or one of
+    its ``checkpoints/step-N`` folders (None for anything else, a run folder included): what a
+    ``run_dir`` or ``--resume`` pointing into a run's checkpoints continues."""
+    path = Path(path)
+    if path.name == "checkpoints":
+        run = path.parent
+    elif _parse_step(path.name) is not None and path.parent.name == "checkpoints":
+        run = path.parent.parent
+    else:
+        return None
+    return run if (run / "config.toml").is_file() else None
+
+
 def _read_latest(ckpt_dir: Path) -> str | None:
     try:
         name = (ckpt_dir / LATEST_FILE).read_text(encoding="utf-8").strip()

@@ -127,7 +127,8 @@ class Checkpointer:
         try:
             strategy.load_model_state_dict(model, model_state)
         except (RuntimeError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {path} does not fit this model ({excerpt(e, 240)}); resume with "
+            misfit = _misfit(strategy.unwrap(model), model_state) or excerpt(e, 240)
+            raise CheckpointError(f"checkpoint {path} does not fit this model ({misfit}); resume with "
                                   "the model settings it was saved with") from None
         # Same Parameters whatever the formats: restore the plan, then the optimizer.
         precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
@@ -154,3 +155,29 @@ class Checkpointer:
             strategy.load_state_dict(state["strategy"])
         ckpt.restore_rng_state(state["rng"])
         return Restored(step, epoch, loader_resumed, saved_lr, (note,) if note else ())
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 9 more``: whole names, and how many were left out."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _misfit(model: nn.Module, state: Any) -> str:
+    """How a checkpoint's weights differ from ``model``'s, counted, in whole names: ``12 weights
+    missing from the checkpoint (blocks.2.ln1.weight, ... and 9 more); 1 of another shape, the
+    checkpoint's -> this model's (wpe.weight [64, 64] -> [1024, 64])``. torch's own message lists
+    every key and had to be cut to fit one line; ``""`` when names and shapes agree (the caller
+    quotes torch then)."""
+    if state is None:
+        return ""
+    mine = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = {k: tuple(v.shape) for k, v in state.items() if hasattr(v, "shape")}
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    shapes = [f"{k} {list(theirs[k])} -> {list(mine[k])}"
+              for k in mine if k in theirs and theirs[k] != mine[k]]
+    parts = [f"{len(names)} {what} ({_names(names)})" for names, what in (
+        (missing, "weights missing from the checkpoint"),
+        (unexpected, "weights this model does not have"),
+        (shapes, "of another shape, the checkpoint's -> this model's")) if names]
+    return "; ".join(parts)

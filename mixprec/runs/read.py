@@ -12,7 +12,8 @@ from typing import Any
 from mixprec.errors import DataError
 from mixprec.runs.metrics import read_events, read_metrics, read_numerics
 
-__all__ = ["read_run", "read_run_config", "run_label", "run_precision", "run_progress", "start_field"]
+__all__ = ["format_counts", "layer_formats_over_run", "read_run", "read_run_config", "run_label",
+           "run_precision", "run_progress", "start_field"]
 
 
 def read_run_config(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -48,22 +49,51 @@ def run_precision(config: dict[str, Any], events: list[dict[str, Any]]) -> str |
     return config.get("precision")
 
 
+def layer_formats_over_run(events: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str]]:
+    """(each Linear's format at the start, at the end) from ``events.jsonl``: the first ``formats``
+    record, then every switch (``format`` records) and resumed runs' ``formats`` records in step
+    order. Both empty when the run logged no formats."""
+    records = sorted(((i, e) for i, e in enumerate(events) if e.get("kind") in ("formats", "format")),
+                     key=lambda p: (int(p[1].get("step", 0) or 0), p[0]))
+    start: dict[str, str] = {}
+    end: dict[str, str] = {}
+    for _, e in records:
+        if e["kind"] == "formats":
+            layers = {str(n): str(f) for n, f in (e.get("layers") or {}).items()}
+            start = start or dict(layers)
+            end.update(layers)
+        elif e.get("module") is not None and e.get("to") is not None:
+            end[str(e["module"])] = str(e["to"])
+    return start, end
+
+
+def format_counts(formats: dict[str, str]) -> str:
+    """``9 bf16, 1 fp32`` (largest count first), as ``Precision.format_counts`` says it."""
+    counts: dict[str, int] = {}
+    for f in formats.values():
+        counts[f] = counts.get(f, 0) + 1
+    return ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda c: -c[1]))
+
+
 def run_label(config: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str | None, bool]:
     """What ran, by its short label (``Precision.label``: ``32-true``, or ``32-true+plan`` when
-    per-layer formats ran on top of the mode), and whether it was a per-layer plan. From the start
+    per-layer formats ran on top of the mode; ``+switched`` when layers changed format while
+    training, as ``Precision.ran`` says), and whether it was a per-layer plan. From the start
     event; runs written before it recorded them: asked of ``Precision`` from ``config.toml``."""
+    start, end = layer_formats_over_run(events)
+    switched = "+switched" if start != end else ""
     for e in events:
         if e.get("kind") == "start" and e.get("label"):
-            return str(e["label"]), bool(e.get("plan"))
+            return str(e["label"]) + switched, bool(e.get("plan"))
     name = config.get("precision")
     if not isinstance(name, str) or name == "auto":      # "auto" recorded unresolved: not askable
-        return name if isinstance(name, str) else None, bool(config.get("overrides"))
+        return (name + switched if isinstance(name, str) else None), bool(config.get("overrides"))
     from mixprec.precision import Precision
     try:
         precision = Precision(name, overrides=dict(config.get("overrides") or {}) or None)
     except ValueError:
-        return name, bool(config.get("overrides"))
-    return precision.label, precision.has_plan
+        return name + switched, bool(config.get("overrides"))
+    return precision.label + switched, precision.has_plan
 
 
 def run_scales_loss(config: dict[str, Any]) -> bool | None:

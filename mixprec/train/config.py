@@ -397,14 +397,18 @@ def _type_name(t: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(t, str(t))
 
 
-def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """TOML tables are for grouping only: ``[optim] lr = 1e-3`` is the same as ``lr = 1e-3``."""
+def _flatten(table: dict[str, Any], prefix: str = "",
+             tables: dict[str, str] | None = None) -> dict[str, Any]:
+    """TOML tables are for grouping only: ``[optim] lr = 1e-3`` is the same as ``lr = 1e-3``.
+    ``tables`` (when given) learns the table each key came from (``lr`` -> ``optim``)."""
     flat: dict[str, Any] = {}
     for key, value in table.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, prefix=f"{prefix}{key}."))
+            flat.update(_flatten(value, prefix=f"{prefix}{key}.", tables=tables))
         else:
             flat[key] = value
+            if tables is not None and prefix:
+                tables[key] = prefix.rstrip(".")
     return flat
 
 
@@ -427,6 +431,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     values: dict[str, Any] = {}
     source: dict[str, str] = {name: "default" for name in types}
     layers: list[tuple[str, dict[str, Any], bool]] = []
+    tables: dict[str, str] = {}
+    """A file's key -> the TOML table it stood in (``[optim]``), to name a misspelt table."""
     if path is not None:
         p = Path(path)
         try:
@@ -434,7 +440,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 table = tomllib.load(f)
             # [overrides] maps layer patterns to formats: a table of data, not a group of settings.
             layer_table = table.pop("overrides", None)
-            flat = _flatten(table)
+            flat = _flatten(table, tables=tables)
             if layer_table is not None:
                 flat["precision_overrides"] = layer_table
             layers.append((f"file {p.name}", flat, False))
@@ -447,6 +453,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for origin, table, from_text in layers:
         for key, value in table.items():
             if key not in types:
+                group = tables.get(key) if not from_text else None
+                if group is not None and closest(group, ["overrides"]):
+                    # [overides]: a misspelt layer table, not a setting named after a layer
+                    raise ConfigError(f"unknown table [{group}] ({origin}) (did you mean "
+                                      "[overrides]?); [overrides] maps layer patterns to formats, "
+                                      "e.g. \"head\" = \"bf16\"")
                 hint = setting_suggestion(key) if cls is TrainConfig else closest(key, types)
                 raise ConfigError(f"unknown setting '{key}' ({origin}){hint}; valid: "
                                   f"{', '.join(sorted(types))}")

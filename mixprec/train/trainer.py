@@ -60,7 +60,8 @@ class FitResult:
     final_loss: float | None
     final_val_loss: float | None
     policy: str
-    """What ran (``Precision.ran``): the mode, or ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan."""
+    """What ran (``Precision.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
+    ``fp8-tensorwise+switched (5 bf16)`` when layers changed format while training (the guard)."""
 
 
 class Trainer:
@@ -407,6 +408,42 @@ class Trainer:
         self.run_dir = Path(path)
         hints.set_run_dir(self.run_dir)
 
+    def _resume_into_its_run(self, resume: str | Path | bool | None) -> str | Path | bool | None:
+        """``run_dir`` naming a run's checkpoint (``RUN/checkpoints/step-N``, or ``RUN/checkpoints``)
+        with ``resume``: continue RUN from that checkpoint, as ``mixprec train --resume`` does,
+        instead of writing a new run inside the checkpoint folder. Returns what to resume from."""
+        from mixprec.runs import checkpoint as ckpt
+        cfg = self.config
+        run = ckpt.run_of_checkpoint(cfg.run_dir) if resume and cfg.run_dir else None
+        if run is None:
+            return resume
+        given = Path(cfg.run_dir)
+        self.config = dataclasses.replace(cfg, run_dir=str(run))
+        self._notes.append((f"run_dir={given} is a checkpoint of the run {run}: continuing that run "
+                            f"from it (its metrics, events and checkpoints)", "checkpoint"))
+        return given if resume is True else resume
+
+    def _refuse_another_models_run(self, resume: str | Path | bool) -> None:
+        """A ``fit()`` resume of a folder whose ``config.toml`` says ``fit()`` trained another
+        model class there is another run, not this one: refused in one line naming both, before
+        a restore fails on whatever differs first (the data's length, a weight's shape)."""
+        from mixprec.runs import checkpoint as ckpt
+        from mixprec.runs.read import read_run_config
+        if hasattr(self.config, "model"):        # mixprec train: its own config names the model
+            return
+        folder = self.run_dir if resume is True else (ckpt.run_of_checkpoint(resume) or Path(resume))
+        recorded = read_run_config(folder).get("model")
+        mine = _fit_model_name(self.raw_model)
+        # By class name: the same class imported from another module (a script run as
+        # __main__, then imported) is the same model.
+        same = lambda a, b: a.rpartition(".")[2] == b.rpartition(".")[2]  # noqa: E731
+        if isinstance(recorded, str) and recorded.startswith("fit: ") \
+                and not same(recorded[len("fit: "):], mine):
+            raise ConfigError(
+                f"{folder} holds another run: fit() trained {recorded[len('fit: '):]} there "
+                f"(its config.toml), this fit() trains {mine}; choose another run_dir, or pass "
+                f"{hints.overwrite()} without resume to delete that run and start over")
+
     def _start_over(self, resume: str | Path | bool | None) -> bool:
         """A resume of a run folder that holds no complete checkpoint (the run stopped before its
         first save, or a second Ctrl-C aborted it): it starts again from step 0 with this run's
@@ -478,6 +515,7 @@ class Trainer:
         total = self._total_steps(train_loader)
         seed_everything(self.config.seed)          # dropout, data order of plain loaders
         self.prepare(total)
+        resume = self._resume_into_its_run(resume)
         start_over = self._start_over(resume)
         if start_over:
             resume = None
@@ -487,6 +525,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.strategy, self.run_dir, keep_last=cfg.keep_last,
                                          export_hf=cfg.export_hf, model=self.model)
         if resume:
+            self._refuse_another_models_run(resume)
             # This run's peak LR per group, as prepare() built the schedule (cfg.lr for mixprec's
             # optimizer; your optimizer's own LRs for one you passed).
             peaks = list(self.scheduler.base_lrs) if self._user_scheduler is None else []
@@ -505,14 +544,18 @@ class Trainer:
         try:
             logger = MetricsLogger(self.run_dir, enabled=main, resume_step=self.step if resume else None)
             if main:  # the resolved precision ("auto" means something else on another machine)
+                # A plan's layers (plan:PATH, precision_overrides) are kept as the [overrides]
+                # table beside its base mode: what a resume rebuilds the same Precision from.
                 resolved = dataclasses.replace(cfg, precision=self.precision.name,
+                                               precision_overrides=self.precision.policy.overrides,
                                                **_optimizer_settings(self._user_optimizer))
                 mine = self._user_optimizer
                 used = ("" if mine is None else
                         f"# optimizer: the caller's {type(mine).__name__}; lr, weight_decay and betas above are "
                         f"its own where all its groups agree ({', '.join(_optimizer_settings(mine)) or 'none'}), "
                         "the others were not used\n")
-                ran = f"# ran: {self.precision.ran()}\n" if self.precision.has_plan else ""
+                ran = (f"# ran: {self.precision.ran()}\n"
+                       if self.precision.has_plan or self.precision.switched else "")
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used
                     + ran)
@@ -733,16 +776,20 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer | None) -> dict[str, fl
     return found
 
 
+def _fit_model_name(model: nn.Module) -> str:
+    """The model class a ``fit()`` run records in ``config.toml`` (``model = "fit: <this>"``)."""
+    from mixprec.models.hf import is_hf_model
+    kind = type(model)
+    return (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
+            else f"{kind.__module__}.{kind.__qualname__}")
+
+
 def _what_fit_trained(cfg: FitConfig, model: nn.Module, loader: Any) -> str:
     """For a ``fit()`` run (a config without ``model``): the model and, where the loader says, the
     batch shape, as ``config.toml`` lines, so a reader (and ``mixprec train --resume``) learns them."""
     if hasattr(cfg, "model"):
         return ""
-    from mixprec.models.hf import is_hf_model
-    kind = type(model)
-    name = (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
-            else f"{kind.__module__}.{kind.__qualname__}")
-    lines = [f"model = {json.dumps('fit: ' + name)}"]
+    lines = [f"model = {json.dumps('fit: ' + _fit_model_name(model))}"]
     inner = getattr(loader, "loader", loader)
     seq_len = getattr(getattr(inner, "dataset", None), "max_length", None)
     for key, value in (("seq_len", seq_len), ("batch_size", getattr(inner, "batch_size", None))):

@@ -133,6 +133,15 @@ def test_a_setting_written_as_a_flag_is_shown_as_key_value(capsys):
     assert "write max_steps=5" in capsys.readouterr().err
 
 
+def test_a_setting_written_as_a_flag_gets_the_one_line_hint_without_the_usage_block(capsys):
+    """Before: argparse's usage block (three lines) came before the one-line hint."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--max_steps", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mixprec train: error: --max_steps is not a flag: settings are key=value, write max_steps=2"]
+
+
 def test_a_flag_with_underscores_suggests_the_dashed_one(capsys):
     with pytest.raises(SystemExit):
         main(["memory", "--batch_size", "3"])
@@ -172,3 +181,27 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_sigpipes_code():
     os.close(write)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
     assert "error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_misspelt_overrides_table_is_named_not_taken_for_a_setting(tmp_path):
+    """Before: ``[overides] head = "bf16"`` said "unknown setting 'head' (did you mean
+    'num_heads'?)", sending the user to a setting they never meant."""
+    from mixprec.errors import ConfigError
+    from mixprec.train.config import load_config
+    path = tmp_path / "cfg.toml"
+    path.write_text('[overides]\nhead = "bf16"\n"blocks.0.*" = "fp32"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith("unknown table [overides] (file cfg.toml) (did you mean [overrides]?)")
+    path.write_text('[optim]\nlrr = 0.1\n')              # a grouping table: the setting is named
+    with pytest.raises(ConfigError, match=r"unknown setting 'lrr' \(file cfg.toml\) \(did you mean 'lr'\?\)"):
+        load_config(path)
+
+
+def test_two_different_precisions_on_one_command_line_are_refused_in_one_line(capsys):
+    """Before: ``--precision bf16-mixed precision=16-mixed`` trained in one of the two, silently."""
+    assert main(["train", "--precision", "bf16-mixed", "precision=16-mixed"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mixprec: error: --precision bf16-mixed and precision=16-mixed disagree; pass one of them"]
+    from mixprec.cli.train import _same_mode
+    assert _same_mode("bf16", "bf16-mixed") and not _same_mode("auto", "bf16-mixed")

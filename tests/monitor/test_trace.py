@@ -246,3 +246,24 @@ def test_a_too_large_loss_scale_is_traced_to_the_layer_not_the_whole_model():
 
     ev = locate_nonfinite(model, step)
     assert (ev.module, ev.direction, ev.tensor, ev.kind) == ("head", "backward", "grad_output", "inf")
+
+
+def test_an_fp32_weight_gradient_inf_under_fp16_autocast_names_the_fp16_weight_gradient_gemm():
+    """16-mixed: the FP16 weight-gradient GEMM overflows (a sum over 256 rows) and the FP32
+    gradient only receives its inf. Before: "inf first at 1 (backward, fp32)", the wrong format."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 1, bias=False))
+    x = torch.full((256, 8), 30.0)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = model(x)
+        loss = y.float().sum()
+        (loss * 100.0).backward()
+        return loss
+
+    ev = locate_nonfinite(model, run, loss_scale=100.0)
+    assert (ev.module, ev.direction, ev.tensor, ev.kind) == ("1", "backward", "grad of weight", "inf")
+    assert ev.dtype == "fp16" and ev.made_by == "weight-gradient GEMM"
+    assert "inf first at 1 (backward, fp16 weight-gradient GEMM)" in ev.message(3)
+    assert json.loads(ev.to_json())["made_by"] == "weight-gradient GEMM"

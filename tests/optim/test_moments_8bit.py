@@ -259,3 +259,46 @@ def test_a_name_keyed_sharded_state_loads_in_one_process_with_tied_weights():
     FSDPStrategy("32-true").load_optimizer_state_dict(twin, topt, named)
     for a, b in zip(opt.state_dict()["state"].values(), topt.state_dict()["state"].values()):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_int8_moments_resume_bit_exact_when_the_optimizer_is_built_after_another_seed():
+    """Before: the rounding seed was drawn from the global RNG when the optimizer was built and
+    not saved, so a process that built it after another ``torch.manual_seed`` rounded with other
+    noise and 4 + 4 steps differed from 8. The seed now travels in the state dict."""
+    def build(global_seed: int):
+        torch.manual_seed(0)
+        model = mp.models.Transformer(num_layers=1, d_model=32, num_heads=2, max_seq_len=16)
+        torch.manual_seed(global_seed)                     # the seed is drawn from here (seed=None)
+        return model, AdamW(model.parameters(), lr=3e-3, moments="int8")
+
+    data = torch.randint(0, 64, (8, 4, 17), generator=torch.Generator().manual_seed(3))
+
+    def train(model, opt, steps):
+        for x in steps:
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    straight, opt = build(1)
+    train(straight, opt, data)
+    first, opt_a = build(1)
+    train(first, opt_a, data[:4])
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed, opt_b = build(7)                               # another process, another seed
+    resumed.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    train(resumed, opt_b, data[4:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert "sr_seed" not in opt_b.param_groups[0]          # the groups stay as torch's
+    # A state dict saved before the seed travelled still loads (this optimizer's seed is kept).
+    old = opt_a.state_dict()
+    old["param_groups"] = [{k: v for k, v in g.items() if k != "sr_seed"} for g in old["param_groups"]]
+    _, opt_c = build(7)
+    kept = opt_c.state_dict()["param_groups"][0]["sr_seed"]
+    opt_c.load_state_dict(old)
+    assert opt_c.state_dict()["param_groups"][0]["sr_seed"] == kept

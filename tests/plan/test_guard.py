@@ -320,3 +320,32 @@ def test_a_guarded_run_says_what_the_guard_watches_and_the_report_says_on_with_0
     from mixprec.report.report import guard_summary
     unguarded = [e for e in read_events(run) if e["kind"] != "start"] + [{"kind": "start", "watching": []}]
     assert guard_summary(unguarded) == "-"
+
+
+def test_a_guarded_run_whose_fp8_layers_all_went_to_bf16_is_labelled_by_what_ran(tmp_path):
+    """Before: ``FitResult.policy``, the last line and the report said ``fp8-tensorwise`` for a
+    run whose four FP8 layers all trained in BF16 from step 1 (a BF16 run compared as FP8)."""
+    from mixprec.report.compare import compare_summary, load_run
+    from mixprec.report.report import summarize
+    from mixprec.runs.metrics import read_events, read_metrics
+    from mixprec.runs.read import read_run_config
+    run = tmp_path / "run"
+    trainer = mp.Trainer(_Net(), mixed_precision="fp8-tensorwise", max_steps=2, run_dir=str(run),
+                         progress=False, audit=False, guard=True, guard_min_sqnr=200.0,
+                         ckpt_interval=0, log_interval=1, lr=1e-3)
+    result = trainer.fit(_loader())
+    assert set(trainer.precision.layer_formats.values()) == {"bf16"}
+    assert result.policy == "fp8-tensorwise+switched (5 bf16)"
+    summary = summarize(read_metrics(run), read_events(run), read_run_config(run))
+    assert summary["ran"] == "fp8-tensorwise+switched (5 bf16)"
+    assert summary["layer formats at the start"] == "4 fp8-tensorwise, 1 bf16"
+    assert summary["layer formats at the end"] == "5 bf16"
+    assert summary["layer formats over the run"] == "bf16 100 % of layer-steps"
+    assert compare_summary([load_run(run)])[0]["precision"] == "fp8-tensorwise+switched"
+    from mixprec.report.compare import reference_words
+    assert "not a uniform reference" in reference_words(load_run(run))
+    # A guarded run whose guard did nothing keeps its mode's label.
+    quiet = tmp_path / "quiet"
+    trainer, result = _fit(_Net(), quiet, 1)
+    assert result.policy == "fp8-tensorwise"
+    assert summarize(read_metrics(quiet), read_events(quiet))["ran"] == "fp8-tensorwise"

@@ -99,3 +99,31 @@ def test_given_limits_are_checked_in_one_line_before_the_model_is_built(capsys):
         err = capsys.readouterr().err
         assert "--max-flush is in percent of a layer's inputs, in [0, 100], got 150" in err
         assert "Traceback" not in err and "measured" not in err
+
+
+def test_a_plan_run_resumes_with_the_command_it_printed(tmp_path, capsys):
+    """Before: config.toml kept no [overrides] table for a ``plan:PATH`` run, so the printed
+    ``mixprec train --resume RUN max_steps=N`` ended "trained with per-layer overrides [...], this
+    run uses []"."""
+    import shlex
+    import tomllib
+    from mixprec.policy.overrides import write_plan
+    plan = write_plan(tmp_path / "plan.json", "32-true",
+                      (("blocks.0.*", "fp8-tensorwise"), ("head", "bf16")))
+    run = tmp_path / "p"
+    tiny = ["model=tiny", "batch_size=2", "seq_len=32", "eval_interval=0", "eval_batches=1",
+            "progress=false", "audit=false"]
+    assert main(["train", "--precision", f"plan:{plan}", *tiny, "max_steps=2",
+                 f"run_dir={run}"]) == 0
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert saved["precision"] == "32-true"
+    assert saved["overrides"] == {"blocks.0.*": "fp8-tensorwise", "head": "bf16"}
+    printed = next(ln for ln in capsys.readouterr().err.splitlines() if "[mixprec] resume:" in ln)
+    command = shlex.split(printed.split("resume:", 1)[1].split("  (", 1)[0])
+    assert command[:3] == ["mixprec", "train", "--resume"]
+    assert main([*command[1:], "progress=false"]) == 0
+    assert tomllib.loads((run / "config.toml").read_text())["overrides"] == saved["overrides"]
+    # Naming the plan again on the resume is the same plan, not its layers twice.
+    assert main(["train", "--resume", str(run), "--precision", f"plan:{plan}", "max_steps=5",
+                 "progress=false"]) == 0
+    assert tomllib.loads((run / "config.toml").read_text())["overrides"] == saved["overrides"]

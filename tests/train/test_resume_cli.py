@@ -182,3 +182,17 @@ def test_hints_follow_the_launch_and_are_shell_quoted(tmp_path, monkeypatch):
     assert "RUN_DIR" not in str(err.value)
     monkeypatch.setattr(hints, "_state", {"cli": False, "run_dir": None})
     assert hints.resume(tmp_path, lr=1e-3) == f"fit(..., run_dir={str(tmp_path)!r}, resume=True, lr=0.001)"
+
+
+def test_the_printed_resume_line_pastes_whole_into_a_shell_for_a_folder_with_spaces_and_parentheses(tmp_path, capsys):
+    """Before: the line went on after the command ("  (train on to step 4: ...)"), and bash read
+    that as a subshell: pasted whole, it ended in a syntax error."""
+    from mixprec.cli import main
+    run = tmp_path / "my run (1)"
+    assert main(["train", *TINY, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[mixprec] resume:"))
+    pasted = line.split(":", 1)[1]                                   # everything after the label
+    proc = subprocess.run(["bash", "-c", 'mixprec() { printf "%s\\n" "$@"; }\n' + pasted],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["train", "--resume", str(run), "max_steps=4"]

@@ -270,3 +270,69 @@ def test_a_warm_up_longer_than_the_run_is_said_and_one_as_long_is_not(tmp_path, 
     # warmup_steps == max_steps: the last step runs at the peak LR, so there is nothing to say.
     mp.fit(Regressor(), batches(), max_steps=4, warmup_steps=4, run_dir=str(tmp_path / "s"), **QUIET)
     assert "warm-up (" not in capsys.readouterr().err
+
+
+def test_fit_into_a_checkpoint_folder_with_resume_continues_its_run_from_that_checkpoint(tmp_path):
+    """Before: ``fit(run_dir=RUN/checkpoints/step-N, resume=True)`` said "resuming from step-N"
+    and wrote a whole new run (config, metrics, checkpoints/) inside the checkpoint folder."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=6, run_dir=str(straight), **QUIET)
+    mp.fit(Regressor(), batches(), max_steps=6, ckpt_interval=3, run_dir=str(run), **QUIET)
+    step3 = run / "checkpoints" / "step-00000003"
+    before = sorted(p.name for p in step3.iterdir())
+    result = mp.fit(Regressor(), batches(), max_steps=6, run_dir=str(step3), resume=True, **QUIET)
+    assert result.run_dir == run
+    assert sorted(p.name for p in step3.iterdir()) == before        # nothing written inside it
+    assert metrics_lr(run) == metrics_lr(straight)                  # RUN continued from step 3
+    said = [e["message"] for e in events(run) if e["kind"] == "checkpoint"]
+    assert said[0].startswith(f"run_dir={step3} is a checkpoint of the run {run}: continuing")
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_counted_whole_names(tmp_path):
+    """Before: torch's list of every missing key, cut to 240 characters ('"blocks.2.attn.proj.bias"
+    ...'): no count, and the rest unsaid. Now each kind of misfit is counted, a few whole names shown."""
+    from mixprec.errors import CheckpointError
+    from mixprec.models import Transformer
+
+    def data():
+        g = torch.Generator().manual_seed(0)
+        return [(x[:, :-1], x[:, 1:]) for x in (torch.randint(0, 256, (2, 17), generator=g) for _ in range(2))]
+    run = tmp_path / "run"
+    mp.fit(Transformer(num_layers=1, d_model=32, num_heads=2, vocab_size=256, max_seq_len=16), data(),
+           max_steps=1, run_dir=str(run), **QUIET)
+    bigger = Transformer(num_layers=2, d_model=32, num_heads=2, vocab_size=256, max_seq_len=16)
+    with pytest.raises(CheckpointError) as err:
+        mp.fit(bigger, data(), max_steps=2, run_dir=str(run), resume=True, **QUIET)
+    message = str(err.value)
+    assert "(12 weights missing from the checkpoint (blocks.1.ln1.weight, blocks.1.ln1.bias, " \
+           "blocks.1.attn.qkv.weight and 9 more)); resume with the model settings" in message
+    wider = Transformer(num_layers=1, d_model=32, num_heads=2, vocab_size=300, max_seq_len=16)
+    with pytest.raises(CheckpointError, match=r"of another shape, the checkpoint's -> this model's "
+                                              r"\(wte\.weight \[256, 32\] -> \[300, 32\]"):
+        mp.fit(wider, data(), max_steps=2, run_dir=str(run), resume=True, **QUIET)
+
+
+class _OtherModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+
+def test_a_resume_into_a_folder_of_another_models_run_names_that_run(tmp_path):
+    """Before: "cannot resume the training data mid-epoch: it was saved with num_batches=4 (now
+    6)", as if this run's data had changed, when the folder held another model's run."""
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(4), max_steps=2, run_dir=str(run), **QUIET)
+    before = (run / "metrics.csv").read_text()
+    with pytest.raises(ConfigError) as err:
+        mp.fit(_OtherModel(), batches(6), max_steps=3, run_dir=str(run), resume=True, **QUIET)
+    message = str(err.value)
+    assert message.startswith(f"{run} holds another run: fit() trained ")
+    assert ".Regressor there (its config.toml), this fit() trains " in message
+    assert message.endswith("._OtherModel; choose another run_dir, or pass overwrite=True without "
+                            "resume to delete that run and start over")
+    assert (run / "metrics.csv").read_text() == before               # nothing changed
