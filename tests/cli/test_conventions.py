@@ -172,3 +172,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_sigpipes_code():
     os.close(write)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr
     assert "error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_list_shows_fits_defaults_where_they_differ_from_the_clis(capsys):
+    from mixprec.train.config import FitConfig, TrainConfig
+    assert main(["train", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(l for l in lines if l.startswith("training loop"))
+    assert "fit()" in header and "differ" in header
+    for name in ("max_steps", "lr", "warmup_steps", "eval_interval"):
+        assert getattr(FitConfig(), name) != getattr(TrainConfig(), name)
+        row = next(l for l in lines if l.split()[:1] == [name]).split()
+        fit_default = "none" if getattr(FitConfig(), name) is None else f"{getattr(FitConfig(), name):g}"
+        assert row[1:3] == [f"{getattr(TrainConfig(), name):g}", fit_default], row
+    epochs = next(l for l in lines if l.split()[:1] == ["epochs"]).split()
+    assert epochs[1] == "1" and not epochs[2][0].isdigit()     # the same default: no fit() value
