@@ -6,6 +6,7 @@ No framework is imported here.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from mixprec.monitor import NonFiniteEvent, audit, locate_nonfinite
 from mixprec.monitor.trace import RngState, gather_origins
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
-from mixprec.runs.run_dir import claim_run_dir
+from mixprec.runs.run_dir import claim_run_dir, holds_a_run
 from mixprec.train.step import StepOutput
 
 __all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord"]
@@ -97,15 +98,27 @@ class RunRecord:
     """The console lines and (with ``run_dir``) the mixprec run folder of a framework's run:
     ``config.toml``, ``metrics.csv``, ``events.jsonl``, ``tb/``, the files ``mixprec report``
     reads. ``resume_step``: the step a resumed run continues from (its rows after it are dropped);
-    a new run refuses a folder that holds one unless ``overwrite``.
+    a new run refuses a folder that holds one unless ``overwrite``. ``numbered`` (a default folder
+    the user did not name, e.g. the Hugging Face Trainer's ``OUTPUT_DIR/mixprec``): a new run
+    finds it holding an earlier run, as when a script is run again into the same output folder,
+    and goes on in the first free ``-2``, ``-3``, ... sibling instead, saying so in one line; the
+    earlier run is left as it was.
     """
 
     def __init__(self, precision: Precision, host: Host, *, run_dir: str | Path | None,
                  resume_step: int | None = None, overwrite: bool = False,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, numbered: bool = False,
+                 overwrite_hint: str = "overwrite=True") -> None:
         self.precision = precision
         self.host = host
         self.run_dir: Path | None = None
+        self.earlier_run: Path | None = None
+        """The default folder an earlier run holds when this one went on in a numbered sibling."""
+        if run_dir is not None and host.is_main and numbered and resume_step is None and not overwrite \
+                and holds_a_run(Path(run_dir)):
+            self.earlier_run = Path(run_dir)
+            run_dir = next(p for n in range(2, 100_000)
+                           if not (p := Path(f"{run_dir}-{n}")).exists() or (p.is_dir() and not any(p.iterdir())))
         if run_dir is not None and host.is_main:
             self.run_dir = claim_run_dir(run_dir, precision=precision.label,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
@@ -118,6 +131,9 @@ class RunRecord:
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,
                                     resume_step=resume_step)
         self.events = RunEvents(host, precision, self.logger, progress=False)
+        if self.earlier_run is not None:
+            print(f"[mixprec] {self.earlier_run} holds an earlier run (left as it was); this run's folder is "
+                  f"{self.run_dir} ({overwrite_hint} writes over the earlier one instead)", file=sys.stderr)
         self.nonfinite: list[NonFiniteEvent] = []
         """Every traced non-finite step of this run, in order."""
 

@@ -124,7 +124,10 @@ class MixprecCallback(transformers.TrainerCallback):
         overrides: per-layer formats ``{pattern: format}`` (not with a ready ``Precision``).
         run_dir: the mixprec run folder (default ``OUTPUT_DIR/mixprec``): ``config.toml``,
             ``metrics.csv`` (a row per Trainer log), ``events.jsonl``; ``mixprec report`` reads it.
-        overwrite: start over in a ``run_dir`` that holds a finished run (else refused).
+            A script run again into the same ``output_dir`` finds the default folder holding the
+            first run's record: it is kept, and the new run writes ``OUTPUT_DIR/mixprec-2`` (then
+            ``-3``, ...), said in one line. A ``run_dir`` you name that holds a run is refused.
+        overwrite: start over in a ``run_dir`` (or the default one) that holds a finished run.
         audit: run :func:`mixprec.monitor.audit` when training starts.
         trace_nonfinite: replay a skipped step (same batches, same RNG state, no optimizer step)
             with hooks and name the layer that made the inf/NaN.
@@ -179,7 +182,8 @@ class MixprecCallback(transformers.TrainerCallback):
         self.record = RunRecord(
             self.mixprec, Host(args.device, rank=args.process_index, world_size=args.world_size),
             run_dir=self.run_dir if self.run_dir is not None else Path(args.output_dir) / "mixprec",
-            resume_step=resume, overwrite=self.overwrite,
+            resume_step=resume, overwrite=self.overwrite, numbered=self.run_dir is None,
+            overwrite_hint="MixprecCallback(overwrite=True)",
             config={"framework": "transformers", "model": type(model).__name__,
                     "max_steps": state.max_steps, "lr": args.learning_rate,
                     "clip_grad_norm": args.max_grad_norm or None,

@@ -200,3 +200,25 @@ def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
     assert again.mixprec.scale == ref_precision.scale == 2.0 ** 12
     for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got, want), name
+
+
+def test_a_second_run_into_the_same_output_dir_keeps_the_first_and_says_where_it_writes(tmp_path, capsys):
+    for _ in range(2):                      # the docs' example, run twice: routine with HF Trainer
+        MixprecTrainer(model=bert(), args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                       callbacks=[MixprecCallback("bf16-true", audit=False)]).train()
+    first, second = tmp_path / "out" / "mixprec", tmp_path / "out" / "mixprec-2"
+    assert [r["step"] for r in read_metrics(first)] == [1, 2] == [r["step"] for r in read_metrics(second)]
+    lines = [l for l in capsys.readouterr().err.splitlines() if "earlier run" in l]
+    assert len(lines) == 1 and str(second) in lines[0] and "MixprecCallback(overwrite=True)" in lines[0]
+
+
+def test_a_named_run_dir_holding_a_run_is_still_refused_and_overwrite_writes_over_it(tmp_path):
+    def train(**kw):
+        MixprecTrainer(model=bert(), args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                       callbacks=[MixprecCallback("bf16-true", run_dir=tmp_path / "run", audit=False, **kw)]).train()
+    train()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train()
+    train(overwrite=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    assert not (tmp_path / "run-2").exists()
