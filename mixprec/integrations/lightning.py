@@ -49,7 +49,7 @@ from torch import nn
 
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
+from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision, move_scheduler
 from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision", "MixprecCallback"]
@@ -104,7 +104,7 @@ class MixprecPrecision(TrainerPrecision):
         for config in lr_scheduler_configs:
             for old, wrapped in zip(optimizers, new):
                 if wrapped is not old and getattr(config.scheduler, "optimizer", None) is old:
-                    config.scheduler.optimizer = wrapped   # the schedule sets the masters' lr
+                    move_scheduler(config.scheduler, wrapped)   # the schedule sets the masters' lr
             if config.interval == "step" and not isinstance(config.scheduler, StepIfTaken):
                 config.scheduler = StepIfTaken(config.scheduler, self.mixprec)
         return model, new, lr_scheduler_configs

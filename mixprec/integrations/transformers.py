@@ -47,7 +47,7 @@ from torch import nn
 
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
+from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision, move_scheduler
 from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecCallback", "MixprecTrainerMixin", "MixprecTrainer", "PrecisionOptimizer"]
@@ -275,7 +275,7 @@ class MixprecTrainerMixin:
         inner = self.mixprec.setup_optimizer(optimizer, model if model is not None else self.model)
         wrapped = PrecisionOptimizer(inner, self.mixprec, clip_grad_norm=self.args.max_grad_norm or None)
         if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is optimizer:
-            self.lr_scheduler.optimizer = wrapped        # a schedule passed in sets the masters' lr
+            move_scheduler(self.lr_scheduler, wrapped)   # a schedule passed in sets the masters' lr
         self.optimizer = wrapped
         return wrapped
 

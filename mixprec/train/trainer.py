@@ -189,8 +189,10 @@ class Trainer:
             sched = self._user_scheduler
             if sched is not None and getattr(sched, "optimizer", None) is self._user_optimizer \
                     and self.optimizer is not self._user_optimizer:
-                # The optimizer now steps FP32 masters: the schedule must set their learning rate.
-                sched.optimizer = self.optimizer
+                # The optimizer now steps FP32 masters: the schedule must set their learning rate
+                # (moved as torch would have built it: no warning about mixprec's own move).
+                from mixprec.integrations.common import move_scheduler
+                move_scheduler(sched, self.optimizer)
         else:
             decay, no_decay = [], []
             for p in self.model.parameters():

@@ -277,3 +277,13 @@ def test_value_clipping_and_options_with_a_ready_precision_are_refused():
     with pytest.raises(ConfigError, match="norm"):
         trainer(MixprecPrecision("bf16-mixed"), steps=1, gradient_clip_val=1.0,
                 gradient_clip_algorithm="value").fit(Module(make_net()), loader(x, y))
+
+
+def test_moving_the_schedule_onto_the_masters_raises_no_torch_scheduler_warning():
+    import warnings
+    x, y = make_data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(MixprecPrecision("bf16-true")).fit(Module(make_net(), scheduler=True), loader(x, y))
+    assert not [w for w in caught if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)], \
+        [str(w.message) for w in caught]

@@ -222,3 +222,15 @@ def test_a_named_run_dir_holding_a_run_is_still_refused_and_overwrite_writes_ove
     train(overwrite=True)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     assert not (tmp_path / "run-2").exists()
+
+
+def test_a_schedule_passed_in_and_moved_onto_the_masters_raises_no_torch_scheduler_warning(tmp_path):
+    import warnings
+    model = bert()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MixprecTrainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                       callbacks=[MixprecCallback("bf16-true", audit=False)], optimizers=(opt, sched)).train()
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
