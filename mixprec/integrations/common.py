@@ -23,7 +23,8 @@ from mixprec.runs.metrics import MetricsLogger
 from mixprec.runs.run_dir import claim_run_dir, holds_a_run
 from mixprec.train.step import StepOutput
 
-__all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord", "move_scheduler"]
+__all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord", "move_scheduler", "copy_hyperparameters",
+           "route_to_masters", "replace_step"]
 
 
 def as_precision(precision: Precision | str | bool | None, *, owner: str,
@@ -66,6 +67,47 @@ def move_scheduler(scheduler: Any, optimizer: Any) -> None:
 
     marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = marked
+
+
+def replace_step(optimizer: Any, step: Callable[..., Any]) -> None:
+    """``optimizer.step = step``, marked as torch's ``LRScheduler`` marks the step it wraps, so a
+    scheduler built on ``optimizer`` neither warns that its step was overridden nor that it
+    stepped first."""
+    import functools
+
+    @functools.wraps(step)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = marked
+
+
+def copy_hyperparameters(optimizer: Any, masters: Any) -> None:
+    """The user's optimizer's group settings (lr, betas, weight decay: what schedulers change)
+    onto its masters' groups, which are the ones stepped."""
+    for mine, theirs in zip(optimizer.param_groups, masters.param_groups):
+        for key, value in mine.items():
+            if key != "params":
+                theirs[key] = value
+
+
+def route_to_masters(optimizer: Any, masters: Any) -> None:
+    """From now on ``optimizer`` (the one the user or a framework holds) is a view of its FP32-master
+    optimizer ``masters``: its ``zero_grad`` clears the masters' step too, and its state dict is
+    theirs (a checkpoint holds the masters)."""
+    optimizer._mixprec_masters = masters
+    optimizer.zero_grad = masters.zero_grad
+    optimizer.state_dict = masters.state_dict
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        masters.load_state_dict(state_dict)
+        for mine, theirs in zip(optimizer.param_groups, masters.param_groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+
+    optimizer.load_state_dict = load_state_dict
+    copy_hyperparameters(optimizer, masters)
 
 
 class StepIfTaken:

@@ -49,7 +49,8 @@ from torch import nn
 
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision, move_scheduler
+from mixprec.integrations.common import (Host, RunRecord, StepIfTaken, as_precision, copy_hyperparameters,
+                                         move_scheduler, route_to_masters)
 from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision", "MixprecCallback"]
@@ -201,7 +202,7 @@ class MixprecFabricPrecision(FabricPrecision):
             return optimizer
         masters = getattr(optimizer, "_mixprec_masters", None)
         if masters is not None:
-            _copy_hyperparameters(optimizer, masters)          # a scheduler sets the user's groups
+            copy_hyperparameters(optimizer, masters)           # a scheduler sets the user's groups
             return masters
         if optimizer.state:
             raise ConfigError(f"precision {self.mixprec.name} keeps FP32 master weights but this "
@@ -215,7 +216,7 @@ class MixprecFabricPrecision(FabricPrecision):
             raise ConfigError(f"this {type(optimizer).__name__} steps none of the parameters of the "
                               "model given to fabric.setup; build it over model.parameters()")
         masters = self.mixprec.setup_optimizer(optimizer, model)
-        _route_to_masters(optimizer, masters)
+        route_to_masters(optimizer, masters)
         return masters
 
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -246,31 +247,6 @@ class MixprecFabricPrecision(FabricPrecision):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.mixprec.load_state_dict(state_dict)
-
-
-def _copy_hyperparameters(optimizer: Any, masters: Any) -> None:
-    """The user's optimizer's group settings (lr, betas, weight decay: what schedulers change)
-    onto its masters' groups, which are the ones stepped."""
-    for mine, theirs in zip(optimizer.param_groups, masters.param_groups):
-        for key, value in mine.items():
-            if key != "params":
-                theirs[key] = value
-
-
-def _route_to_masters(optimizer: Any, masters: Any) -> None:
-    """From now on ``optimizer`` (the one the user holds, inside Fabric's wrapper) is a view of
-    ``masters``: its ``zero_grad`` clears the masters' step too, its state dict is theirs."""
-    optimizer._mixprec_masters = masters
-    optimizer.zero_grad = masters.zero_grad
-    optimizer.state_dict = masters.state_dict
-
-    def load_state_dict(state_dict: dict[str, Any]) -> None:
-        masters.load_state_dict(state_dict)
-        for mine, theirs in zip(optimizer.param_groups, masters.param_groups):
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
-
-    optimizer.load_state_dict = load_state_dict
-    _copy_hyperparameters(optimizer, masters)
 
 
 @contextlib.contextmanager

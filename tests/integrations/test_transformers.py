@@ -166,15 +166,40 @@ def test_an_optimizer_and_scheduler_passed_in_get_masters_and_keep_their_schedul
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 3)
 
 
-def test_plain_trainer_with_the_callback_is_refused_and_leaves_the_model_untouched(tmp_path):
+def test_plain_trainer_with_a_loss_scaling_mode_is_refused_in_one_line_and_leaves_the_model_untouched(tmp_path):
     model = bert()
     before = {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
     trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=examples(),
-                                   callbacks=[MixprecCallback("bf16-true")])
-    with pytest.raises(ConfigError, match="MixprecTrainer"):
+                                   callbacks=[MixprecCallback("16-mixed")])
+    with pytest.raises(ConfigError, match="scales the loss.*MixprecTrainer"):
         trainer.train()
     for n, p in model.named_parameters():                  # no cast, no swap, no step
         assert p.dtype == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+
+
+@pytest.mark.parametrize("mode", ["bf16-true", "fp8-tensorwise"])
+def test_a_plain_trainer_with_the_callback_trains_as_mixprec_trainer_does(mode, tmp_path):
+    # No loss scaling: the callback alone sets the model up, autocasts its forward and steps FP32
+    # masters; without clipping (the plain Trainer clips the model's gradients itself) the weights
+    # are MixprecTrainer's bit for bit.
+    import warnings
+    data = examples()
+    ref = bert()
+    MixprecTrainer(model=ref, args=args(tmp_path / "a", max_grad_norm=0.0), train_dataset=data,
+                   callbacks=[MixprecCallback(mode, audit=False)]).train()
+    model = bert()
+    callback = MixprecCallback(mode, audit=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = transformers.Trainer(model=model, args=args(tmp_path / "b", max_grad_norm=0.0),
+                                       train_dataset=data, callbacks=[callback])
+        trainer.train()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+    assert model.bert.embeddings.LayerNorm.weight.dtype == torch.float32
+    assert isinstance(callback._stepped, mp.optim.MasterWeights) == callback.mixprec.keeps_masters == (mode == "bf16-true")
+    for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "out" / "mixprec")] == [1, 2, 3, 4]
 
 
 def test_bf16_training_arguments_are_refused(tmp_path):
