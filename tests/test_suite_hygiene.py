@@ -27,3 +27,12 @@ def test_a_subprocess_the_suite_starts_uses_the_session_cache(session_cache_dir)
 def test_the_builtin_corpus_is_built_in_the_session_cache(session_cache_dir):
     built = corpus.builtin_corpus()
     assert built.train_path.is_relative_to(session_cache_dir)
+
+
+def test_the_cache_is_set_before_test_modules_are_imported(session_cache_dir):
+    # tests/hf/test_hf_cli.py builds its subprocess environment at import time.
+    assert os.environ.get("MIXPREC_CACHE") == str(session_cache_dir)
+    assert _AT_IMPORT == str(session_cache_dir)
+
+
+_AT_IMPORT = os.environ.get("MIXPREC_CACHE")
