@@ -220,7 +220,7 @@ class MixprecCallback(transformers.TrainerCallback):
         if self._stepped is not None:
             return                                            # train() called again: set up already
         inner = getattr(optimizer, "optimizer", optimizer)    # accelerate's wrapper
-        if inner.state:
+        if precision.keeps_masters and inner.state:
             raise ConfigError("MixprecCallback under a plain transformers.Trainer cannot resume a "
                               "checkpoint's FP32 masters (the Trainer loads the optimizer before a "
                               "callback sees it): resume with mixprec.integrations.transformers.MixprecTrainer")
@@ -244,8 +244,7 @@ class MixprecCallback(transformers.TrainerCallback):
             stepped.zero_grad(set_to_none=True)         # a skipped step's master state goes too
         replace_step(inner, step)
         if scheduler is not None and not isinstance(scheduler, StepIfTaken):
-            advance = scheduler.step
-            scheduler.step = lambda *a, **k: None if precision.last_step_skipped else advance(*a, **k)
+            _hold_on_skipped_steps(scheduler, precision)
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._group = []
@@ -300,6 +299,20 @@ class MixprecCallback(transformers.TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs: Any):
         if self.record is not None:
             self.record.close()
+
+
+def _hold_on_skipped_steps(scheduler: Any, precision: Precision) -> None:
+    """The Trainer's own scheduler object, made not to step after a skipped step (the Trainer
+    keeps its reference, so it cannot be swapped for :class:`StepIfTaken`). A subclass made for
+    it, like Fabric's optimizer wrapper: an attribute on the instance would land in its
+    ``state_dict()`` and break the Trainer's checkpoint."""
+    cls = type(scheduler)
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not precision.last_step_skipped:
+            cls.step(self, *args, **kwargs)
+
+    scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
 
 
 class MixprecTrainerMixin:

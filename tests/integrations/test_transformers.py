@@ -259,3 +259,27 @@ def test_a_schedule_passed_in_and_moved_onto_the_masters_raises_no_torch_schedul
         MixprecTrainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=examples(),
                        callbacks=[MixprecCallback("bf16-true", audit=False)], optimizers=(opt, sched)).train()
     assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_plain_trainer_resuming_a_master_mode_checkpoint_is_refused_in_one_line(tmp_path):
+    def trainer(**kw):
+        return transformers.Trainer(model=bert(), args=args(tmp_path, **kw), train_dataset=examples(),
+                                    callbacks=[MixprecCallback("bf16-true", audit=False)])
+    trainer(max_steps=2, save_strategy="steps", save_steps=2).train()
+    with pytest.raises(ConfigError, match="cannot resume.*MixprecTrainer"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+
+def test_a_plain_trainer_skips_a_bad_step_and_holds_its_schedule(tmp_path, capsys):
+    data = examples()
+    model = bert()
+    bad = torch.stack([d["input_ids"] for d in data[BATCH:2 * BATCH]])         # step 2's batch
+    poison(model, model.bert.encoder.layer[1].intermediate.dense, bad)
+    callback = MixprecCallback("bf16-true", audit=False)
+    trainer = transformers.Trainer(model=model, args=args(tmp_path, lr_scheduler_type="linear", max_grad_norm=0.0),
+                                   train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert callback.mixprec.num_skipped_steps == 1
+    assert trainer.lr_scheduler.last_epoch == STEPS - 1          # no schedule step for the skip
+    assert "step 2 skipped" in capsys.readouterr().err
+    assert all(torch.isfinite(p).all() for p in model.parameters())
