@@ -334,3 +334,27 @@ def test_moving_the_schedule_onto_the_masters_raises_no_torch_scheduler_warning(
         trainer(MixprecPrecision("bf16-true")).fit(Module(make_net(), scheduler=True), loader(x, y))
     assert not [w for w in caught if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)], \
         [str(w.message) for w in caught]
+
+
+def test_fabric_standard_setup_saves_the_masters_and_plugin_setup_loads_them(tmp_path):
+    x, y = make_data()
+    plugin = MixprecFabricPrecision("bf16-true")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    for xb, yb in loader(x, y):
+        fabric.backward(nn.functional.mse_loss(model(xb).float(), yb))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+
+    plugin2 = MixprecFabricPrecision("bf16-true")
+    fabric2 = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin2])
+    net2 = make_net(seed=5)
+    model2, optimizer2 = fabric2.setup(*plugin2.setup(net2, torch.optim.AdamW(net2.parameters(), lr=1e-2)))
+    fabric2.load(tmp_path / "ckpt", {"model": model2, "optimizer": optimizer2})
+    masters, masters2 = optimizer.optimizer._mixprec_masters, optimizer2.optimizer
+    for a, b in zip(masters.masters, masters2.masters):
+        assert torch.equal(a, b)
+    for name, want in net.state_dict().items():
+        assert torch.equal(net2.state_dict()[name], want), name
