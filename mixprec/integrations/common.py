@@ -179,7 +179,7 @@ class RunRecord:
     def __init__(self, precision: Precision, host: Host, *, run_dir: str | Path | None,
                  resume_step: int | None = None, overwrite: bool = False,
                  config: dict[str, Any] | None = None, numbered: bool = False,
-                 overwrite_hint: str = "overwrite=True") -> None:
+                 overwrite_hint: str | None = None) -> None:
         self.precision = precision
         self.host = host
         self.run_dir: Path | None = None
@@ -195,8 +195,9 @@ class RunRecord:
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
                                          overwrite=overwrite,
                                          ways_out="resume it from your framework's own checkpoint "
-                                                  "(it continues this folder), choose another "
-                                                  "run_dir, or delete the folder to start over")
+                                                  "(it continues this folder), choose another run_dir, "
+                                                  + (f"or pass {overwrite_hint} to write over it"
+                                                     if overwrite_hint else "or delete the folder to start over"))
             (self.run_dir / "config.toml").write_text(
                 _toml({"precision": precision.name, **(config or {})}), encoding="utf-8")
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,
@@ -204,7 +205,8 @@ class RunRecord:
         self.events = RunEvents(host, precision, self.logger, progress=False)
         if self.earlier_run is not None:
             print(f"[mixprec] {self.earlier_run} holds an earlier run (left as it was); this run's folder is "
-                  f"{self.run_dir} ({overwrite_hint} writes over the earlier one instead)", file=sys.stderr)
+                  f"{self.run_dir}" + (f" ({overwrite_hint} writes over the earlier one instead)"
+                                       if overwrite_hint else ""), file=sys.stderr)
         self.nonfinite: list[NonFiniteEvent] = []
         """Every traced non-finite step of this run, in order."""
 

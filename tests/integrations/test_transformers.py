@@ -246,7 +246,7 @@ def test_a_named_run_dir_holding_a_run_is_still_refused_and_overwrite_writes_ove
         MixprecTrainer(model=bert(), args=args(tmp_path, max_steps=2), train_dataset=examples(),
                        callbacks=[MixprecCallback("bf16-true", run_dir=tmp_path / "run", audit=False, **kw)]).train()
     train()
-    with pytest.raises(ConfigError, match="already holds a run"):
+    with pytest.raises(ConfigError, match=r"already holds a run.*MixprecCallback\(overwrite=True\)"):
         train()
     train(overwrite=True)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
