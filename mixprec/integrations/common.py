@@ -22,6 +22,7 @@ from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.runs.run_dir import claim_run_dir, holds_a_run
 from mixprec.train.step import StepOutput
+from mixprec.train.schedules import move_scheduler, replace_step
 
 __all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord", "move_scheduler", "copy_hyperparameters",
            "route_to_masters", "replace_step"]
@@ -38,50 +39,6 @@ def as_precision(precision: Precision | str | bool | None, *, owner: str,
                               f"them to it, mixprec.Precision(mode, {sorted(given)[0]}=...)")
         return precision
     return Precision("auto" if precision is None else precision, **given)
-
-
-def move_scheduler(scheduler: Any, optimizer: Any) -> None:
-    """Point ``scheduler`` at ``optimizer`` (the optimizer of the FP32 masters that replaced the one
-    it was built on), as torch would have had it been built on that one.
-
-    torch's ``LRScheduler`` marks its optimizer's ``step`` at construction to check that the
-    optimizer steps before the schedule; a schedule moved onto another optimizer would warn
-    "optimizer.step() has been overridden after learning rate scheduler initialization" at its
-    first step, about mixprec's own move, not anything the user did. So the new optimizer's
-    ``step`` gets the same mark (and sets the same ``_opt_called`` flag) the scheduler relies on.
-    """
-    scheduler.optimizer = optimizer
-    step = getattr(optimizer, "step", None)
-    if step is None or hasattr(step, "_wrapped_by_lr_sched"):
-        return
-    import functools
-    import weakref
-
-    opt_ref, func = weakref.ref(optimizer), getattr(step, "__func__", None)
-
-    @functools.wraps(step)
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        opt = opt_ref()
-        opt._opt_called = True
-        return func(opt, *args, **kwargs) if func is not None else step(*args, **kwargs)
-
-    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = marked
-
-
-def replace_step(optimizer: Any, step: Callable[..., Any]) -> None:
-    """``optimizer.step = step``, marked as torch's ``LRScheduler`` marks the step it wraps, so a
-    scheduler built on ``optimizer`` neither warns that its step was overridden nor that it
-    stepped first."""
-    import functools
-
-    @functools.wraps(step)
-    def marked(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True
-        return step(*args, **kwargs)
-
-    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = marked
 
 
 def copy_hyperparameters(optimizer: Any, masters: Any) -> None:

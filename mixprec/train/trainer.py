@@ -45,6 +45,7 @@ from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.hooks import (GuardHook, NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook,
                                  StepHook)
 from mixprec.train.meter import IntervalMeter
+from mixprec.train.schedules import move_scheduler
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput
 
@@ -191,7 +192,6 @@ class Trainer:
                     and self.optimizer is not self._user_optimizer:
                 # The optimizer now steps FP32 masters: the schedule must set their learning rate
                 # (moved as torch would have built it: no warning about mixprec's own move).
-                from mixprec.integrations.common import move_scheduler
                 move_scheduler(sched, self.optimizer)
         else:
             decay, no_decay = [], []
