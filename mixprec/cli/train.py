@@ -356,18 +356,25 @@ def _default_text(value: object) -> str:
 
 
 def settings_table() -> str:
-    """``mixprec train --list``: every setting, its default and what it does, as aligned columns."""
+    """``mixprec train --list``: every setting, its default and what it does, as aligned columns.
+    The loop's settings are shared with ``fit()`` and ``Trainer``, some with other defaults there
+    (``mixprec train`` runs 300 steps on its corpus; ``fit()`` runs epochs): a ``fit()`` column
+    shows those, blank where the two agree."""
     from mixprec.train.config import FitConfig
     docs = _field_docs()
-    loop = {f.name for f in dataclasses.fields(FitConfig)}
+    fit_defaults = {f.name: _default_text(f.default) for f in dataclasses.fields(FitConfig)}
     rows = [(f.name, _default_text(f.default), docs.get(f.name, "")) for f in dataclasses.fields(TrainConfig)]
-    width = max(len("setting"), *(len(r[0]) for r in rows)), max(len("default"), *(len(r[1]) for r in rows))
+    fit_col = {n: fit_defaults[n] for n, d, _ in rows if n in fit_defaults and fit_defaults[n] != d}
+    width = (max(len("setting"), *(len(r[0]) for r in rows)), max(len("default"), *(len(r[1]) for r in rows)),
+             max(len("fit()"), *map(len, fit_col.values())))
     lines = ["Settings: key=value on the command line, or in a TOML file (--config FILE).", ""]
-    for title, names in (("training loop (also fit() and Trainer)", loop),
-                         ("model, data and launch (mixprec train)", {r[0] for r in rows} - loop)):
-        lines += [title, f"  {'setting':<{width[0]}}  {'default':<{width[1]}}  description"]
-        lines += [f"  {n:<{width[0]}}  {d:<{width[1]}}  {doc}".rstrip() for n, d, doc in rows if n in names]
-        lines.append("")
+    lines += ["training loop (also fit() and Trainer, whose defaults are in the fit() column where they differ)",
+              f"  {'setting':<{width[0]}}  {'default':<{width[1]}}  {'fit()':<{width[2]}}  description"]
+    lines += [f"  {n:<{width[0]}}  {d:<{width[1]}}  {fit_col.get(n, ''):<{width[2]}}  {doc}".rstrip()
+              for n, d, doc in rows if n in fit_defaults]
+    lines += ["", "model, data and launch (mixprec train)",
+              f"  {'setting':<{width[0]}}  {'default':<{width[1]}}  description"]
+    lines += [f"  {n:<{width[0]}}  {d:<{width[1]}}  {doc}".rstrip() for n, d, doc in rows if n not in fit_defaults]
     return "\n".join(lines).rstrip()
 
 

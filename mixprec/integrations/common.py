@@ -6,6 +6,7 @@ No framework is imported here.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,12 @@ from mixprec.monitor import NonFiniteEvent, audit, locate_nonfinite
 from mixprec.monitor.trace import RngState, gather_origins
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
-from mixprec.runs.run_dir import claim_run_dir
+from mixprec.runs.run_dir import claim_run_dir, holds_a_run
 from mixprec.train.step import StepOutput
+from mixprec.train.schedules import move_scheduler, replace_step
 
-__all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord"]
+__all__ = ["as_precision", "StepIfTaken", "Host", "RunRecord", "move_scheduler", "copy_hyperparameters",
+           "route_to_masters", "replace_step"]
 
 
 def as_precision(precision: Precision | str | bool | None, *, owner: str,
@@ -36,6 +39,32 @@ def as_precision(precision: Precision | str | bool | None, *, owner: str,
                               f"them to it, mixprec.Precision(mode, {sorted(given)[0]}=...)")
         return precision
     return Precision("auto" if precision is None else precision, **given)
+
+
+def copy_hyperparameters(optimizer: Any, masters: Any) -> None:
+    """The user's optimizer's group settings (lr, betas, weight decay: what schedulers change)
+    onto its masters' groups, which are the ones stepped."""
+    for mine, theirs in zip(optimizer.param_groups, masters.param_groups):
+        for key, value in mine.items():
+            if key != "params":
+                theirs[key] = value
+
+
+def route_to_masters(optimizer: Any, masters: Any) -> None:
+    """From now on ``optimizer`` (the one the user or a framework holds) is a view of its FP32-master
+    optimizer ``masters``: its ``zero_grad`` clears the masters' step too, and its state dict is
+    theirs (a checkpoint holds the masters)."""
+    optimizer._mixprec_masters = masters
+    optimizer.zero_grad = masters.zero_grad
+    optimizer.state_dict = masters.state_dict
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        masters.load_state_dict(state_dict)
+        for mine, theirs in zip(optimizer.param_groups, masters.param_groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+
+    optimizer.load_state_dict = load_state_dict
+    copy_hyperparameters(optimizer, masters)
 
 
 class StepIfTaken:
@@ -97,27 +126,44 @@ class RunRecord:
     """The console lines and (with ``run_dir``) the mixprec run folder of a framework's run:
     ``config.toml``, ``metrics.csv``, ``events.jsonl``, ``tb/``, the files ``mixprec report``
     reads. ``resume_step``: the step a resumed run continues from (its rows after it are dropped);
-    a new run refuses a folder that holds one unless ``overwrite``.
+    a new run refuses a folder that holds one unless ``overwrite``. ``numbered`` (a default folder
+    the user did not name, e.g. the Hugging Face Trainer's ``OUTPUT_DIR/mixprec``): a new run
+    finds it holding an earlier run, as when a script is run again into the same output folder,
+    and goes on in the first free ``-2``, ``-3``, ... sibling instead, saying so in one line; the
+    earlier run is left as it was.
     """
 
     def __init__(self, precision: Precision, host: Host, *, run_dir: str | Path | None,
                  resume_step: int | None = None, overwrite: bool = False,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, numbered: bool = False,
+                 overwrite_hint: str | None = None) -> None:
         self.precision = precision
         self.host = host
         self.run_dir: Path | None = None
+        self.earlier_run: Path | None = None
+        """The default folder an earlier run holds when this one went on in a numbered sibling."""
+        if run_dir is not None and host.is_main and numbered and resume_step is None and not overwrite \
+                and holds_a_run(Path(run_dir)):
+            self.earlier_run = Path(run_dir)
+            run_dir = next(p for n in range(2, 100_000)
+                           if not (p := Path(f"{run_dir}-{n}")).exists() or (p.is_dir() and not any(p.iterdir())))
         if run_dir is not None and host.is_main:
             self.run_dir = claim_run_dir(run_dir, precision=precision.label,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
                                          overwrite=overwrite,
                                          ways_out="resume it from your framework's own checkpoint "
-                                                  "(it continues this folder), choose another "
-                                                  "run_dir, or delete the folder to start over")
+                                                  "(it continues this folder), choose another run_dir, "
+                                                  + (f"or pass {overwrite_hint} to write over it"
+                                                     if overwrite_hint else "or delete the folder to start over"))
             (self.run_dir / "config.toml").write_text(
                 _toml({"precision": precision.name, **(config or {})}), encoding="utf-8")
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,
                                     resume_step=resume_step)
         self.events = RunEvents(host, precision, self.logger, progress=False)
+        if self.earlier_run is not None:
+            print(f"[mixprec] {self.earlier_run} holds an earlier run (left as it was); this run's folder is "
+                  f"{self.run_dir}" + (f" ({overwrite_hint} writes over the earlier one instead)"
+                                       if overwrite_hint else ""), file=sys.stderr)
         self.nonfinite: list[NonFiniteEvent] = []
         """Every traced non-finite step of this run, in order."""
 

@@ -49,7 +49,8 @@ from torch import nn
 
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
+from mixprec.integrations.common import (Host, RunRecord, StepIfTaken, as_precision, copy_hyperparameters,
+                                         move_scheduler, route_to_masters)
 from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecPrecision", "MixprecFabricPrecision", "MixprecCallback"]
@@ -104,7 +105,7 @@ class MixprecPrecision(TrainerPrecision):
         for config in lr_scheduler_configs:
             for old, wrapped in zip(optimizers, new):
                 if wrapped is not old and getattr(config.scheduler, "optimizer", None) is old:
-                    config.scheduler.optimizer = wrapped   # the schedule sets the masters' lr
+                    move_scheduler(config.scheduler, wrapped)   # the schedule sets the masters' lr
             if config.interval == "step" and not isinstance(config.scheduler, StepIfTaken):
                 config.scheduler = StepIfTaken(config.scheduler, self.mixprec)
         return model, new, lr_scheduler_configs
@@ -155,17 +156,24 @@ class MixprecPrecision(TrainerPrecision):
 class MixprecFabricPrecision(FabricPrecision):
     """Lightning ``Fabric`` precision plugin that delegates to :class:`mixprec.Precision`.
 
-    Fabric hands the plugin the model but never the optimizer before stepping it, so FP32 masters
-    come from :meth:`setup`, called before ``fabric.setup``::
+    The standard Fabric loop works as it is::
 
         plugin = MixprecFabricPrecision("bf16-true", clip_grad_norm=1.0)
         fabric = Fabric(plugins=[plugin])
-        model, optimizer = fabric.setup(*plugin.setup(model, optimizer))
+        model, optimizer = fabric.setup(model, optimizer)
+
+    Fabric hands the plugin the model at ``setup`` but the optimizer only when stepping it, so in a
+    mode that keeps FP32 masters they are made at the first ``optimizer.step()``, while the
+    optimizer has no state yet (the first step is the same as with masters made earlier). From
+    then on your optimizer is routed to them: its learning rates (a scheduler's too) are the
+    masters', and its ``zero_grad``, ``state_dict`` and ``load_state_dict`` are theirs, so
+    ``fabric.save`` writes the masters. ``fabric.setup(*plugin.setup(model, optimizer))`` makes
+    them before ``fabric.setup`` instead: needed to load such a checkpoint before the first step
+    (an optimizer that already has state but no masters is refused in one line).
 
     ``fabric.backward(loss)`` scales where the mode scales; ``optimizer.step()`` is
     ``Precision.step`` (unscale, check, clip to ``clip_grad_norm``, step or skip, scale update).
-    A mode that keeps masters refuses an optimizer without them; ``fabric.clip_gradients`` is
-    refused (pass ``clip_grad_norm``).
+    ``fabric.clip_gradients`` is refused (pass ``clip_grad_norm``).
     """
 
     def __init__(self, precision: Precision | str | bool = "auto", *, overrides: Any = None,
@@ -174,13 +182,42 @@ class MixprecFabricPrecision(FabricPrecision):
                                     **scaler_options)
         self.precision = self.mixprec.name
         self.clip_grad_norm = clip_grad_norm
+        self._modules: list[nn.Module] = []
 
     def setup(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
         """``Precision.setup``: storage dtypes, formats, and the optimizer with FP32 masters."""
-        return self.mixprec.setup(model, optimizer)
+        model, optimizer = self.mixprec.setup(model, optimizer)
+        self._modules.append(model)
+        return model, optimizer
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return self.mixprec.setup_module(module)          # idempotent after setup()
+        module = self.mixprec.setup_module(module)          # idempotent after setup()
+        self._modules.append(module)
+        return module
+
+    def _masters(self, optimizer: Any) -> Any:
+        """What ``Precision.step`` steps for ``optimizer``: itself when it has masters or the mode
+        keeps none, else its FP32-master optimizer, made now on its first step."""
+        if not self.mixprec.keeps_masters or hasattr(optimizer, "master_grads"):
+            return optimizer
+        masters = getattr(optimizer, "_mixprec_masters", None)
+        if masters is not None:
+            copy_hyperparameters(optimizer, masters)           # a scheduler sets the user's groups
+            return masters
+        if optimizer.state:
+            raise ConfigError(f"precision {self.mixprec.name} keeps FP32 master weights but this "
+                              f"{type(optimizer).__name__} already has state (loaded from a checkpoint, or "
+                              "stepped outside mixprec) and no masters; make them before loading: "
+                              "model, optimizer = fabric.setup(*plugin.setup(model, optimizer))")
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        model = next((m for m in reversed(self._modules)
+                      if any(id(p) in owned for p in m.parameters())), None)
+        if model is None:
+            raise ConfigError(f"this {type(optimizer).__name__} steps none of the parameters of the "
+                              "model given to fabric.setup; build it over model.parameters()")
+        masters = self.mixprec.setup_optimizer(optimizer, model)
+        route_to_masters(optimizer, masters)
+        return masters
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return self.mixprec.autocast()
@@ -196,11 +233,9 @@ class MixprecFabricPrecision(FabricPrecision):
             raise ConfigError("optimizer.step(closure) with mixprec's plugin: compute the loss, "
                               "fabric.backward(loss), then optimizer.step()")
         _refuse_lbfgs(optimizer)
-        if self.mixprec.keeps_masters and not hasattr(optimizer, "master_grads"):
-            raise ConfigError(f"precision {self.mixprec.name} keeps FP32 master weights but this "
-                              f"{type(optimizer).__name__} has none; set up through the plugin: "
-                              "model, optimizer = fabric.setup(*plugin.setup(model, optimizer))")
-        return self.mixprec.step(optimizer, clip_grad_norm=self.clip_grad_norm)
+        taken = self.mixprec.step(self._masters(optimizer), clip_grad_norm=self.clip_grad_norm)
+        optimizer._opt_called = True           # a torch LR scheduler on it: the optimizer stepped
+        return taken
 
     def unscale_gradients(self, optimizer: Any) -> None:
         raise ConfigError("fabric.clip_gradients with mixprec's plugin: mixprec clips the unscaled "

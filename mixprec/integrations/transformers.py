@@ -29,6 +29,12 @@ Trainer method (overridden)        what runs instead
 ``_get_grad_norm``                 would clip the still-scaled 16-bit model gradients)
 =================================  ===================================================================
 
+A plain ``transformers.Trainer(callbacks=[MixprecCallback(...)])`` also works for a mode that does
+not scale the loss: the callback sets the model up when training starts, autocasts its forward and
+replaces the optimizer's step with ``Precision.step`` on FP32 masters. ``MixprecTrainer`` is needed
+for FP16 loss scaling (refused in one line without it), master-gradient clipping, tracing a skipped
+step and resuming from a Trainer checkpoint.
+
 Leave ``TrainingArguments(bf16=False, fp16=False)``: mixprec owns the precision (asking for both
 is refused). The optimizer's checkpoint (``optimizer.pt``) carries the loss scale, so
 ``trainer.train(resume_from_checkpoint=...)`` continues it. Tested with transformers 5.24.
@@ -36,6 +42,7 @@ is refused). The optimizer's checkpoint (``optimizer.pt``) carries the loss scal
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,7 +54,8 @@ from torch import nn
 
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
-from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
+from mixprec.integrations.common import (Host, RunRecord, StepIfTaken, as_precision, copy_hyperparameters,
+                                         move_scheduler, replace_step, route_to_masters)
 from mixprec.monitor import NumericsMonitor, capture_rng_state
 
 __all__ = ["MixprecCallback", "MixprecTrainerMixin", "MixprecTrainer", "PrecisionOptimizer"]
@@ -124,7 +132,10 @@ class MixprecCallback(transformers.TrainerCallback):
         overrides: per-layer formats ``{pattern: format}`` (not with a ready ``Precision``).
         run_dir: the mixprec run folder (default ``OUTPUT_DIR/mixprec``): ``config.toml``,
             ``metrics.csv`` (a row per Trainer log), ``events.jsonl``; ``mixprec report`` reads it.
-        overwrite: start over in a ``run_dir`` that holds a finished run (else refused).
+            A script run again into the same ``output_dir`` finds the default folder holding the
+            first run's record: it is kept, and the new run writes ``OUTPUT_DIR/mixprec-2`` (then
+            ``-3``, ...), said in one line. A ``run_dir`` you name that holds a run is refused.
+        overwrite: start over in a ``run_dir`` (or the default one) that holds a finished run.
         audit: run :func:`mixprec.monitor.audit` when training starts.
         trace_nonfinite: replay a skipped step (same batches, same RNG state, no optimizer step)
             with hooks and name the layer that made the inf/NaN.
@@ -152,6 +163,8 @@ class MixprecCallback(transformers.TrainerCallback):
         self._rng = None
         self._scale_before = 1.0
         self._last_log = time.perf_counter()
+        self._stepped: Any = None
+        """The optimizer ``Precision.step`` steps under a plain Trainer (the masters, or the Trainer's)."""
 
     @property
     def nonfinite(self) -> list:
@@ -165,31 +178,73 @@ class MixprecCallback(transformers.TrainerCallback):
                                   f"owns the precision; leave {flag}=False and pass the mode to "
                                   "MixprecCallback(precision=...)")
         # The model is set up by MixprecTrainerMixin.__init__, once the Trainer is known to carry
-        # mixprec's step: a plain Trainer is refused before the user's model is changed.
+        # mixprec's step; under a plain Trainer at on_train_begin (a mode that scales the loss is
+        # refused there, before the user's model is changed).
 
     def on_train_begin(self, args, state, control, model: nn.Module | None = None,
                        optimizer: Any = None, **kwargs: Any):
         if self._trainer is None:
-            raise ConfigError("MixprecCallback needs mixprec's hook on the Trainer's step: build the "
-                              "trainer with mixprec.integrations.transformers.MixprecTrainer(...), or "
-                              "put MixprecTrainerMixin in front of your Trainer subclass")
+            self._set_up_plain_trainer(model, optimizer, kwargs.get("lr_scheduler"))
         if self.record is not None:
             self.record.close()
         resume = state.global_step if state.global_step > 0 else None
         self.record = RunRecord(
             self.mixprec, Host(args.device, rank=args.process_index, world_size=args.world_size),
             run_dir=self.run_dir if self.run_dir is not None else Path(args.output_dir) / "mixprec",
-            resume_step=resume, overwrite=self.overwrite,
+            resume_step=resume, overwrite=self.overwrite, numbered=self.run_dir is None,
+            overwrite_hint="MixprecCallback(overwrite=True)",
             config={"framework": "transformers", "model": type(model).__name__,
                     "max_steps": state.max_steps, "lr": args.learning_rate,
                     "clip_grad_norm": args.max_grad_norm or None,
                     "grad_accum_steps": args.gradient_accumulation_steps})
-        inner = getattr(getattr(optimizer, "optimizer", optimizer), "inner", optimizer)
+        inner = self._stepped or getattr(getattr(optimizer, "optimizer", optimizer), "inner", optimizer)
         self.monitor = (NumericsMonitor(model, every=self.monitor_every, compute_dtype=self.mixprec)
                         if self.monitor_every else None)
         self.record.start(model, step=state.global_step, total=state.max_steps, optimizer=inner,
                           run_audit=self.audit)
         self._last_log = time.perf_counter()
+
+    def _set_up_plain_trainer(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+        """What MixprecTrainerMixin's overrides do, done from outside a plain ``transformers.Trainer``
+        for a mode without loss scaling: the model's formats, its forward under
+        ``Precision.autocast``, the optimizer's step replaced by ``Precision.step`` on FP32 masters
+        (made now, the optimizer routed to them), the scheduler held on a skipped step. The Trainer
+        keeps its own gradient clipping (on the model's unscaled 16-bit gradients). Loss scaling
+        happens inside the Trainer's backward, out of a callback's reach: refused in one line."""
+        precision = self.mixprec
+        if precision.scales_loss:
+            raise ConfigError(f"MixprecCallback(precision={precision.name!r}) scales the loss, inside the "
+                              "Trainer's backward, which a callback cannot reach: build the trainer with "
+                              "mixprec.integrations.transformers.MixprecTrainer(...) (or put "
+                              "MixprecTrainerMixin in front of your Trainer subclass)")
+        if self._stepped is not None:
+            return                                            # train() called again: set up already
+        inner = getattr(optimizer, "optimizer", optimizer)    # accelerate's wrapper
+        if precision.keeps_masters and inner.state:
+            raise ConfigError("MixprecCallback under a plain transformers.Trainer cannot resume a "
+                              "checkpoint's FP32 masters (the Trainer loads the optimizer before a "
+                              "callback sees it): resume with mixprec.integrations.transformers.MixprecTrainer")
+        precision.setup_module(model)          # in place: the Trainer's optimizer keeps its parameters
+        if precision.autocasts:
+            forward = model.forward
+
+            @functools.wraps(forward)
+            def forward_in_precision(*args: Any, **kwargs: Any) -> Any:
+                with precision.autocast():
+                    return forward(*args, **kwargs)
+            model.forward = forward_in_precision
+        stepped = self._stepped = precision.setup_optimizer(inner, model)
+        if stepped is inner:
+            return          # no masters (FP32 parameters): the Trainer's own step is the mode's
+        route_to_masters(inner, stepped)
+
+        def step(closure: Callable[[], Any] | None = None) -> None:
+            copy_hyperparameters(inner, stepped)        # the Trainer's scheduler sets inner's LRs
+            precision.step(stepped, clip_grad_norm=None)
+            stepped.zero_grad(set_to_none=True)         # a skipped step's master state goes too
+        replace_step(inner, step)
+        if scheduler is not None and not isinstance(scheduler, StepIfTaken):
+            _hold_on_skipped_steps(scheduler, precision)
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._group = []
@@ -202,7 +257,7 @@ class MixprecCallback(transformers.TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, optimizer: Any = None, **kwargs: Any):
         if self._sampling is not None:                      # update statistics around the step
-            inner = getattr(getattr(optimizer, "optimizer", optimizer), "inner", optimizer)
+            inner = self._stepped or getattr(getattr(optimizer, "optimizer", optimizer), "inner", optimizer)
             self._sampling.enter_context(self.monitor.track_updates(inner))
 
     def micro_batch(self, inputs: Any, num_items_in_batch: Any) -> None:
@@ -246,6 +301,20 @@ class MixprecCallback(transformers.TrainerCallback):
             self.record.close()
 
 
+def _hold_on_skipped_steps(scheduler: Any, precision: Precision) -> None:
+    """The Trainer's own scheduler object, made not to step after a skipped step (the Trainer
+    keeps its reference, so it cannot be swapped for :class:`StepIfTaken`). A subclass made for
+    it, like Fabric's optimizer wrapper: an attribute on the instance would land in its
+    ``state_dict()`` and break the Trainer's checkpoint."""
+    cls = type(scheduler)
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not precision.last_step_skipped:
+            cls.step(self, *args, **kwargs)
+
+    scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
+
+
 class MixprecTrainerMixin:
     """Put in front of ``transformers.Trainer`` (or your subclass of it) to let the
     :class:`MixprecCallback` in ``callbacks=[...]`` own the precision of the step."""
@@ -271,7 +340,7 @@ class MixprecTrainerMixin:
         inner = self.mixprec.setup_optimizer(optimizer, model if model is not None else self.model)
         wrapped = PrecisionOptimizer(inner, self.mixprec, clip_grad_norm=self.args.max_grad_norm or None)
         if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is optimizer:
-            self.lr_scheduler.optimizer = wrapped        # a schedule passed in sets the masters' lr
+            move_scheduler(self.lr_scheduler, wrapped)   # a schedule passed in sets the masters' lr
         self.optimizer = wrapped
         return wrapped
 

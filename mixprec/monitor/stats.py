@@ -4,7 +4,9 @@
 
 * ``act``    its forward output,
 * ``grad``   the gradient w.r.t. that output as backward computes it (so *including* the loss
-             scale: a scaled gradient is what an FP16 backward actually holds),
+             scale: a scaled gradient is what an FP16 backward actually holds, and what
+             overflows); the row's ``loss_scale`` is that scale, so ``absmax / loss_scale`` is the
+             gradient itself (the report's heat map shows that),
 * ``update`` the change of its own parameters over one optimizer step,
 
 and reports, per (step, module, kind), a :class:`NumericsRow` with the columns of ``numerics.csv``
@@ -49,8 +51,8 @@ __all__ = ["NumericsRow", "NUMERICS_COLUMNS", "NumericsMonitor", "Sample", "rang
            "update_counts"]
 
 NUMERICS_COLUMNS: tuple[str, ...] = ("step", "module", "kind", "absmax", "overflow_frac",
-                                     "underflow_frac", "dtype", "subnormal_frac")
-"""``numerics.csv`` columns: the contract's seven, then ``subnormal_frac`` appended."""
+                                     "underflow_frac", "dtype", "subnormal_frac", "loss_scale")
+"""``numerics.csv`` columns: the contract's seven, then ``subnormal_frac`` and ``loss_scale`` appended."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,10 @@ class NumericsRow:
     dtype: str
     """The dtype whose range was checked: the compute (or grad) dtype, or the storage dtype for updates."""
     subnormal_frac: float | None = None
+    loss_scale: float | None = None
+    """``grad`` rows: the loss scale the measured gradients carry (``absmax / loss_scale`` is the
+    gradient's own largest magnitude); None for ``act`` and ``update`` rows, and where the step's
+    scale is not known (a monitor given no :class:`~mixprec.Precision` nor ``loss_scale=``)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,6 +132,8 @@ class Sample:
 
     step: int
     active: bool
+    loss_scale: float | None = None
+    """The loss scale of this step's backward (set on ``grad`` rows)."""
     rows: list[NumericsRow] = field(default_factory=list)
     _keys: list[tuple[str, str, str, int]] = field(default_factory=list)  # module, kind, dtype, numel
     _vals: list[torch.Tensor] = field(default_factory=list)
@@ -158,7 +166,8 @@ class Sample:
         self.rows = [
             NumericsRow(step=self.step, module=module, kind=kind, absmax=a[1],
                         overflow_frac=a[2] / max(a[5], 1), underflow_frac=a[3] / max(a[5], 1),
-                        dtype=a[0], subnormal_frac=None if kind == "update" else a[4] / max(a[5], 1))
+                        dtype=a[0], subnormal_frac=None if kind == "update" else a[4] / max(a[5], 1),
+                        loss_scale=self.loss_scale if kind == "grad" else None)
             for (module, kind), a in agg.items()]
         self._keys, self._vals = [], []
         return self.rows
@@ -191,6 +200,7 @@ class NumericsMonitor:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"NumericsMonitor every={every!r} must be a positive integer (steps between samples)")
         per_layer: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+        self._precision = compute_dtype if isinstance(compute_dtype, Precision) else None
         try:
             act = grad = parse_dtype(compute_dtype)  # type: ignore[arg-type]
         except (ConfigError, AttributeError):
@@ -218,12 +228,19 @@ class NumericsMonitor:
         return step % self.every == 0
 
     @contextlib.contextmanager
-    def sample(self, step: int) -> Iterator[Sample]:
-        """Collect statistics for this step if it is a sampled one; hooks live only inside the block."""
+    def sample(self, step: int, *, loss_scale: float | None = None) -> Iterator[Sample]:
+        """Collect statistics for this step if it is a sampled one; hooks live only inside the block.
+
+        ``loss_scale``: the scale this step's backward multiplies the loss by (with a
+        ``GradScaler``: ``scaler.get_scale()``), recorded on the ``grad`` rows; default: the
+        current scale of the :class:`~mixprec.Precision` the monitor was given, when it scales."""
         s = Sample(step=step, active=self.should_sample(step))
         if not s.active:
             yield s
             return
+        if loss_scale is None and self._precision is not None and self._precision.scales_loss:
+            loss_scale = self._precision.scale          # the scale the coming backward multiplies by
+        s.loss_scale = None if loss_scale is None else float(loss_scale)
         handles = [m.register_forward_hook(self._make_hook(name, s)) for name, m in self.modules.items()]
         self._current = s
         ok = False

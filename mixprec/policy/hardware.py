@@ -1,10 +1,14 @@
 """What the current hardware does well, so policies and audits can choose honestly.
 
 Cheap checks only (no benchmarks here; measured peaks live in ``mixprec.bench``).
+
+The CPU's flags are read once, when this module is imported, and kept in a plain module global, not
+behind ``functools.cache``: the attention layer asks for them in its forward, and under
+``torch.compile`` Dynamo warns about every ``lru_cache``-wrapped function it traces through
+(``compile=true`` printed that warning on every run).
 """
 from __future__ import annotations
 
-import functools
 import platform
 
 import torch
@@ -18,8 +22,7 @@ def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
+def _read_cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
@@ -30,25 +33,38 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-@functools.cache
+_CPU_FLAGS = _read_cpu_flags()
+
+
+def _cpu_flags() -> frozenset[str]:
+    return _CPU_FLAGS
+
+
+_NATIVE: dict[str, bool] = {}
+"""``cpu_has_native_bf16`` / ``_fp16``'s answers, asked once (no ``functools.cache``: see above)."""
+
+
 def cpu_has_native_bf16() -> bool:
     """True when the CPU has BF16 matrix instructions (AVX512-BF16 or AMX).
 
     Without them PyTorch emulates BF16 GEMMs, typically 10-100x slower than FP32 GEMMs.
     """
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    if "bf16" not in _NATIVE:
+        try:
+            _NATIVE["bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _NATIVE["bf16"] = bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+    return _NATIVE["bf16"]
 
 
-@functools.cache
 def cpu_has_native_fp16() -> bool:
     """True when the CPU has FP16 matrix instructions (AVX512-FP16 or AMX-FP16)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return bool({"avx512_fp16", "amx_fp16"} & _cpu_flags())
+    if "fp16" not in _NATIVE:
+        try:
+            _NATIVE["fp16"] = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):
+            _NATIVE["fp16"] = bool({"avx512_fp16", "amx_fp16"} & _cpu_flags())
+    return _NATIVE["fp16"]
 
 
 _MATRIX_FLAGS = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16")

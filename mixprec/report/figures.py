@@ -46,6 +46,9 @@ def caption(path: Path) -> str:
         kind, _, stat = stem.removeprefix("numerics_").partition("_")
         what = {"act": "activations", "grad": "gradients", "update": "updates"}.get(kind, kind)
         stat = {"absmax": "largest magnitude (log10)", "overflow_frac": "overflow fraction"}.get(stat, stat)
+        if kind == "grad" and stat.startswith("largest"):
+            return ("Per-layer gradients: largest magnitude (log10) over time, the loss scale divided out "
+                    "(a run that did not record it says so in the title)")
         return f"Per-layer {what}: {stat} over time"
     return stem.replace("_", " ")
 

@@ -266,9 +266,27 @@ def _plot_memory(rows, events, out: Path) -> Path | None:
     return save(fig, out / "memory.png")
 
 
-def _plot_numerics(numerics, out: Path) -> list[Path]:
-    """One heat map per (kind, statistic): rows are modules, columns logged steps."""
+def _grad_scaling(rows: list[dict[str, Any]], numerics: list[dict[str, Any]]) -> str:
+    """How the ``grad`` rows' magnitudes relate to the gradients: ``"divided"`` (each row carries
+    its step's loss scale, divided out here), ``"scaled"`` (the run scaled its loss but the rows
+    do not say by how much: they are drawn as backward held them, and the title says so), or
+    ``"none"`` (no loss scaling)."""
+    grads = [r for r in numerics if r.get("kind") == "grad"]
+    if grads and all(is_finite_number(r.get("loss_scale")) and r["loss_scale"] > 0 for r in grads):
+        return "divided"
+    scaled = any(is_finite_number(r.get("loss_scale")) and r["loss_scale"] != 1.0 for r in [*rows, *grads])
+    return "scaled" if scaled else "none"
+
+
+def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = None) -> list[Path]:
+    """One heat map per (kind, statistic): rows are modules, columns logged steps. The gradients'
+    largest magnitudes are the gradients' own: each row's loss scale divided out (an FP16 run's
+    scale moves 2^24 -> 2^16 -> 2^18, and colours that followed it would show the scale, not the
+    gradients); the overflow fraction stays that of the loss-scaled values, which are what
+    overflows."""
     import numpy as np
+
+    grad_scaling = _grad_scaling(metrics or [], numerics)
 
     paths = []
     # One layer order for every heat map: forward order (as the activations were logged), then
@@ -286,14 +304,22 @@ def _plot_numerics(numerics, out: Path) -> list[Path]:
         row = {m: i for i, m in enumerate(modules)}
         for stat, label, transform in (("absmax", "log10 |x| max", _log10),
                                        ("overflow_frac", "overflow fraction", float)):
+            note = ""
+            if kind == "grad" and grad_scaling != "none":
+                note = {("absmax", "divided"): " (unscaled: divided by the loss scale)",
+                        ("absmax", "scaled"): " (times the loss scale, not divided out)"}.get(
+                    (stat, grad_scaling), " (of the loss-scaled gradients)")
             grid = np.full((len(modules), len(steps)), np.nan)
             for r in rows:
                 if is_finite_number(r.get(stat)):
-                    grid[row[r["module"]], col[r["step"]]] = transform(r[stat])
+                    value = r[stat]
+                    if kind == "grad" and stat == "absmax" and grad_scaling == "divided":
+                        value = value / r["loss_scale"]
+                    grid[row[r["module"]], col[r["step"]]] = transform(value)
             if np.isnan(grid).all() or (stat == "overflow_frac" and not np.nanmax(grid) > 0):
                 continue
             height = min(12.0, 1.5 + 0.25 * len(modules))
-            fig, ax = figure(f"{kind}: {label} per module over time", figsize=(8.0, height))
+            fig, ax = figure(f"{kind}: {label} per module over time{note}", figsize=(8.0, height))
             ax.grid(False)
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest",
                               cmap="magma" if stat == "overflow_frac" else "viridis")
@@ -395,7 +421,7 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
                           _plot_lr(rows, events, out), _plot_grad_norm(rows, events, out),
                           _plot_throughput(rows, events, out), _plot_memory(rows, events, out))
               if p is not None]
-    images += _plot_numerics(numerics, out)
+    images += _plot_numerics(numerics, out, rows)
     from mixprec.report.format_timeline import plot_formats
     last = max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)
     images += [p for p in (plot_formats(events, last, out),) if p is not None]

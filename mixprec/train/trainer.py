@@ -36,7 +36,7 @@ from mixprec.plan.replan import LayerReplanner
 from mixprec.precision import Policy, Precision
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
-from mixprec.runs.metrics import MetricsLogger
+from mixprec.runs.metrics import MetricsLogger, is_finite_number, read_metrics
 from mixprec.runs.run_dir import claim_locked_run_dir
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
@@ -45,6 +45,7 @@ from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.hooks import (GuardHook, NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook,
                                  StepHook)
 from mixprec.train.meter import IntervalMeter
+from mixprec.train.schedules import move_scheduler
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput
 
@@ -190,8 +191,9 @@ class Trainer:
             sched = self._user_scheduler
             if sched is not None and getattr(sched, "optimizer", None) is self._user_optimizer \
                     and self.optimizer is not self._user_optimizer:
-                # The optimizer now steps FP32 masters: the schedule must set their learning rate.
-                sched.optimizer = self.optimizer
+                # The optimizer now steps FP32 masters: the schedule must set their learning rate
+                # (moved as torch would have built it: no warning about mixprec's own move).
+                move_scheduler(sched, self.optimizer)
         else:
             decay, no_decay = [], []
             for p in self.model.parameters():
@@ -220,7 +222,7 @@ class Trainer:
         # long as the run reaches the peak at its last step; only a longer one never does.
         if self._user_scheduler is None and cfg.warmup_steps > total_steps:
             self._notes.append((f"warm-up ({cfg.warmup_steps} steps) is longer than the run ({total_steps} "
-                                f"steps): the LR never reaches its peak; set warmup_steps= below "
+                                f"steps): the LR never reaches its peak; set warmup_steps= at most "
                                 f"{total_steps}", "schedule"))
         self.scheduler = self._user_scheduler or warmup_cosine_scheduler(
             self.optimizer, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
@@ -238,6 +240,18 @@ class Trainer:
         self.overlap = (OverlappedUpdate(unwrapped, self.optimizer,
                                          per_module=False if cfg.compile else None)
                         if cfg.overlap_optimizer else None)
+        # Settings accepted here that change nothing: said in one line at start, not left to be
+        # found in a benchmark that shows no difference.
+        if cfg.overlap_optimizer and strategy.device.type != "cuda":
+            self._notes.append((f"overlap_optimizer=true does nothing on {strategy.device.type}: there is "
+                                "no CUDA stream for the update to overlap on (it runs in order, the same "
+                                "update)", "overlap"))
+        compression = getattr(cfg, "grad_compression", None)
+        compression = compression if compression not in (None, "none") else getattr(strategy, "grad_compression", None)
+        if compression not in (None, "none") and not strategy.is_distributed:
+            self._notes.append((f"grad_compression={compression} does nothing in one process: it compresses "
+                                "what DDP sends between processes (launch with torchrun "
+                                "--nproc_per_node=N)", "strategy"))
         # What Linear layers save for backward, kept in FP8 (opt-in; mixprec/nn/fp8_activations.py).
         if self.fp8_store is not None:
             self.fp8_store.remove()
@@ -644,12 +658,39 @@ class Trainer:
             for hook in self.hooks:
                 hook.close()                              # the profiler: a run shorter than its steps
             self.checkpointer.export_final(self.model)    # a Hugging Face model: RUN_DIR/hf
+            if (line := self._warmup_not_left()) is not None:
+                events.note(line, self.step, "schedule")
         finally:
             events.close()
             logger.close()
+        if last_val is None and resume and self.run_dir is not None:
+            # Resumed with nothing left to train (a finished run): its recorded final validation
+            # loss, not "n/a".
+            last_val = next((r["val_loss"] for r in reversed(read_metrics(self.run_dir))
+                             if r.get("step") is not None and r["step"] <= self.step
+                             and is_finite_number(r.get("val_loss"))), None)
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
                          last_val, self.precision.ran())
+
+    def _warmup_not_left(self) -> str | None:
+        """One line when mixprec's schedule ended its run still in warm-up (its LR never reached
+        the peak): a run shorter than ``warmup_steps``, or one whose steps were skipped (a skipped
+        step does not advance the schedule, so a 16-mixed run that skipped every step stays at the
+        first warm-up LR). None otherwise, and for a scheduler you passed."""
+        cfg = self.config
+        if self._user_scheduler is not None or cfg.warmup_steps <= 0 or self.step == 0:
+            return None
+        taken = int(getattr(self.scheduler, "last_epoch", cfg.warmup_steps))
+        if taken >= cfg.warmup_steps:
+            return None
+        skipped = self.precision.num_skipped_steps
+        why = (f"{skipped} of its {self.step} steps were skipped, and a skipped step does not advance it"
+               if skipped else f"the run ({self.step} steps) is shorter than warmup_steps={cfg.warmup_steps}")
+        peak = self.scheduler.base_lrs[0]
+        lr = peak * self.scheduler.lr_lambdas[0](max(taken - 1, 0))    # the last taken step's (or the first)
+        return (f"the LR never left warm-up: the schedule advanced {taken} of its {cfg.warmup_steps} "
+                f"warm-up steps ({why}); the LR reached {lr:.3g}, {100 * lr / peak:.0f} % of the peak {peak:g}")
 
     def _reschedule(self, total: int, peaks: list[float], saved_lr: list[float]) -> None:
         """After a restore, this run's settings set the learning rate, not the checkpoint's.

@@ -205,3 +205,18 @@ def test_two_different_precisions_on_one_command_line_are_refused_in_one_line(ca
         "mixprec: error: --precision bf16-mixed and precision=16-mixed disagree; pass one of them"]
     from mixprec.cli.train import _same_mode
     assert _same_mode("bf16", "bf16-mixed") and not _same_mode("auto", "bf16-mixed")
+
+
+def test_list_shows_fits_defaults_where_they_differ_from_the_clis(capsys):
+    from mixprec.train.config import FitConfig, TrainConfig
+    assert main(["train", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(l for l in lines if l.startswith("training loop"))
+    assert "fit()" in header and "differ" in header
+    for name in ("max_steps", "lr", "warmup_steps", "eval_interval"):
+        assert getattr(FitConfig(), name) != getattr(TrainConfig(), name)
+        row = next(l for l in lines if l.split()[:1] == [name]).split()
+        fit_default = "none" if getattr(FitConfig(), name) is None else f"{getattr(FitConfig(), name):g}"
+        assert row[1:3] == [f"{getattr(TrainConfig(), name):g}", fit_default], row
+    epochs = next(l for l in lines if l.split()[:1] == ["epochs"]).split()
+    assert epochs[1] == "1" and not epochs[2][0].isdigit()     # the same default: no fit() value

@@ -251,12 +251,59 @@ def test_fabric_gives_the_hand_loops_weights_bit_for_bit():
         assert torch.equal(net.state_dict()[name], want), name
 
 
-def test_fabric_refuses_a_master_mode_without_masters():
+def _fabric_hand_loop(mode, *, sched=False, **options):
+    x, y = make_data()
+    precision = mp.Precision(mode, **options)
+    ref = make_net()
+    ref, opt = precision.setup(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if sched else None
+    for xb, yb in loader(x, y):
+        with precision.autocast():
+            out = precision.convert_output(ref(xb))
+        precision.backward(nn.functional.mse_loss(out.float(), yb))
+        if precision.step(opt, clip_grad_norm=1.0) and lr is not None:
+            lr.step()
+        opt.zero_grad()
+    return ref
+
+
+@pytest.mark.parametrize("mode,options", [("bf16-true", {}), ("fp8-tensorwise", {}),
+                                          ("16-mixed", {"init_scale": 2.0 ** 8})])
+def test_fabric_standard_setup_gives_the_hand_loops_weights(mode, options):
+    # fabric.setup(model, optimizer), as every Fabric loop does: the masters are made at the first step.
+    ref = _fabric_hand_loop(mode, sched=True, **options)
+    x, y = make_data()
+    plugin = MixprecFabricPrecision(mode, clip_grad_norm=1.0, **options)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, optimizer = fabric.setup(net, opt)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for xb, yb in loader(x, y):
+            fabric.backward(nn.functional.mse_loss(model(xb).float(), yb))
+            if optimizer.step():
+                sched.step()
+            optimizer.zero_grad()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+    for name, want in ref.state_dict().items():
+        assert torch.equal(net.state_dict()[name], want), name
+    if plugin.mixprec.keeps_masters:
+        assert "master_weights" in optimizer.state_dict()       # fabric.save writes the masters
+
+
+def test_fabric_refuses_an_optimizer_with_state_but_no_masters_in_one_line():
     plugin = MixprecFabricPrecision("bf16-true")
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     net = make_net()
-    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters()))
+    opt = torch.optim.AdamW(net.parameters())
     x, y = make_data(1)
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()                                                  # stepped outside mixprec
+    opt.zero_grad()
+    model, optimizer = fabric.setup(net, opt)
     fabric.backward(nn.functional.mse_loss(model(x).float(), y))
     with pytest.raises(ConfigError, match="plugin.setup"):
         optimizer.step()
@@ -277,3 +324,37 @@ def test_value_clipping_and_options_with_a_ready_precision_are_refused():
     with pytest.raises(ConfigError, match="norm"):
         trainer(MixprecPrecision("bf16-mixed"), steps=1, gradient_clip_val=1.0,
                 gradient_clip_algorithm="value").fit(Module(make_net()), loader(x, y))
+
+
+def test_moving_the_schedule_onto_the_masters_raises_no_torch_scheduler_warning():
+    import warnings
+    x, y = make_data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(MixprecPrecision("bf16-true")).fit(Module(make_net(), scheduler=True), loader(x, y))
+    assert not [w for w in caught if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)], \
+        [str(w.message) for w in caught]
+
+
+def test_fabric_standard_setup_saves_the_masters_and_plugin_setup_loads_them(tmp_path):
+    x, y = make_data()
+    plugin = MixprecFabricPrecision("bf16-true")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = make_net()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    for xb, yb in loader(x, y):
+        fabric.backward(nn.functional.mse_loss(model(xb).float(), yb))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+
+    plugin2 = MixprecFabricPrecision("bf16-true")
+    fabric2 = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin2])
+    net2 = make_net(seed=5)
+    model2, optimizer2 = fabric2.setup(*plugin2.setup(net2, torch.optim.AdamW(net2.parameters(), lr=1e-2)))
+    fabric2.load(tmp_path / "ckpt", {"model": model2, "optimizer": optimizer2})
+    masters, masters2 = optimizer.optimizer._mixprec_masters, optimizer2.optimizer
+    for a, b in zip(masters.masters, masters2.masters):
+        assert torch.equal(a, b)
+    for name, want in net.state_dict().items():
+        assert torch.equal(net2.state_dict()[name], want), name

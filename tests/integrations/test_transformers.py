@@ -91,7 +91,11 @@ def test_hf_trainer_gives_the_hand_loops_weights(mode, options, tmp_path):
         assert {"fp8-tensorwise", "bf16"} <= set(callback.mixprec.layer_formats.values())
 
 
-def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_with_numerics(tmp_path, capsys):
+def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_with_numerics(tmp_path, capsys,
+                                                                                          monkeypatch):
+    from mixprec.integrations import common
+    audits, real_audit = [], common.audit        # it prints only findings: none on a BF16-native CPU
+    monkeypatch.setattr(common, "audit", lambda *a, **k: audits.append(1) or real_audit(*a, **k))
     callback = MixprecCallback("bf16-true", run_dir=tmp_path / "run", monitor_every=2)
     model = bert()
     trainer = MixprecTrainer(model=model, args=args(tmp_path), train_dataset=examples(),
@@ -103,7 +107,7 @@ def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_wi
     assert isinstance(inner, mp.optim.MasterWeights)
     assert all(m.dtype == torch.float32 for m in inner.masters)
     err = capsys.readouterr().err
-    assert "[mixprec] precision: bf16-true" in err and "audit" in err     # the audit ran at start
+    assert "[mixprec] precision: bf16-true" in err and audits == [1]     # the audit ran at start
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 for r in rows)
@@ -166,15 +170,40 @@ def test_an_optimizer_and_scheduler_passed_in_get_masters_and_keep_their_schedul
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 3)
 
 
-def test_plain_trainer_with_the_callback_is_refused_and_leaves_the_model_untouched(tmp_path):
+def test_plain_trainer_with_a_loss_scaling_mode_is_refused_in_one_line_and_leaves_the_model_untouched(tmp_path):
     model = bert()
     before = {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
     trainer = transformers.Trainer(model=model, args=args(tmp_path), train_dataset=examples(),
-                                   callbacks=[MixprecCallback("bf16-true")])
-    with pytest.raises(ConfigError, match="MixprecTrainer"):
+                                   callbacks=[MixprecCallback("16-mixed")])
+    with pytest.raises(ConfigError, match="scales the loss.*MixprecTrainer"):
         trainer.train()
     for n, p in model.named_parameters():                  # no cast, no swap, no step
         assert p.dtype == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+
+
+@pytest.mark.parametrize("mode", ["bf16-true", "fp8-tensorwise"])
+def test_a_plain_trainer_with_the_callback_trains_as_mixprec_trainer_does(mode, tmp_path):
+    # No loss scaling: the callback alone sets the model up, autocasts its forward and steps FP32
+    # masters; without clipping (the plain Trainer clips the model's gradients itself) the weights
+    # are MixprecTrainer's bit for bit.
+    import warnings
+    data = examples()
+    ref = bert()
+    MixprecTrainer(model=ref, args=args(tmp_path / "a", max_grad_norm=0.0), train_dataset=data,
+                   callbacks=[MixprecCallback(mode, audit=False)]).train()
+    model = bert()
+    callback = MixprecCallback(mode, audit=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = transformers.Trainer(model=model, args=args(tmp_path / "b", max_grad_norm=0.0),
+                                       train_dataset=data, callbacks=[callback])
+        trainer.train()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+    assert model.bert.embeddings.LayerNorm.weight.dtype == torch.float32
+    assert isinstance(callback._stepped, mp.optim.MasterWeights) == callback.mixprec.keeps_masters == (mode == "bf16-true")
+    for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "out" / "mixprec")] == [1, 2, 3, 4]
 
 
 def test_bf16_training_arguments_are_refused(tmp_path):
@@ -200,3 +229,61 @@ def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
     assert again.mixprec.scale == ref_precision.scale == 2.0 ** 12
     for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got, want), name
+
+
+def test_a_second_run_into_the_same_output_dir_keeps_the_first_and_says_where_it_writes(tmp_path, capsys):
+    for _ in range(2):                      # the docs' example, run twice: routine with HF Trainer
+        MixprecTrainer(model=bert(), args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                       callbacks=[MixprecCallback("bf16-true", audit=False)]).train()
+    first, second = tmp_path / "out" / "mixprec", tmp_path / "out" / "mixprec-2"
+    assert [r["step"] for r in read_metrics(first)] == [1, 2] == [r["step"] for r in read_metrics(second)]
+    lines = [l for l in capsys.readouterr().err.splitlines() if "earlier run" in l]
+    assert len(lines) == 1 and str(second) in lines[0] and "MixprecCallback(overwrite=True)" in lines[0]
+
+
+def test_a_named_run_dir_holding_a_run_is_still_refused_and_overwrite_writes_over_it(tmp_path):
+    def train(**kw):
+        MixprecTrainer(model=bert(), args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                       callbacks=[MixprecCallback("bf16-true", run_dir=tmp_path / "run", audit=False, **kw)]).train()
+    train()
+    with pytest.raises(ConfigError, match=r"already holds a run.*MixprecCallback\(overwrite=True\)"):
+        train()
+    train(overwrite=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    assert not (tmp_path / "run-2").exists()
+
+
+def test_a_schedule_passed_in_and_moved_onto_the_masters_raises_no_torch_scheduler_warning(tmp_path):
+    import warnings
+    model = bert()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MixprecTrainer(model=model, args=args(tmp_path, max_steps=2), train_dataset=examples(),
+                       callbacks=[MixprecCallback("bf16-true", audit=False)], optimizers=(opt, sched)).train()
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_a_plain_trainer_resuming_a_master_mode_checkpoint_is_refused_in_one_line(tmp_path):
+    def trainer(**kw):
+        return transformers.Trainer(model=bert(), args=args(tmp_path, **kw), train_dataset=examples(),
+                                    callbacks=[MixprecCallback("bf16-true", audit=False)])
+    trainer(max_steps=2, save_strategy="steps", save_steps=2).train()
+    with pytest.raises(ConfigError, match="cannot resume.*MixprecTrainer"):
+        trainer().train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+
+
+def test_a_plain_trainer_skips_a_bad_step_and_holds_its_schedule(tmp_path, capsys):
+    data = examples()
+    model = bert()
+    bad = torch.stack([d["input_ids"] for d in data[BATCH:2 * BATCH]])         # step 2's batch
+    poison(model, model.bert.encoder.layer[1].intermediate.dense, bad)
+    callback = MixprecCallback("bf16-true", audit=False)
+    trainer = transformers.Trainer(model=model, args=args(tmp_path, lr_scheduler_type="linear", max_grad_norm=0.0),
+                                   train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert callback.mixprec.num_skipped_steps == 1
+    assert trainer.lr_scheduler.last_epoch == STEPS - 1          # no schedule step for the skip
+    assert "step 2 skipped" in capsys.readouterr().err
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -159,3 +159,23 @@ def test_module_filter_fn_selects_modules():
     with mon.sample(0) as s:
         model(torch.randn(2, 4))
     assert [(r.module, r.kind) for r in s.rows] == [("1", "act")]
+
+
+def test_grad_rows_record_the_loss_scale_they_carry():
+    import mixprec as mp
+    model = _mlp()
+    precision = mp.Precision("16-mixed", init_scale=2.0 ** 12)
+    mon = NumericsMonitor(model, every=1, compute_dtype=precision)
+    with mon.sample(1) as s:
+        (model(torch.randn(3, 4)).sum() * precision.scale).backward()
+    rows = {(r.module, r.kind): r for r in s.rows}
+    assert rows[("2", "grad")].loss_scale == 2.0 ** 12
+    assert rows[("2", "grad")].absmax / rows[("2", "grad")].loss_scale == 1.0   # d(sum)/d(out)
+    assert rows[("0", "act")].loss_scale is None
+    with mon.sample(2, loss_scale=8.0) as s:                 # a GradScaler's scale, passed in
+        (model(torch.randn(3, 4)).sum() * 8.0).backward()
+    assert {r.loss_scale for r in s.rows if r.kind == "grad"} == {8.0}
+    plain = NumericsMonitor(model, every=1, compute_dtype="fp16")
+    with plain.sample(1) as s:
+        model(torch.randn(3, 4)).sum().backward()
+    assert {r.loss_scale for r in s.rows} == {None}

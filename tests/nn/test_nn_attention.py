@@ -136,3 +136,17 @@ def test_cpu_sdpa_keeps_the_16bit_kernel_for_long_sequences(monkeypatch):
     assert attention._sdpa_upcast_dtype(torch.zeros(1, 1, 256, 32, dtype=torch.bfloat16)) == torch.float32
     assert attention._sdpa_upcast_dtype(torch.zeros(1, 1, 512, 32, dtype=torch.bfloat16)) is None
     assert attention._sdpa_upcast_dtype(torch.zeros(1, 1, 256, 64, dtype=torch.bfloat16)) is None
+
+
+def test_attention_under_torch_compile_raises_no_lru_cache_warning():
+    # compile=true: the forward asks the CPU's flags (mixprec/policy/hardware.py); Dynamo warned
+    # about the functools.cache around them on every run.
+    import warnings
+    attn = CausalSelfAttention(d_model=16, num_heads=2).to(torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(2, 8, 16, dtype=torch.bfloat16))
+    torch._dynamo.reset()
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message)[:120] for w in caught]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import math
 import re
 
 import pytest
@@ -180,3 +181,32 @@ def test_activation_and_gradient_heat_maps_list_layers_in_the_same_order(tmp_pat
     def layers(name):
         return [t.get_text() for t in figures[name].axes[0].get_yticklabels()]
     assert layers("numerics_act_absmax.png") == layers("numerics_grad_absmax.png") == forward
+
+
+def _scaled_grads_run(tmp_path, *, record_scale: bool):
+    # An FP16 run's scale moves 2^24 -> 2^16 -> 2^18 while the gradients stay 0.5 (blocks.0) and
+    # 0.25 (head): the numerics rows hold them times the scale.
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        for step, scale in ((10, 2.0 ** 24), (20, 2.0 ** 16), (30, 2.0 ** 18)):
+            log.log(step, loss=1.0, loss_scale=scale)
+            log.log_numerics([{"step": step, "module": m, "kind": "grad", "absmax": g * scale,
+                               "overflow_frac": 0.0, "underflow_frac": 0.0, "dtype": "float16",
+                               "loss_scale": scale if record_scale else None}
+                              for m, g in (("blocks.0", 0.5), ("head", 0.25))])
+
+
+def test_fp16_gradient_heat_map_shows_the_gradients_not_the_loss_scale(tmp_path, monkeypatch):
+    figures = _capture_figures(monkeypatch)
+    _scaled_grads_run(tmp_path, record_scale=True)
+    assert _run_cli(str(tmp_path)) == 0
+    ax = figures["numerics_grad_absmax.png"].axes[0]
+    grid = ax.images[0].get_array()
+    assert [row for row in grid.tolist()] == [[pytest.approx(math.log10(g))] * 3 for g in (0.5, 0.25)]
+    assert "divided by the loss scale" in ax.get_title()
+
+
+def test_fp16_gradient_heat_map_without_recorded_scales_says_they_are_scaled(tmp_path, monkeypatch):
+    figures = _capture_figures(monkeypatch)
+    _scaled_grads_run(tmp_path, record_scale=False)         # an older run's numerics.csv
+    assert _run_cli(str(tmp_path)) == 0
+    assert "times the loss scale" in figures["numerics_grad_absmax.png"].axes[0].get_title()

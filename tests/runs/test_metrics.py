@@ -28,7 +28,7 @@ def test_columns_match_the_contract():
                                "skipped_total", "grad_norm", "tokens_per_s", "mfu", "peak_mem_mb", "time_s",
                                "steps", "eval_s")
     assert NUMERICS_COLUMNS == ("step", "module", "kind", "absmax", "overflow_frac", "underflow_frac", "dtype",
-                                "subnormal_frac")
+                                "subnormal_frac", "loss_scale")
 
 
 def test_log_writes_fixed_columns_missing_cells_empty_and_reads_back_typed(tmp_path):
@@ -133,7 +133,7 @@ def test_log_numerics_accepts_dicts_and_dataclasses_and_validates(tmp_path):
     rows = read_numerics(tmp_path)
     assert rows[0] == {"step": 1, "module": "blocks.0.mlp", "kind": "grad", "absmax": 3.5e4,
                        "overflow_frac": 0.01, "underflow_frac": 0.2, "dtype": "float16",
-                       "subnormal_frac": None}
+                       "subnormal_frac": None, "loss_scale": None}
     assert rows[1]["overflow_frac"] is None and rows[1]["dtype"] is None
 
 

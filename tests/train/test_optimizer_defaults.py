@@ -38,3 +38,17 @@ def test_the_difference_from_torch_is_said_in_train_list_and_fits_docstring(caps
     line = next(l for l in capsys.readouterr().out.splitlines() if l.split()[:1] == ["beta2"])
     assert "0.95" in line and "0.999" in line
     assert "betas=(0.9, 0.95)" in fit.__doc__ and "0.999" in fit.__doc__
+
+
+def test_a_schedule_moved_onto_the_masters_raises_no_torch_scheduler_warning(tmp_path):
+    import warnings
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, batches(3), optimizer=opt, lr_scheduler=sched, max_steps=3, run_dir=str(tmp_path / "run"),
+            **{**QUIET, "mixed_precision": "bf16-true"})
+    assert sched.optimizer is not opt                      # moved onto the FP32 masters
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], [str(w.message) for w in caught]
+    assert sched.last_epoch == 3
