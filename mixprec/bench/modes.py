@@ -139,7 +139,9 @@ def _model_and_batch(cfg: TrainBenchConfig, device: torch.device):
     if cfg.seq > mcfg.max_seq_len:
         mcfg = mcfg.replace(max_seq_len=cfg.seq)
     torch.manual_seed(0)                               # identical weights for every contender
-    model = Transformer.from_config(mcfg)
+    # Built on the device: a 355M model initialised on the host costs seconds per contender.
+    with torch.device(device):
+        model = Transformer.from_config(mcfg)
     g = torch.Generator().manual_seed(1)               # identical batch for every contender
     x = torch.randint(0, mcfg.vocab_size, (cfg.batch, cfg.seq), generator=g)
     y = torch.randint(0, mcfg.vocab_size, (cfg.batch, cfg.seq), generator=g)
