@@ -1,7 +1,7 @@
 """The prepared GPU check: everything mixprec wants to know from a lent GPU, in one command.
 
     python3 benchmarks/gpu/run_all.py               # one H100/H200: at most 8 minutes
-    python3 benchmarks/gpu/run_all.py --cpu-smoke   # the same stages on a CPU, tiny: well under a minute
+    python3 benchmarks/gpu/run_all.py --cpu-smoke   # the same stages on a CPU, tiny: about a minute
     OUT=/some/folder python3 benchmarks/gpu/run_all.py
 
 A lent GPU comes for minutes, offline, with an image whose ``python3`` has torch, transformers,
@@ -120,7 +120,7 @@ def stages(out: Path, smoke: bool) -> list[Stage]:
     """The check's stages: GPU sizes, or (``smoke``) the same commands at CPU sizes."""
     py = sys.executable
     mixprec = (py, "-m", "mixprec")
-    pytest = (py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=--import-mode=importlib")
+    pytest = (py, "-m", "pytest", "-q")              # the suite's own settings (pyproject.toml)
     if smoke:
         train = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--repeats", "1", "--steps",
                  "1", "--warmup", "1", "--no-memory", "--threads", "1")
@@ -269,7 +269,7 @@ def summary(results: list[dict], *, smoke: bool, started: str, total_s: float) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="run every stage on the CPU at tiny sizes (checks the script, well under a minute)")
+                    help="run every stage on the CPU at tiny sizes (checks the script; about a minute)")
     ap.add_argument("--only", default=None, help="comma-separated stage names to run (default: all)")
     args = ap.parse_args(argv)
     out = Path(os.environ.get("OUT") or "gpu-out").resolve()

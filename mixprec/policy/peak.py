@@ -235,7 +235,8 @@ def _label_key(label: str, device: torch.device) -> str:
 
 def _judged(flops: float, label: str, device: torch.device, measure) -> float:
     """``flops``, or a second measurement's when the first was likely low; a second low one is
-    returned but recorded in :data:`_LOW` (logged once) so callers leave MFU empty."""
+    returned but recorded in :data:`_LOW` (logged at INFO once; the run says it) so callers leave
+    MFU empty."""
     key = _label_key(label, device)
     why = _why_low(flops, label, device, _load())
     if why is not None:
@@ -245,7 +246,7 @@ def _judged(flops: float, label: str, device: torch.device, measure) -> float:
         _LOW.pop(key, None)
     else:
         if _LOW.get(key) is None:
-            log.warning("the measured %s peak on %s is not kept: %s", label.upper(), device, why)
+            log.info("the measured %s peak on %s is not kept: %s", label.upper(), device, why)
         _LOW[key] = why
     return flops
 
