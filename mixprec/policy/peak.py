@@ -31,8 +31,8 @@ import torch
 from mixprec.policy.datasheets import datasheet_for
 from mixprec.policy.dtypes import dtype_name, parse_dtype
 
-__all__ = ["matmul_flops", "cuda_flops", "cuda_seconds", "time_matmul", "peak_flops", "format_peak_flops", "no_peak_reason",
-           "cache_dir", "peak_record", "describe_peak", "format_peak_source", "low_peak_reason",
+__all__ = ["matmul_flops", "cuda_flops", "cuda_seconds", "time_matmul", "peak_flops", "format_peak_flops",
+           "no_peak_reason", "cache_dir", "peak_record", "describe_peak", "format_peak_source", "low_peak_reason",
            "MAX_AGE_S", "CACHE_FILE", "FAR_BELOW_DATASHEET"]
 
 log = logging.getLogger("mixprec.peak")
@@ -203,10 +203,10 @@ def _kind(label: str) -> str:
 def _why_low(flops: float, label: str, device: torch.device, load: float | None) -> str | None:
     """Why a measurement of ``label`` (``fp32``, ``tf32``, ``bf16``, ``fp16``, ``fp8``) on
     ``device`` is likely low, or None when nothing says so."""
-    cores = os.cpu_count() or 1
-    if isinstance(load, (int, float)) and load > 0.75 * cores:
-        return f"measured under load {load:g} on {cores} cores: likely low"
-    if device.type != "cuda":
+    if device.type != "cuda":            # a GPU GEMM timed by CUDA events hardly feels the host's load
+        cores = os.cpu_count() or 1
+        if isinstance(load, (int, float)) and load > 0.75 * cores:
+            return f"measured under load {load:g} on {cores} cores: likely low"
         return None
     name = torch.cuda.get_device_name(device)
     spec = datasheet_for(name)
@@ -294,6 +294,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
     cached = _read_cache(path) if use_cache else {}
     old = cached.get(key) if _fresh(cached.get(key)) else None
     if old is not None and not refresh:
+        _LOW.pop(key, None)                       # a cached peak was judged when it was measured
         return float(old["flops"])
     n, best = 256, 0.0
     while True:
@@ -310,6 +311,7 @@ def peak_flops(dtype: torch.dtype, device: torch.device | str | None = None, *,
         best = _judged(best, label, device, lambda: max(
             matmul_flops(dtype, device, n=n, min_time=0.1) for _ in range(3)))
         if old is not None and float(old["flops"]) >= best:
+            _LOW.pop(key, None)
             return float(old["flops"])            # the cached one was measured on a quieter machine
         if _cache_key(dtype, device) in _LOW:     # likely low: used by no MFU, kept by no cache
             return best

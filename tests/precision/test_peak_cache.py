@@ -122,3 +122,14 @@ def test_estimate_on_the_cpu_says_where_its_peak_comes_from(fake, capsys):
     assert main(["estimate", "--gpu", "cpu", "--tokens", "1M", "--model", "tiny",
                  "--precision", "32-true"]) == 0
     assert "FP32 peak of this CPU: measured 2026-11-30 00:53 UTC (0 min ago)" in capsys.readouterr().out
+
+
+def test_a_low_refresh_keeps_the_cached_peak_as_the_mfu_peak(fake, monkeypatch):
+    monkeypatch.setattr(peak, "_LOW", {})
+    fake["values"] = [1.0e9] * 3
+    peak.peak_flops(torch.float32, "cpu")                                     # quiet: cached
+    monkeypatch.setattr(peak, "_load", lambda: 64.0)
+    monkeypatch.setattr(peak.os, "cpu_count", lambda: 2)
+    fake["values"] = [0.5e9] * 6                                              # busy, twice
+    assert peak.format_peak_flops("fp32", "cpu", refresh=True) == 1.0e9       # the cached one
+    assert peak.low_peak_reason("fp32", "cpu") is None
