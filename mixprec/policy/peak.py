@@ -68,12 +68,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _operands(n: int, count: int) -> list[torch.Tensor]:
-    """Random ``n x n`` FP32 CPU matrices from a generator of their own: a measurement, taken in
+def _operands(n: int, count: int, device: torch.device | None = None) -> list[torch.Tensor]:
+    """Random ``n x n`` FP32 matrices from a generator of their own: a measurement, taken in
     the middle of a run (the meter's re-measure), must not move the run's random stream (dropout
-    masks after a resume would differ from an uninterrupted run's)."""
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(n, n, generator=g) for _ in range(count)]
+    masks after a resume would differ from an uninterrupted run's). On a GPU they are drawn there:
+    two 8192 x 8192 matrices drawn on the host and copied cost a second or two per measurement."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(n, n, generator=g, device=device) for _ in range(count)]
 
 
 def cuda_seconds(run, reps: int, *, event=None) -> float:
@@ -108,7 +110,8 @@ def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: i
     """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on ``device`` (timed, synchronised;
     on CUDA by events around back-to-back products, :func:`cuda_flops`)."""
     device = torch.device(device)
-    a, b = (x.to(device=device, dtype=dtype) for x in _operands(n, 2))
+    drawn_on = device if device.type == "cuda" else None       # elsewhere: drawn on the host
+    a, b = (x.to(device=device, dtype=dtype) for x in _operands(n, 2, drawn_on))
     for _ in range(warmup):
         a @ b
     _sync(device)
@@ -126,7 +129,7 @@ def matmul_flops(dtype: torch.dtype, device: torch.device | str = "cpu", *, n: i
 
 def _fp8_flops(n: int, device: torch.device, min_time: float) -> float:
     """Real FP8 GEMM via ``torch._scaled_mm`` (tensorwise scales), CUDA with FP8 tensor cores."""
-    a, b = (x.to(device=device).to(torch.float8_e4m3fn) for x in _operands(n, 2))
+    a, b = (x.to(torch.float8_e4m3fn) for x in _operands(n, 2, device))
     b = b.t()                                                           # column-major operand
     one = torch.ones((), device=device)
     mm = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
