@@ -3,7 +3,7 @@
 ``gpt2-355m`` is the preset; ``gpt2-355m:num_layers=12,max_seq_len=2048`` the preset with two
 :class:`~mixprec.models.TransformerConfig` fields replaced. One string, because ``bench train``
 passes its configuration to a fresh process per contender for the memory measurement (JSON), and
-because a shell script (benchmarks/gpu/run_all.py) can then name any shape without new flags.
+because a script (benchmarks/gpu/run_all.py) can then name any shape without new flags.
 """
 from __future__ import annotations
 
