@@ -97,12 +97,11 @@ def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_wi
     # one with it, or a GPU, has nothing to say and prints nothing), so the audit is watched, not
     # its output guessed: it runs once at start, and whatever it finds is printed.
     from mixprec.integrations import common
-    audits = []
+    real_audit, audits = common.audit, []
 
     def watched(*a, **kw):
-        audits.append(common_audit(*a, **kw))
+        audits.append(real_audit(*a, **kw))
         return audits[-1]
-    common_audit = common.audit
     monkeypatch.setattr(common, "audit", watched)
     callback = MixprecCallback("bf16-true", run_dir=tmp_path / "run", monitor_every=2)
     model = bert()
