@@ -62,3 +62,27 @@ def test_the_cpu_smoke_runs_every_stage_end_to_end(tmp_path):
     assert "tokens/s" in page and "| 32-true |" in page                # train and memory tables
     assert "torchao-float8" in (tmp_path / "logs" / "train-peers.log").read_text()
     assert (tmp_path / "cli-run" / "report" / "report.html").is_file()
+
+
+def test_the_gpu_forms_mixprec_commands_parse_and_name_valid_modes(tmp_path):
+    # What a lent GPU would find first, checked here: flags, presets, modes and variants.
+    import argparse
+
+    from mixprec.bench.modes import TrainBenchConfig
+    from mixprec.cli import bench_matmul, bench_train
+    run_all = _module()
+    parsers = {}
+    for name, mod in (("train", bench_train), ("matmul", bench_matmul)):
+        parsers[name] = argparse.ArgumentParser()
+        mod.configure(parsers[name])
+    seen = set()
+    for stage in run_all.stages(tmp_path, smoke=False):
+        for cmd in stage.commands:
+            if "bench" not in cmd:
+                continue
+            kind = cmd[cmd.index("bench") + 1]
+            args = parsers[kind].parse_args(list(cmd[cmd.index("bench") + 2:]))
+            seen.add(kind)
+            if kind == "train":
+                TrainBenchConfig(model=args.model, modes=tuple(args.modes.split(",")), device="cuda")
+    assert seen == {"train", "matmul"}
