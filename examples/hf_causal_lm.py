@@ -45,11 +45,13 @@ result = mp.fit(model, batches(), mixed_precision="bf16-mixed", optimizer=adamw(
 print(f"fit():     {result.steps} steps under {result.policy}; last loss {result.final_loss:.6f}; "
       f"from_pretrained folder: {result.run_dir}/hf")
 
-# 2. The same training written by hand, on the same kind of Precision object fit() uses.
-model = tiny_llama()
+# 2. The same training written by hand, on the same kind of Precision object fit() uses, on the
+# device fit() picked (a Precision's default: the current CUDA device if there is one, else the CPU).
 precision = mp.Precision("bf16-mixed")
+model = tiny_llama().to(precision.device)
 model, optimizer = precision.setup(model, adamw(model))
 for step, (x, y) in zip(range(STEPS), batches()):
+    x, y = x.to(precision.device), y.to(precision.device)
     with precision.autocast():                                       # matmuls in BF16
         logits = model(input_ids=x, use_cache=False).logits          # (B, T, V) in BF16
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # FP32
@@ -58,4 +60,5 @@ for step, (x, y) in zip(range(STEPS), batches()):
     optimizer.zero_grad()
 print(f"hand loop: {step + 1} steps under {precision.name}; last loss {loss.item():.6f}; "
       f"final norm weights in {model.model.norm.weight.dtype}")
+# Exactly equal on a CPU; a GPU's attention backward may sum in another order from run to run.
 print("same loss as fit():", loss.item() == result.final_loss)

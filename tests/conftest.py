@@ -7,6 +7,9 @@ shared by every test that trains on it; a test that needs an empty cache sets it
 
 It is set when pytest starts, before any test module is imported: modules that build a
 subprocess environment at import (``ENV = {**os.environ, ...}``) get it too.
+
+Tests marked ``cuda`` need a CUDA GPU and are skipped, saying so, without one (``./run test`` runs
+them wherever ``torch.cuda.is_available()``; benchmarks/gpu/run_all.py runs them on a lent GPU).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 CACHE_ENV = "MIXPREC_CACHE"
 
@@ -43,3 +47,12 @@ def session_cache_dir(pytestconfig) -> Path:
 def _test_cache_env(session_cache_dir, monkeypatch):
     # Per test as well: a test that unsets or moves the cache gets the session's back afterwards.
     monkeypatch.setenv(CACHE_ENV, str(session_cache_dir))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

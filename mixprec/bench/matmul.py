@@ -3,7 +3,10 @@
 The source article on hardware cost (docs/sources.md) times ``torch.matmul`` on a GPU without
 synchronising (so it measures kernel *launches*) and reports ``1/t`` as "TFLOPS". Here every
 timing has warm-up, a device synchronisation before the clock stops, repeats until a minimum
-duration, and FLOPs = 2*n^3 per n x n product.
+duration, and FLOPs = 2*n^3 per n x n product. On a GPU the products run back to back between
+two CUDA events (:func:`mixprec.policy.peak.cuda_flops`) and the probe that caps slow dtypes is a
+GEMM big enough to fill the GPU: the first H200 run skipped every dtype, its 128 x 128 probe
+timed kernel launches and host syncs (0.4 TFLOP/s), which put 8192 x 8192 at minutes.
 """
 from __future__ import annotations
 
@@ -20,6 +23,19 @@ __all__ = ["bench_matmul"]
 
 
 _PROBE_N = 128
+"""Probe size on a CPU: an emulated FP16 GEMM of this size takes milliseconds."""
+
+_CUDA_PROBE_N = 4096
+"""Probe size on a GPU: 137 GFLOP per product, milliseconds even on a B200, no launch bound."""
+
+
+def probe_size(device: torch.device, sizes: list[int]) -> int:
+    """The ``n`` of the probe GEMM that estimates each dtype's time before the real sizes: small
+    on a CPU (an emulated dtype must not take minutes), GPU-filling on CUDA (capped by the
+    largest size asked for)."""
+    if device.type == "cuda":
+        return min(_CUDA_PROBE_N, max(sizes))
+    return min(_PROBE_N, min(sizes))
 
 
 def estimate_seconds(probe_flops: float, n: int, *, repeats: int, min_time: float) -> float:
@@ -38,8 +54,9 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
     Dtypes are alternated inside each repeat so that machine noise hits all of them alike; sizes
     run smallest first and ``on_size(n, rows, notes)`` is called as each size finishes. A dtype
     that runs slowly here (an FP16 GEMM *emulated* on a CPU without native FP16 math can take
-    minutes per size) would stall the run, so each dtype is first timed on a small ``128 x 128``
-    probe and a size whose estimated time exceeds ``max_seconds`` is skipped, with a note saying
+    minutes per size) would stall the run, so each dtype is first timed on a probe
+    (:func:`probe_size`: ``128 x 128`` on a CPU, ``4096 x 4096`` on a GPU) and a size whose
+    estimated time exceeds ``max_seconds`` is skipped, with a note saying
     so (``max_seconds=None``: no cap). ``timer(label, dtype, device, n, min_time)`` returns FLOP/s
     (tests pass a fake one).
     """
@@ -60,7 +77,7 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
     probe: dict[str, float] = {}
     if max_seconds is not None:
         for label, dt in plan:
-            probe[label] = timer(label, dt, dev, min(_PROBE_N, min(sizes)), min(min_time, 0.05))
+            probe[label] = timer(label, dt, dev, probe_size(dev, sizes), min(min_time, 0.05))
     all_rows: list[dict] = []
     for n in sorted(sizes):
         notes, todo = [], []
@@ -68,8 +85,9 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
             if label in probe:
                 est = estimate_seconds(probe[label], n, repeats=repeats, min_time=min_time)
                 if est > max_seconds:
+                    pn = probe_size(dev, sizes)
                     notes.append(f"{label} n={n} skipped: ~{est:.0f} s estimated at "
-                                 f"{probe[label] / 1e9:.2g} GFLOPS on a {_PROBE_N}x{_PROBE_N} probe "
+                                 f"{probe[label] / 1e9:.2g} GFLOPS on a {pn}x{pn} probe "
                                  f"(cap {max_seconds:g} s; likely emulated on this device; raise "
                                  "--max-seconds to measure it anyway)")
                     continue

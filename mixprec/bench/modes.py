@@ -34,10 +34,13 @@ __all__ = ["bench_figure", "TrainBenchConfig", "Contender", "build_contender", "
            "bench_device", "format_table", "write_csv", "write_png", "profile_contender"]
 
 PEERS: tuple[str, ...] = ("torch-autocast-bf16", "accelerate-bf16", "fabric-bf16-mixed", "fabric-bf16-true",
-                          "torchao-adamw8bit", "torchao-adamwfp8", "bnb-adamw8bit")
+                          "torchao-adamw8bit", "torchao-adamwfp8", "bnb-adamw8bit", "torchao-float8")
 """Peer loops added by ``--peers``; all but the first are skipped when their package is absent.
-The last three are the ``torch.autocast`` BF16 loop (FP32 parameters) with torchao's 8-bit /
-FP8 AdamW (``torchao.optim``, which ``torch.compile``s its step) or bitsandbytes' 8-bit AdamW."""
+``torchao-adamw8bit``, ``torchao-adamwfp8`` and ``bnb-adamw8bit`` are the ``torch.autocast`` BF16
+loop (FP32 parameters) with torchao's 8-bit / FP8 AdamW (``torchao.optim``, which
+``torch.compile``s its step) or bitsandbytes' 8-bit AdamW; ``torchao-float8`` is that loop with
+the model's Linears converted by ``torchao.float8.convert_to_float8_training`` (tensorwise FP8,
+the peer of mixprec's ``fp8-tensorwise``; skipped off a GPU with FP8 tensor cores)."""
 
 VARIANTS: tuple[str, ...] = ("overlap", "compile", "fullmasters", "bf16moments", "int8moments", "fp8moments",
                              "fp8e5m2moments", "fp8acts", "ckpt", "chunkedloss")
@@ -70,7 +73,8 @@ class TrainBenchConfig:
     """What ``bench train`` measures. Validated at construction."""
 
     model: str = "small"
-    """Model preset (``tiny``, ``small``, ``gpt-ref``)."""
+    """Model preset (``tiny``, ``small``, ``gpt-ref``, ``gpt2-124m``/``355m``/``774m``), optionally
+    with fields changed: ``gpt2-355m:num_layers=12`` (:func:`mixprec.bench.model_spec.model_config`)."""
     modes: tuple[str, ...] = ("32-true", "bf16-mixed")
     """mixprec precision modes, and/or peer names from :data:`PEERS`."""
     batch: int = 8
@@ -101,9 +105,9 @@ class TrainBenchConfig:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.modes:
             raise ConfigError("--modes is empty; name at least one mode, e.g. 32-true,bf16-mixed")
-        from mixprec.models.config import get_model_config
+        from mixprec.bench.model_spec import model_config
         from mixprec.precision import get_policy
-        get_model_config(self.model)  # raises with the valid presets
+        model_config(self.model)  # raises with the valid presets and fields
         for m in self.modes:
             if m not in PEERS:
                 get_policy(split_variant(m)[0])  # raises with the valid names
@@ -129,13 +133,15 @@ def bench_device(cfg: TrainBenchConfig) -> torch.device:
 
 
 def _model_and_batch(cfg: TrainBenchConfig, device: torch.device):
+    from mixprec.bench.model_spec import model_config
     from mixprec.models import Transformer
-    from mixprec.models.config import get_model_config
-    mcfg = get_model_config(cfg.model)
+    mcfg = model_config(cfg.model)
     if cfg.seq > mcfg.max_seq_len:
         mcfg = mcfg.replace(max_seq_len=cfg.seq)
     torch.manual_seed(0)                               # identical weights for every contender
-    model = Transformer.from_config(mcfg)
+    # Built on the device: a 355M model initialised on the host costs seconds per contender.
+    with torch.device(device):
+        model = Transformer.from_config(mcfg)
     g = torch.Generator().manual_seed(1)               # identical batch for every contender
     x = torch.randint(0, mcfg.vocab_size, (cfg.batch, cfg.seq), generator=g)
     y = torch.randint(0, mcfg.vocab_size, (cfg.batch, cfg.seq), generator=g)
@@ -175,6 +181,8 @@ def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender |
     """A peer loop on the identical model, or None when its package is not installed."""
     model, x, y = _model_and_batch(cfg, device)
     model.to(device)
+    if name == "torchao-float8" and not _float8_converted(model, device):
+        return None
     opt = _peer_optimizer(name, model, cfg.lr)
     if opt is None:
         return None
@@ -218,6 +226,29 @@ def _peer(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contender |
     raise ConfigError(f"unknown peer '{name}'; valid: {', '.join(PEERS)}")
 
 
+def _float8_converted(model: torch.nn.Module, device: torch.device) -> bool:
+    """Swap ``model``'s 16-aligned Linears for torchao's Float8Linear (before the optimizer is
+    built); False when torchao is absent or ``device`` has no FP8 tensor cores."""
+    from mixprec.policy.hardware import cuda_supports_fp8
+    if device.type != "cuda" or not cuda_supports_fp8():
+        return False
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        return False
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear)
+                               and m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    return True
+
+
+def skip_reason(name: str, device: torch.device) -> str:
+    """Why :func:`build_contender` gave None for peer ``name`` on ``device`` (one clause)."""
+    from mixprec.policy.hardware import cuda_supports_fp8
+    if name == "torchao-float8" and (device.type != "cuda" or not cuda_supports_fp8()):
+        return f"torchao's float8 training needs a GPU with FP8 tensor cores, not {device.type}"
+    return "its package is not installed"
+
+
 def _peer_optimizer(name: str, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer | None:
     """The peer's AdamW (torch's unless the peer is an 8-bit optimizer), None if not installed."""
     try:
@@ -257,9 +288,9 @@ def _time_steps(c: Contender, n: int, device: torch.device) -> float:
 
 
 def _flops_per_token(cfg: TrainBenchConfig) -> float:
+    from mixprec.bench.model_spec import model_config
     from mixprec.models import Transformer
-    from mixprec.models.config import get_model_config
-    mcfg = get_model_config(cfg.model)
+    mcfg = model_config(cfg.model)
     with torch.device("meta"):
         model = Transformer.from_config(mcfg.replace(max_seq_len=max(cfg.seq, mcfg.max_seq_len)))
     return model.flops_per_token(seq_len=cfg.seq)
@@ -373,7 +404,7 @@ def bench_train(cfg: TrainBenchConfig, *, memory: bool = True,
         c = build_contender(name, cfg)
         if c is None:
             skipped.append(name)
-            log(f"skipped {name}: its package is not installed")
+            log(f"skipped {name}: {skip_reason(name, device)}")
         else:
             contenders.append(c)
     failed = []

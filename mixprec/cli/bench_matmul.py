@@ -20,7 +20,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     parser.add_argument("--max-seconds", type=float, default=60.0,
-                        help="skip a (dtype, size) whose time, estimated from a 128x128 probe, "
+                        help="skip a (dtype, size) whose time, estimated from a probe GEMM (128x128 on CPU, 4096x4096 on CUDA), "
                              "exceeds this (emulated dtypes on a CPU); 0: no cap")
 
 

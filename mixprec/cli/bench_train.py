@@ -13,7 +13,9 @@ __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small", help="model preset: tiny, small, gpt-ref")
+    parser.add_argument("--model", default="small",
+                        help="model preset: tiny, small, gpt-ref, gpt2-124m, gpt2-355m, gpt2-774m; "
+                             "fields after a colon change it: gpt2-355m:num_layers=12,max_seq_len=2048")
     parser.add_argument("--modes", default="32-true,bf16-mixed,bf16-true",
                         help="comma-separated precision modes (and peer names)")
     parser.add_argument("--peers", action="store_true",

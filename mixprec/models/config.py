@@ -109,11 +109,18 @@ MODEL_PRESETS: dict[str, TransformerConfig] = {
     # Exactly /work/shared/bench/gpt_ref.py's shapes (untied head, like the reference).
     "gpt-ref": TransformerConfig(num_layers=6, d_model=512, num_heads=8, vocab_size=8192, max_seq_len=256,
                                  tie_embeddings=False),
+    # GPT-2's shapes (Radford et al. 2019, table 2), vocabulary padded to 50304 (a multiple of 128,
+    # as nanoGPT does) and tied embeddings: the sizes that fill a GPU in `bench train` and the
+    # prepared GPU check (benchmarks/gpu/run_all.py). Too big for a CPU step in seconds.
+    "gpt2-124m": TransformerConfig(num_layers=12, d_model=768, num_heads=12, vocab_size=50304),
+    "gpt2-355m": TransformerConfig(num_layers=24, d_model=1024, num_heads=16, vocab_size=50304),
+    "gpt2-774m": TransformerConfig(num_layers=36, d_model=1280, num_heads=20, vocab_size=50304),
 }
 
 
 def get_model_config(name: str | TransformerConfig, **overrides) -> TransformerConfig:
-    """The preset ``name`` (``tiny``, ``small``, ``gpt-ref``), with ``overrides`` applied."""
+    """The preset ``name`` (``tiny``, ``small``, ``gpt-ref``, ``gpt2-124m``/``355m``/``774m``),
+    with ``overrides`` applied."""
     if isinstance(name, TransformerConfig):
         cfg = name
     else:

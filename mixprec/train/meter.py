@@ -16,7 +16,7 @@ from torch import nn
 from mixprec.models.objective import add_tokens, count_samples
 from mixprec.precision import Precision
 from mixprec.estimate.flops import model_flops
-from mixprec.policy.peak import format_peak_flops, format_peak_source
+from mixprec.policy.peak import format_peak_flops, format_peak_source, low_peak_reason
 from mixprec.strategies import Strategy
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.train.step import StepOutput
@@ -44,6 +44,9 @@ class IntervalMeter:
         if self.peak is not None and strategy.is_main:
             self.note(f"MFU peak: {precision.peak_format.upper()} {self.peak / 1e9:.3g} GFLOP/s, "
                       + format_peak_source(precision.peak_format, self.device))
+        elif strategy.is_main and (low := low_peak_reason(precision.peak_format, self.device)):
+            self.note(f"MFU not measured: the {precision.peak_format.upper()} peak measured now "
+                      f"is not trusted ({low}); it was not cached")
         self.counted_flops = hasattr(model, "flops_per_token")
         # A model that does not count its own: matmul parameters (no embedding look-ups) and the
         # attention term at the batches' mean sequence length (docs/estimates.md).

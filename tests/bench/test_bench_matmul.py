@@ -60,3 +60,52 @@ def test_cli_prints_the_note_for_a_capped_size(monkeypatch, capsys):
     lines = out.splitlines()
     assert lines.index(next(l for l in lines if "note:" in l)) > max(
         i for i, l in enumerate(lines) if l.split()[:2] == ["fp32", "64"])
+
+
+def test_on_a_gpu_the_probe_fills_it_and_no_size_is_skipped_for_launch_overhead():
+    # The H200 run: a 128 x 128 probe timed launches (0.4 TFLOP/s) and every dtype was skipped.
+    # On CUDA the probe is a 4096 x 4096 GEMM (fake timer: an H200-like 700 TFLOP/s).
+    import torch
+    calls = []
+
+    def gpu(label, dtype, device, n, min_time):
+        calls.append((label, n, device.type))
+        return 700e12 if n >= 1024 else 0.4e12       # a small GEMM on a GPU is launch-bound
+    rows = matmul.bench_matmul(["fp32", "bf16"], [4096, 8192], device="cuda", repeats=1,
+                               max_seconds=60, timer=gpu)
+    assert calls[:2] == [("fp32", 4096, "cuda"), ("bf16", 4096, "cuda")]          # the probes
+    assert {(r["dtype"], r["n"]) for r in rows} == {("fp32", 4096), ("bf16", 4096),
+                                                   ("fp32", 8192), ("bf16", 8192)}
+    assert matmul.probe_size(torch.device("cuda"), [256, 512]) == 512
+    assert matmul.probe_size(torch.device("cpu"), [512, 2048]) == 128
+
+
+class FakeEvent:
+    """A CUDA event on a fake device clock: each queued GEMM advances it by ``per_call`` s."""
+
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = FakeEvent.clock
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3                    # milliseconds, as torch's
+
+
+def test_cuda_timing_queues_products_between_events_and_grows_the_batch_to_min_time():
+    from mixprec.policy import peak
+    per_call, launched = 1e-3, []
+
+    def gemm():
+        launched.append(1)
+        FakeEvent.clock += per_call
+    flops = peak.cuda_flops(gemm, 2.0 * 4096**3, 0.2, event=FakeEvent)
+    assert flops == pytest.approx(2.0 * 4096**3 / per_call)
+    assert len(launched) >= 200                            # batches grew until one lasted 0.2 s
+    assert peak.cuda_seconds(gemm, 5, event=FakeEvent) == pytest.approx(5 * per_call)

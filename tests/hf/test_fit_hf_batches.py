@@ -73,6 +73,12 @@ def _trainer(model, tmp_path, **kw):
     return Trainer(model, **kw)
 
 
+def _beside(trainer, reference, batch):
+    """The reference model and the batch on the device the trainer trains on (CUDA when there is
+    one), so the step's loss is compared with the same computation on the same device."""
+    return reference.to(trainer.device), trainer.strategy.to_device(batch)
+
+
 @pytest.mark.parametrize("task, build", [("mlm", lambda: bert("mlm")), ("cls", lambda: bert("cls")),
                                          ("seq2seq", t5)])
 def test_the_step_loss_is_the_models_own_loss_on_a_dict_batch_and_tokens_skip_padding(task, build, tmp_path):
@@ -82,6 +88,7 @@ def test_the_step_loss_is_the_models_own_loss_on_a_dict_batch_and_tokens_skip_pa
     trainer = _trainer(model, tmp_path)
     trainer.prepare(1)
     out = trainer.train_step([batch])
+    reference, batch = _beside(trainer, reference, batch)
     with torch.no_grad():
         expected = reference(**batch).loss
     assert trainer.objective.describe == "model(**batch).loss"
@@ -111,8 +118,9 @@ def test_inputs_dict_and_labels_pairs_with_a_loss_fn_for_a_classifier(tmp_path):
     trainer = _trainer(model, tmp_path, loss_fn=smooth)
     trainer.prepare(1)
     out = trainer.train_step([data[0]])
+    reference, (inputs, labels) = _beside(trainer, reference, data[0])
     with torch.no_grad():
-        expected = smooth(reference(**data[0][0]), data[0][1])
+        expected = smooth(reference(**inputs), labels)
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
 
 
@@ -124,6 +132,7 @@ def test_token_ids_and_class_labels_pairs_train_a_classifier_with_its_own_loss(t
     trainer = _trainer(model, tmp_path)
     trainer.prepare(1)
     out = trainer.train_step([pair])
+    reference, pair = _beside(trainer, reference, pair)
     with torch.no_grad():
         expected = reference(pair[0], labels=pair[1]).loss
     assert trainer.objective.describe == "model(inputs, labels=targets).loss"
@@ -165,13 +174,13 @@ def test_a_resnet_trains_on_a_plain_dataloader_of_images_and_labels_with_no_glue
 
 def test_a_resnet_step_loss_is_its_own_loss_or_the_given_loss_fn(tmp_path):
     x, y = next(iter(DataLoader(images(), batch_size=8)))
-    reference = resnet()
-    with torch.no_grad():
-        expected = reference(x, labels=y).loss
     for loss_fn in (None, lambda out, t: F.cross_entropy(out.logits, t)):
         trainer = _trainer(resnet(), tmp_path, loss_fn=loss_fn, overwrite=True)
         trainer.prepare(1)
         out = trainer.train_step([(x, y)])
+        reference, (rx, ry) = _beside(trainer, resnet(), (x, y))
+        with torch.no_grad():
+            expected = reference(rx, labels=ry).loss
         torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
         assert out.tokens is None
 

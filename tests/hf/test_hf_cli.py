@@ -134,8 +134,8 @@ def test_save_pretrained_exports_load_back_with_auto_model(arch, mode, tmp_path,
     loaded = transformers.AutoModelForCausalLM.from_pretrained(run / "hf")
     assert type(loaded) is type(model)
     theirs = loaded.state_dict()
-    for k, v in model.state_dict().items():
-        assert theirs[k].dtype == torch.float32 and torch.equal(theirs[k], v.float()), k
+    for k, v in model.state_dict().items():      # (model: on the device it trained on)
+        assert theirs[k].dtype == torch.float32 and torch.equal(theirs[k], v.float().cpu()), k
     if arch == "gpt2":
         assert loaded.lm_head.weight is loaded.transformer.wte.weight
     else:   # bf16-true trains 16-bit weights and FP32 norms; both come back exactly, in FP32
@@ -144,7 +144,7 @@ def test_save_pretrained_exports_load_back_with_auto_model(arch, mode, tmp_path,
     if mode == "32-true":
         x = torch.randint(0, 256, (2, 8))
         with torch.no_grad():
-            assert torch.equal(loaded(input_ids=x).logits, model.eval()(input_ids=x).logits)
+            assert torch.equal(loaded(input_ids=x).logits, model.cpu().eval()(input_ids=x).logits)
     step2 = transformers.AutoModelForCausalLM.from_pretrained(run / "checkpoints/step-00000002/hf")
     assert not torch.equal(next(step2.parameters()).float(), next(loaded.parameters()).float())
 

@@ -36,9 +36,9 @@ def test_fit_trains_hf_models_in_every_mode_with_fp32_norms(arch, mode, hf_model
     assert first.weight.dtype == precision.param_dtype
     if mode.startswith("fp8"):
         assert isinstance(first, Fp8Conv1D if arch == "gpt2" else Fp8Linear)
-    after = model.state_dict()
+    after = model.state_dict()          # (on the device fit() trained on; ``before`` on the CPU)
     assert not torch.equal(before[next(k for k in before if "mlp" in k and k.endswith("weight"))].float(),
-                           after[next(k for k in after if "mlp" in k and k.endswith("weight"))].float())
+                           after[next(k for k in after if "mlp" in k and k.endswith("weight"))].float().cpu())
 
 
 def _text_batches(path, n: int, batch: int, seq: int, start: int = 0):

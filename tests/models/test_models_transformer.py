@@ -155,7 +155,11 @@ def test_generate_appends_tokens_greedy_is_deterministic():
 
 
 def test_presets_and_validation():
-    assert set(MODEL_PRESETS) == {"tiny", "small", "gpt-ref"}
+    assert set(MODEL_PRESETS) == {"tiny", "small", "gpt-ref", "gpt2-124m", "gpt2-355m", "gpt2-774m"}
+    for name, millions in (("gpt2-124m", 124), ("gpt2-355m", 355), ("gpt2-774m", 774)):
+        with torch.device("meta"):          # GPT-2's parameter counts (vocabulary padded to 50304)
+            n = sum(p.numel() for p in Transformer.from_preset(name).parameters())
+        assert abs(n / 1e6 - millions) / millions < 0.02, (name, n)
     assert get_model_config("tiny", norm="rmsnorm").norm == "rmsnorm"
     cfg = MODEL_PRESETS["gpt-ref"]
     assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.vocab_size) == (6, 512, 8, 8192)

@@ -105,8 +105,9 @@ class GraphBatch:
 
 def test_an_object_with_to_is_moved_by_its_own_to_and_passed_whole(tmp_path):
     batch = GraphBatch(torch.randn(4, 8), torch.randint(0, 3, (4,)))
-    moved = get_strategy("single").to_device(batch)
-    assert moved.moved_to == "cpu"
+    strategy = get_strategy("single")                 # CUDA when there is one, else the CPU
+    moved = strategy.to_device(batch)
+    assert moved.moved_to == str(strategy.device)
     model = Classifier()
     objective = make_objective(model, mp.Precision("32-true"), lambda out, b: F.cross_entropy(out, b.y))
 
@@ -117,8 +118,8 @@ def test_an_object_with_to_is_moved_by_its_own_to_and_passed_whole(tmp_path):
 
         def forward(self, b):
             return self.inner(b.x)
-    wrapped = Wrapper()
-    assert torch.equal(objective(wrapped, moved), F.cross_entropy(model(batch.x), batch.y))
+    wrapped = Wrapper().to(strategy.device)
+    assert torch.equal(objective(wrapped, moved), F.cross_entropy(model(moved.x), moved.y))
     result = _fit(wrapped, [batch, batch], tmp_path, loss_fn=lambda out, b: F.cross_entropy(out, b.y))
     assert result.steps == 2
 

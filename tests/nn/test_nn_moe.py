@@ -109,7 +109,9 @@ def test_gate_fp32_and_experts_in_expert_dtype_under_every_policy(preset, expert
         ex.fc.register_forward_hook(record("expert"))
     policy = PRESETS[preset]
     x = torch.randn(1, 16, D)
-    with autocast(policy):
+    # autocast's device is the tensors' (its default, CUDA whenever there is one, would leave
+    # these CPU tensors in FP32 on a GPU machine: the experts would then see FP32, not the policy's)
+    with autocast(policy, device_type=x.device.type):
         out = moe(x)
     assert seen["gate"] == {torch.float32}
     want = expert_dtype if expert_dtype is not None else policy.compute_dtype

@@ -69,16 +69,47 @@ def test_undated_and_future_dated_entries_are_measured_again(fake, tmp_path):
     assert peak.peak_flops(torch.float32, "cpu") == 1.1e9 and fake["calls"] == 6
 
 
-def test_a_refresh_keeps_the_higher_fresh_value_and_a_busy_measurement_says_so(fake, monkeypatch):
+def test_a_refresh_keeps_the_higher_fresh_value(fake):
     fake["values"] = [1.0e9] * 3
     peak.peak_flops(torch.float32, "cpu")
     fake["values"] = [0.5e9] * 3                  # measured again on a busier machine
     assert peak.peak_flops(torch.float32, "cpu", refresh=True) == 1.0e9 and fake["calls"] == 6
+
+
+def test_a_measurement_under_load_is_measured_again_and_never_cached_nor_an_mfu_peak(fake, monkeypatch):
+    # It was cached and only described as "likely low": every run for a week took MFU against it.
+    monkeypatch.setattr(peak, "_LOW", {})
     monkeypatch.setattr(peak, "_load", lambda: 64.0)
     monkeypatch.setattr(peak.os, "cpu_count", lambda: 2)
-    fake["values"] = [1.5e9] * 3
-    assert peak.peak_flops(torch.float32, "cpu", refresh=True) == 1.5e9
-    assert "load 64 on 2 cores then: likely low" in peak.format_peak_source("fp32", "cpu")
+    fake["values"] = [0.3e9] * 3 + [0.4e9] * 3    # three runs, then three more: still busy
+    assert peak.peak_flops(torch.float32, "cpu") == 0.4e9 and fake["calls"] == 6
+    assert peak.peak_record(torch.float32, "cpu") is None                     # not cached
+    assert "load 64 on 2 cores: likely low" in peak.low_peak_reason("fp32", "cpu")
+    fake["values"] = [0.4e9] * 6
+    assert peak.format_peak_flops("fp32", "cpu") is None                      # no MFU against it
+    monkeypatch.setattr(peak, "_load", lambda: 0.5)                           # the machine quietens
+    fake["values"] = [1.0e9] * 3
+    assert peak.format_peak_flops("fp32", "cpu") == 1.0e9 and peak.low_peak_reason("fp32", "cpu") is None
+    assert peak.peak_record(torch.float32, "cpu")["flops"] == 1.0e9
+
+
+def test_a_gpu_peak_far_below_its_datasheet_is_not_kept_saying_so(fake, monkeypatch):
+    # The first H200 run cached 155 TF for FP16 measured while the GPU was busy (datasheet: 989).
+    monkeypatch.setattr(peak, "_LOW", {})
+    monkeypatch.setattr(peak.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(peak.torch.cuda, "synchronize", lambda device=None: None)
+    gpu = torch.device("cuda", 0)
+    why = peak._why_low(155e12, "fp16", gpu, 0.5)
+    assert why.startswith("155 TFLOP/s is 16% of the H200 datasheet's dense FP16 989.5 TFLOP/s")
+    assert peak._why_low(794e12, "bf16", gpu, 0.5) is None                    # a healthy H200
+    assert peak._why_low(1e12, "bf16", torch.device("cpu"), 0.5) is None      # no datasheet for CPUs
+    tf32 = iter([150e12] * 3 + [160e12] * 3)                                   # 32 % of 494.5: low
+    monkeypatch.setattr(peak, "time_matmul", lambda *a: next(tf32))
+    assert peak.format_peak_flops("tf32", gpu) is None
+    assert "H200 datasheet's dense TF32 494.5" in peak.low_peak_reason("tf32", gpu)
+    seen = iter([420e12] * 3)
+    monkeypatch.setattr(peak, "time_matmul", lambda *a: next(seen))
+    assert peak.format_peak_flops("tf32", gpu) == 420e12 and peak.low_peak_reason("tf32", gpu) is None
 
 
 def test_peaks_measured_at_every_start_say_so():
@@ -91,3 +122,14 @@ def test_estimate_on_the_cpu_says_where_its_peak_comes_from(fake, capsys):
     assert main(["estimate", "--gpu", "cpu", "--tokens", "1M", "--model", "tiny",
                  "--precision", "32-true"]) == 0
     assert "FP32 peak of this CPU: measured 2026-11-30 00:53 UTC (0 min ago)" in capsys.readouterr().out
+
+
+def test_a_low_refresh_keeps_the_cached_peak_as_the_mfu_peak(fake, monkeypatch):
+    monkeypatch.setattr(peak, "_LOW", {})
+    fake["values"] = [1.0e9] * 3
+    peak.peak_flops(torch.float32, "cpu")                                     # quiet: cached
+    monkeypatch.setattr(peak, "_load", lambda: 64.0)
+    monkeypatch.setattr(peak.os, "cpu_count", lambda: 2)
+    fake["values"] = [0.5e9] * 6                                              # busy, twice
+    assert peak.format_peak_flops("fp32", "cpu", refresh=True) == 1.0e9       # the cached one
+    assert peak.low_peak_reason("fp32", "cpu") is None

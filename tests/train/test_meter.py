@@ -35,13 +35,14 @@ class FakeClock:
         return self.now
 
 
-def _meter(tmp_path, precision, monkeypatch, notes=None):
+def _meter(tmp_path, precision, monkeypatch, notes=None, load=0.0):
     clock = FakeClock()
     # The fake clock is time.perf_counter for everyone: a peak measured now (no fresh cache
-    # entry) would time its GEMMs on it and never end. A cache of the test's own and a fixed
-    # GEMM rate: the meter's peak never depends on the machine's cache.
+    # entry) would time its GEMMs on it and never end. A cache of the test's own, a fixed GEMM
+    # rate and a fixed load: the meter's peak never depends on the machine's cache or load.
     monkeypatch.setenv("MIXPREC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(peak, "matmul_flops", lambda *a, **k: 1e12)
+    monkeypatch.setattr(peak, "_load", lambda: load)
     monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
     logger = MetricsLogger(tmp_path, tensorboard=False)
     note = (lambda m: notes.append(m)) if notes is not None else (lambda m: None)
@@ -139,6 +140,7 @@ def test_a_model_without_flops_per_token_is_measured_on_its_matmuls_and_attentio
     clock = FakeClock()
     monkeypatch.setenv("MIXPREC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(peak, "matmul_flops", lambda *a, **k: 1e12)
+    monkeypatch.setattr(peak, "_load", lambda: 0.0)          # a quiet machine: the peak is kept
     monkeypatch.setattr(meter_mod.time, "perf_counter", clock)
     logger = MetricsLogger(tmp_path, tensorboard=False)
     meter = meter_mod.IntervalMeter(SingleDeviceStrategy(), mp.Precision("32-true"), _Hf(), logger)
@@ -148,3 +150,18 @@ def test_a_model_without_flops_per_token_is_measured_on_its_matmuls_and_attentio
     logger.close()
     assert meter.flops_per_token == 6.0 * (8 * 8 + 8) + 6.0 * 2 * 8 * 16       # not 6 x 8,072
     assert read_metrics(tmp_path)[0]["mfu"] == pytest.approx(32 * meter.flops_per_token / 1e12)
+
+
+def test_a_peak_measured_on_a_busy_machine_is_no_mfu_peak_and_the_run_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(peak, "_LOW", {})
+    monkeypatch.setattr(peak.os, "cpu_count", lambda: 2)
+    notes: list[str] = []
+    meter, logger, clock = _meter(tmp_path, "32-true", monkeypatch, notes, load=64.0)
+    assert meter.peak is None and peak.peak_record(torch.float32, "cpu") is None   # nor cached
+    meter.add(_out())
+    clock.now += 1.0
+    meter.log(_out(), step=1, epoch=0, lr=1e-3, val_loss=None)
+    logger.close()
+    assert read_metrics(tmp_path)[0]["mfu"] is None
+    assert notes == ["MFU not measured: the FP32 peak measured now is not trusted (measured under "
+                     "load 64 on 2 cores: likely low); it was not cached"]
