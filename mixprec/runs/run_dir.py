@@ -27,10 +27,11 @@ __all__ = ["claim_run_dir", "claim_locked_run_dir", "default_run_dir_name", "hol
 RUN_MARKERS = frozenset({"config.toml", "metrics.csv", "events.jsonl", "checkpoints"})
 """Entries only a run writes at its start or first save: one of them makes a folder a run."""
 RUN_ENTRIES = RUN_MARKERS | frozenset({
-    LOCK_FILE, "numerics.csv", "tb", "hf", "hf_config.json", "report", "trace.json",
+    LOCK_FILE, "numerics.csv", "tb", "hf", "hf_config.json", "report", "compare", "trace.json",
     "profile.txt"})
-"""Every entry a run (``fit()``, ``mixprec train``, a framework callback, ``mixprec report``)
-writes into its folder: what ``overwrite`` may delete, and nothing else."""
+"""Every entry a run (``fit()``, ``mixprec train``, a framework callback) or ``mixprec report``
+(``report/``, and ``compare/`` in the first of the runs compared) writes into a run folder: what
+``overwrite`` may delete, and nothing else."""
 
 
 def default_run_dir_name(precision: str) -> str:

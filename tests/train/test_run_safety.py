@@ -95,9 +95,13 @@ def test_overwrite_of_a_run_folder_that_also_holds_user_files_is_refused(tmp_pat
 def test_overwrite_removes_every_file_a_run_writes_and_nothing_else(tmp_path, text_corpus):
     run = tmp_path / "run"
     mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={run}")
+    other = tmp_path / "other"
+    mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={other}")
     mixprec("report", str(run))
+    mixprec("report", str(run), str(other))                 # writes run/compare/
     mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={run}", "overwrite=true")
-    assert (run / "metrics.csv").is_file() and not (run / "report").exists()
+    assert (run / "metrics.csv").is_file()
+    assert not (run / "report").exists() and not (run / "compare").exists()
 
 
 def test_default_run_folders_started_in_the_same_second_do_not_collide(tmp_path):
