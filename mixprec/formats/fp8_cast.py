@@ -206,7 +206,7 @@ def cast_with_amax(x: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor, 
     scale: its own amax (``own_amax`` when the caller has it, e.g. for an amax history) is used
     where it is not finite."""
     own = tensor_amax(x) if own_amax is None else own_amax
-    amax = torch.where(torch.isfinite(own), amax.reshape(1, 1).float(), own)
+    amax = amax.reshape(1, 1).float() + (own - own)    # own - own: 0, or NaN for an inf/NaN x
     (scale,) = compute_scales([amax], fp8_dtype, margin=margin, power_of_two=power_of_two)
     if flag is not None:
         _fold_flag(flag, scale)

@@ -107,6 +107,10 @@ def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features
         path, reason = "cuda-scaled-mm", "FP8 tensor cores available"
     compile_casts = dev.type == "cuda" and config.compile_casts and _triton_available()
     if config.scaling == "blockwise":
+        if in_features % 128 or out_features % 128:
+            return GemmPlan("emulated", f"{reason}, but block-scaled GEMMs need in/out features "
+                                        "that are multiples of 128: blockwise runs emulated "
+                                        "(dequantize, one FP32 GEMM)", compile_casts=compile_casts)
         layout = _block_layout(str(dev))
         if layout is None:
             return GemmPlan("emulated", f"torch {torch.__version__} has no native block-scaled "
