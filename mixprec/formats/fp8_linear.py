@@ -187,13 +187,24 @@ class _Fp8Gemms(TracksNonFinite):
     the amax history, the weight-cast cache and the non-finite flag. The host class sets
     ``config``, ``fqn``, ``in_features`` and ``out_features`` (the GEMM's K and N)."""
 
-    config: Fp8Config
     fqn: str
     in_features: int
     out_features: int
 
+    @property
+    def config(self) -> Fp8Config:
+        """The recipe. Assigning a new one is set-up: the path is decided again, then."""
+        return self._config
+
+    @config.setter
+    def config(self, value: Fp8Config) -> None:
+        self._config = value
+        if "_plan" in self.__dict__:
+            self._init_history(self.weight.device)
+            self._decide(self.weight.device)
+
     def _init_fp8_state(self, config: Fp8Config | None, device: Any) -> None:
-        self.config = config or Fp8Config.from_recipe("tensorwise")
+        self._config = config or Fp8Config.from_recipe("tensorwise")
         self.fqn = ""
         """Qualified name in the model (set by convert_to_fp8), used in logs and errors."""
         self._weight_cache: tuple | None = None

@@ -151,3 +151,12 @@ def test_torch_compile_of_fp8_and_micro_layers_runs_on_cpu():
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.allclose(x.grad, ref_grad, rtol=1e-4, atol=1e-4)
     assert not bool(found_nonfinite(model))
+
+
+def test_a_new_config_or_device_is_set_up_and_decides_the_path_again():
+    m = _layer("tensorwise", dtype=torch.float32)
+    assert m.execution_path == "emulated"
+    m.config = m.config.replace(backend="scaled-mm")
+    assert m.execution_path == "cpu-scaled-mm"
+    m.to(torch.float64).to(torch.float32)                      # no device change: same plan
+    assert m.execution_path == "cpu-scaled-mm"
