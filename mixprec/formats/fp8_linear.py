@@ -51,6 +51,7 @@ and once per backward and names the operand.
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -108,16 +109,42 @@ def _spec(cfg: Fp8Config, role: str, dim: int) -> tuple[str, int, tuple[int, int
     return "tile", dim, cfg.activation_block
 
 
-_compiled_group: Callable[..., Any] | None = None
+class _CompiledCasts:
+    """:func:`~mixprec.formats.fp8_cast.cast_group` through ``torch.compile`` (CUDA with Triton):
+    one fused kernel per operand instead of a chain of eager ops.
+
+    Each static configuration (specs, FP8 dtype, input dtypes, ...) gets its own copy of the
+    function's code: dynamo's recompile limit (8) counts per code object, and a model mixing
+    recipes and dtypes has more configurations than that. Each copy then recompiles only when
+    shapes change (once, to a dynamic-shape graph). No ``fullgraph``: past a limit a copy runs
+    eagerly with dynamo's warning rather than failing a training step; that the function traces
+    as one graph is tested on the CPU (tests/formats/test_fp8_cost.py)."""
+
+    def __init__(self) -> None:
+        self._fns: dict[tuple, Callable[..., Any]] = {}
+
+    def __call__(self, tensors, specs, fp8_dtype, **kw):
+        key = (specs, fp8_dtype, tuple(t.dtype for t in tensors), kw.get("margin"),
+               kw.get("power_of_two"), kw.get("flag") is not None, kw.get("flag_from"))
+        fn = self._fns.get(key)
+        if fn is None:
+            src = fp8_cast.cast_group
+            name = f"{src.__name__}_{len(self._fns)}"
+            copy = types.FunctionType(src.__code__.replace(co_name=name), src.__globals__, name,
+                                      src.__defaults__, src.__closure__)
+            copy.__kwdefaults__ = src.__kwdefaults__
+            fn = self._fns[key] = torch.compile(copy, dynamic=None)
+        return fn(tensors, specs, fp8_dtype, **kw)
 
 
-def _compiled() -> Callable[..., Any]:
-    """``torch.compile`` of :func:`~mixprec.formats.fp8_cast.cast_group`, built once per process
-    (CUDA with Triton only): one fused kernel per operand instead of a chain of eager ops."""
-    global _compiled_group
-    if _compiled_group is None:
-        _compiled_group = torch.compile(fp8_cast.cast_group, fullgraph=True, dynamic=None)
-    return _compiled_group
+_compiled_casts: _CompiledCasts | None = None
+
+
+def _compiled() -> _CompiledCasts:
+    global _compiled_casts
+    if _compiled_casts is None:
+        _compiled_casts = _CompiledCasts()
+    return _compiled_casts
 
 
 def _as_operand(data: torch.Tensor, scale: torch.Tensor, spec: tuple[str, int, tuple[int, int]]) -> Fp8Tensor:

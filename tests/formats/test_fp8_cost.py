@@ -160,3 +160,20 @@ def test_a_new_config_or_device_is_set_up_and_decides_the_path_again():
     assert m.execution_path == "cpu-scaled-mm"
     m.to(torch.float64).to(torch.float32)                      # no device change: same plan
     assert m.execution_path == "cpu-scaled-mm"
+
+
+def test_compiled_casts_equal_the_eager_ones_one_code_copy_per_configuration():
+    """The CUDA path compiles the casts (here on the CPU): same bytes and scales as eager, and each
+    static configuration gets its own code copy, so a mixed model never hits the recompile limit."""
+    from mixprec.formats import fp8_cast
+    from mixprec.formats.fp8_linear import _CompiledCasts
+    casts = _CompiledCasts()
+    kw = {"margin": 0, "power_of_two": True, "flag": None, "flag_from": ()}
+    for tokens in (64, 96):
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16)
+        for specs in [(("row", 1, (1, 1)), ("row", 0, (1, 1))), (("tile", 1, (1, 128)),)]:
+            got = casts([x] * len(specs), specs, torch.float8_e4m3fn, **kw)
+            want = fp8_cast.cast_group([x] * len(specs), specs, torch.float8_e4m3fn, **kw)
+            for (d, s), (dw, sw) in zip(got, want):
+                assert torch.equal(d.float(), dw.float()) and torch.equal(s, sw)
+    assert len(casts._fns) == 2
