@@ -51,163 +51,26 @@ and once per backward and names the operand.
 from __future__ import annotations
 
 import logging
-import types
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.errors import ConfigError, NumericsError
+from mixprec.errors import ConfigError
 from mixprec.formats import fp8_cast
 from mixprec.formats.fp8_config import Fp8Config
 from mixprec.formats.fp8_gemm import fp8_gemm
 from mixprec.formats.fp8_nonfinite import TracksNonFinite
+from mixprec.formats.fp8_operands import (Recipe, cast_operands, compiled_casts, operand_block,
+                                          raise_if_nonfinite)
 from mixprec.formats.fp8_path import GemmPlan, log_plan, plan_gemms
-from mixprec.formats.fp8_quantize import Block, Fp8Tensor
+from mixprec.formats.fp8_quantize import Fp8Tensor
 
 __all__ = ["Fp8Linear", "Fp8Conv1D", "is_conv1d", "fp8_gemm"]
 
+_operand_block = operand_block  # the old private name, still imported by mixprec.plan
+
 log = logging.getLogger("mixprec.fp8")
-
-_SLOTS = {"x": 0, "w": 1, "g": 2}  # rows of the delayed-scaling amax history
-_BLOCK = fp8_cast.BLOCK
-
-
-def _operand_block(config: Fp8Config, kind: str) -> Block:
-    """Scale granularity of a GEMM operand laid out (rows, contraction)."""
-    if config.scaling in ("tensorwise", "delayed"):
-        return None
-    if config.scaling == "rowwise":
-        return (1, None)
-    return config.weight_block if kind == "weight" else config.activation_block
-
-
-# --- the casts of one layer, by recipe --------------------------------------------------------
-
-@dataclass(frozen=True)
-class _Recipe:
-    """What the autograd function needs of a layer, as plain values (no module: compile-friendly)."""
-
-    config: Fp8Config
-    plan: GemmPlan
-    owner: str
-    cast: Callable[..., list[tuple[torch.Tensor, torch.Tensor]]]
-    """:func:`~mixprec.formats.fp8_cast.cast_group` or its ``torch.compile``d twin (decided with
-    the plan)."""
-
-
-_GRAN = {"tensorwise": "tensor", "delayed": "tensor", "rowwise": "row"}
-
-
-def _spec(cfg: Fp8Config, role: str, dim: int) -> tuple[str, int, tuple[int, int]]:
-    """The cast spec (granularity, dim, block) of an operand of ``role`` along ``dim``."""
-    if cfg.scaling in _GRAN:
-        return _GRAN[cfg.scaling], dim, (1, 1)
-    if role == "weight":
-        return "block", dim, cfg.weight_block
-    return "tile", dim, cfg.activation_block
-
-
-class _CompiledCasts:
-    """:func:`~mixprec.formats.fp8_cast.cast_group` through ``torch.compile`` (CUDA with Triton):
-    one fused kernel per operand instead of a chain of eager ops.
-
-    Each static configuration (specs, FP8 dtype, input dtypes, ...) gets its own copy of the
-    function's code: dynamo's recompile limit (8) counts per code object, and a model mixing
-    recipes and dtypes has more configurations than that. Each copy then recompiles only when
-    shapes change (once, to a dynamic-shape graph). No ``fullgraph``: past a limit a copy runs
-    eagerly with dynamo's warning rather than failing a training step; that the function traces
-    as one graph is tested on the CPU (tests/formats/test_fp8_cost.py)."""
-
-    def __init__(self) -> None:
-        self._fns: dict[tuple, Callable[..., Any]] = {}
-
-    def __call__(self, tensors, specs, fp8_dtype, **kw):
-        key = (specs, fp8_dtype, tuple(t.dtype for t in tensors), kw.get("margin"),
-               kw.get("power_of_two"), kw.get("flag") is not None, kw.get("flag_from"))
-        fn = self._fns.get(key)
-        if fn is None:
-            src = fp8_cast.cast_group
-            name = f"{src.__name__}_{len(self._fns)}"
-            copy = types.FunctionType(src.__code__.replace(co_name=name), src.__globals__, name,
-                                      src.__defaults__, src.__closure__)
-            copy.__kwdefaults__ = src.__kwdefaults__
-            fn = self._fns[key] = torch.compile(copy, dynamic=None)
-        return fn(tensors, specs, fp8_dtype, **kw)
-
-
-_compiled_casts: _CompiledCasts | None = None
-
-
-def _compiled() -> _CompiledCasts:
-    global _compiled_casts
-    if _compiled_casts is None:
-        _compiled_casts = _CompiledCasts()
-    return _compiled_casts
-
-
-def _as_operand(data: torch.Tensor, scale: torch.Tensor, spec: tuple[str, int, tuple[int, int]]) -> Fp8Tensor:
-    """The GEMM operand (rows, contraction) from a cast along ``dim`` (dim 0: the transpose)."""
-    gran, dim, block = spec
-    if gran == "tensor":
-        q = Fp8Tensor(data, scale, None)
-        return q if dim == 1 else q.t()
-    if gran == "row":
-        return Fp8Tensor(data, scale, (1, data.shape[1])) if dim == 1 else \
-            Fp8Tensor(data.t(), scale.t(), (1, data.shape[0]))
-    if gran == "block":
-        q = Fp8Tensor(data, scale, block)
-        return q if dim == 1 else q.t()
-    return Fp8Tensor(data, scale, block) if dim == 1 else Fp8Tensor(data.t(), scale.t(), block)
-
-
-def _cast(rec: _Recipe, t: torch.Tensor, role: str, dims: tuple[int, ...], flag: torch.Tensor | None,
-          hist: torch.Tensor | None, slot: str, update_history: bool) -> list[Fp8Tensor]:
-    """The operands of ``t`` for each contraction dim in ``dims`` (1: ``t`` is the operand; 0:
-    ``t.t()`` is), cast together. ``role`` is ``act``, ``weight`` or ``grad``."""
-    cfg = rec.config
-    fp8_dtype = cfg.grad_dtype if role == "grad" else cfg.forward_dtype
-    specs = tuple(_spec(cfg, role, d) for d in dims)
-    if cfg.scaling == "delayed":
-        data, scale = _delayed_cast(t, fp8_dtype, cfg, flag, hist[_SLOTS[slot]], update_history)
-        return [_as_operand(data, scale, sp) for sp in specs]
-    if cfg.scaling == "tensorwise" or (cfg.scaling == "blockwise" and role == "weight"):
-        # one scale, or square blocks: every orientation is the transpose of one cast
-        data, scale = rec.cast([t], specs[:1], fp8_dtype, margin=cfg.margin,
-                               power_of_two=cfg.power_of_two_scales, flag=flag, flag_from=(0,))[0]
-        first = _as_operand(data, scale, specs[0])
-        return [first if sp == specs[0] else first.t() for sp in specs]
-    casts = rec.cast([t] * len(specs), specs, fp8_dtype, margin=cfg.margin,
-                     power_of_two=cfg.power_of_two_scales, flag=flag, flag_from=(0,))
-    return [_as_operand(d, s, sp) for (d, s), sp in zip(casts, specs)]
-
-
-def _delayed_cast(t: torch.Tensor, fp8_dtype: torch.dtype, cfg: Fp8Config, flag: torch.Tensor | None,
-                  hist: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tensorwise cast from the amax history (first call: the current amax), then record the
-    current amax (non-finite values recorded as 0, so one bad step does not poison the history)."""
-    cur = fp8_cast.tensor_amax(t)
-    past = hist.max() if cfg.amax_compute == "max" else hist[0]
-    amax = torch.where(past > 0, past, cur.reshape(()))
-    out = fp8_cast.cast_with_amax(t, fp8_dtype, amax, margin=cfg.margin,
-                                  power_of_two=cfg.power_of_two_scales, own_amax=cur, flag=flag)
-    if update:
-        hist.copy_(torch.roll(hist, 1))
-        hist[0] = torch.nan_to_num(cur.reshape(()), nan=0.0, posinf=0.0)
-    return out
-
-
-def _raise_if_nonfinite(rec: _Recipe, fqn: str, named: list[tuple[str, Fp8Tensor]]) -> None:
-    """``nonfinite="raise"``: one host read for all of this call's operands, naming the first bad one."""
-    bad = torch.stack([q.nonfinite for _, q in named]).tolist()
-    for (what, q), b in zip(named, bad):
-        if b:
-            raise NumericsError(f"{rec.owner} '{fqn or '<unnamed>'}' {what} of shape "
-                                f"{tuple(q.shape)} contains inf or NaN before FP8 quantization; "
-                                "find the producing layer with mixprec.monitor, or lower the "
-                                "learning rate / loss scale")
-
 
 class _Fp8Gemms(TracksNonFinite):
     """What :class:`Fp8Linear` and :class:`Fp8Conv1D` share: the recipe, the plan decided once,
@@ -267,8 +130,8 @@ class _Fp8Gemms(TracksNonFinite):
         plan = plan_gemms(self.config, device, self.in_features, self.out_features,
                           owner=type(self).__name__, fqn=self.fqn)
         self._plan = plan
-        self._recipe = _Recipe(self.config, plan, type(self).__name__,
-                               _compiled() if plan.compile_casts else fp8_cast.cast_group)
+        self._recipe = Recipe(self.config, plan, type(self).__name__,
+                               compiled_casts() if plan.compile_casts else fp8_cast.cast_group)
         self._weight_cache = None
         if torch.device(device if device is not None else "cpu").type != "meta" and \
                 (old is None or old.path != plan.path or old.reason != plan.reason):
@@ -320,7 +183,7 @@ class _Fp8Gemms(TracksNonFinite):
         with torch.no_grad():
             # Conv1D's weight is stored (K, N): W's rows (along K) are its columns.
             wd, kd = (0, 1) if transposed else (1, 0)
-            ops = _cast(rec, weight, "weight", (wd, kd) if need_wt else (wd,), flag, hist, "w",
+            ops = cast_operands(rec, weight, "weight", (wd, kd) if need_wt else (wd,), flag, hist, "w",
                         update_history=True)
             wq, wtq = ops[0], (ops[1] if need_wt else None)
         if key is not None:
@@ -423,7 +286,7 @@ def _out_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _gemm(rec: _Recipe, a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _gemm(rec: Recipe, a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     plan = rec.plan
     return fp8_gemm(a, bt, path=plan.path, config=rec.config, out_dtype=out_dtype,
                     rowwise_out_fp32=plan.rowwise_out_fp32, block_layout=plan.block_layout)
@@ -436,7 +299,7 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, w_data: torch.Tensor,
                 w_scale: torch.Tensor, wt_data: torch.Tensor | None, wt_scale: torch.Tensor | None,
-                flag: torch.Tensor, hist: torch.Tensor | None, rec: _Recipe, fqn: str,
+                flag: torch.Tensor, hist: torch.Tensor | None, rec: Recipe, fqn: str,
                 w_block: tuple[int, int] | None, wt_block: tuple[int, int] | None) -> torch.Tensor:
         cfg = rec.config
         out_dtype = _out_dtype(x)
@@ -446,11 +309,11 @@ class _Fp8LinearFn(torch.autograd.Function):
             # x along K for the forward; x^T along the tokens for the weight gradient, cast now
             # from x itself (free for one scale; no high-precision transpose ever).
             want_xt = need_wgrad and not cfg.high_precision_wgrad
-            ops = _cast(rec, x, "act", (1, 0) if want_xt else (1,), flag, hist, "x",
+            ops = cast_operands(rec, x, "act", (1, 0) if want_xt else (1,), flag, hist, "x",
                         update_history=True)
             xq, xtq = ops[0], (ops[1] if want_xt else None)
             if cfg.nonfinite == "raise":
-                _raise_if_nonfinite(rec, fqn, [("input", xq), ("weight", wq)])
+                raise_if_nonfinite(rec, fqn, [("input", xq), ("weight", wq)])
             out = _gemm(rec, xq, wq, out_dtype)                                   # (M, N)
         saved: list[torch.Tensor | None] = [None] * 5
         if ctx.needs_input_grad[0]:
@@ -479,12 +342,12 @@ class _Fp8LinearFn(torch.autograd.Function):
             # dW = dy^T @ x: contraction over the M tokens (dy^T and x^T along M).
             dims = ((1,) if need_dgrad else ()) + \
                 ((0,) if need_wgrad and not cfg.high_precision_wgrad else ())
-            ops = _cast(rec, g, "grad", dims, flag, hist, "g", update_history=True) if dims else []
+            ops = cast_operands(rec, g, "grad", dims, flag, hist, "g", update_history=True) if dims else []
             gq = ops[0] if need_dgrad else None
             gtq = ops[-1] if 0 in dims else None
             named = [("output gradient", q) for q in ops]
             if cfg.nonfinite == "raise" and named:
-                _raise_if_nonfinite(rec, fqn, named)
+                raise_if_nonfinite(rec, fqn, named)
             if need_dgrad:
                 wtq = Fp8Tensor(wt_data, wt_scale, ctx.wt_block)
                 grad_x = _gemm(rec, gq, wtq, ctx.x_dtype)                           # (M, K)

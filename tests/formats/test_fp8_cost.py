@@ -166,8 +166,8 @@ def test_compiled_casts_equal_the_eager_ones_one_code_copy_per_configuration():
     """The CUDA path compiles the casts (here on the CPU): same bytes and scales as eager, and each
     static configuration gets its own code copy, so a mixed model never hits the recompile limit."""
     from mixprec.formats import fp8_cast
-    from mixprec.formats.fp8_linear import _CompiledCasts
-    casts = _CompiledCasts()
+    from mixprec.formats.fp8_operands import CompiledCasts
+    casts = CompiledCasts()
     kw = {"margin": 0, "power_of_two": True, "flag": None, "flag_from": ()}
     for tokens in (64, 96):
         x = torch.randn(tokens, 256, dtype=torch.bfloat16)
