@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["EPS", "BLOCK", "cast_tensorwise", "cast_rowwise", "cast_1x128", "cast_128x128",
-           "cast_group", "cast_with_amax", "compute_scales", "tensor_amax"]
+           "cast_group", "cast_with_amax", "compute_scales", "tensor_amax", "fold_flag"]
 
 EPS = 1e-12
 """Floor for an amax (all-zero tiles), as in common FP8 training libraries."""
@@ -91,7 +91,8 @@ def compute_scales(amaxes: list[torch.Tensor], fp8_dtype: torch.dtype, *, margin
     return list(s)
 
 
-def _fold_flag(flag: torch.Tensor, scale: torch.Tensor) -> None:
+def fold_flag(flag: torch.Tensor, scale: torch.Tensor) -> None:
+    """``flag = max(flag, max(scale))`` in place: NaN-sticky, inf-sticky, no host read."""
     torch.maximum(flag, scale if scale.shape == flag.shape else scale.amax(), out=flag)
 
 
@@ -146,7 +147,7 @@ def cast_group(tensors: list[torch.Tensor], specs: tuple[tuple[str, int, tuple[i
     scales = compute_scales(amaxes, fp8_dtype, margin=margin, power_of_two=power_of_two)
     if flag is not None:
         for i in flag_from:
-            _fold_flag(flag, scales[i])
+            fold_flag(flag, scales[i])
     out = []
     for t, (v, p), s, (gran, dim, _) in zip(tensors, views, scales, specs):
         q = (v / s).to(fp8_dtype)
@@ -209,6 +210,6 @@ def cast_with_amax(x: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor, 
     amax = amax.reshape(1, 1).float() + (own - own)    # own - own: 0, or NaN for an inf/NaN x
     (scale,) = compute_scales([amax], fp8_dtype, margin=margin, power_of_two=power_of_two)
     if flag is not None:
-        _fold_flag(flag, scale)
+        fold_flag(flag, scale)
     fmax = torch.finfo(fp8_dtype).max
     return (x / scale).clamp_(-fmax, fmax).to(fp8_dtype), scale

@@ -60,7 +60,7 @@ from mixprec.errors import ConfigError
 from mixprec.formats import fp8_cast
 from mixprec.formats.fp8_config import Fp8Config
 from mixprec.formats.fp8_gemm import fp8_gemm
-from mixprec.formats.fp8_nonfinite import TracksNonFinite
+from mixprec.formats.fp8_nonfinite import FLAG, TracksNonFinite
 from mixprec.formats.fp8_operands import (Recipe, cast_operands, compiled_casts, operand_block,
                                           raise_if_nonfinite)
 from mixprec.formats.fp8_path import GemmPlan, log_plan, plan_gemms
@@ -176,10 +176,13 @@ class _Fp8Gemms(TracksNonFinite):
             not torch.compiler.is_compiling()
         key = (weight._version, weight.data_ptr()) if cacheable else None
         cache = self._weight_cache
+        flag, hist = getattr(self, FLAG), self.amax_history
         if key is not None and cache is not None and cache[0] is weight and cache[1] == key and \
                 (cache[3] is not None or not need_wt):
+            # a reused cast still reports a non-finite weight after the flags were reset (a
+            # skipped step leaves the weight, hence its version, as it was)
+            fp8_cast.fold_flag(flag, cache[2].scale)
             return cache[2], cache[3]
-        flag, hist = getattr(self, "fp8_scale_max"), self.amax_history
         with torch.no_grad():
             # Conv1D's weight is stored (K, N): W's rows (along K) are its columns.
             wd, kd = (0, 1) if transposed else (1, 0)
@@ -200,7 +203,7 @@ class _Fp8Gemms(TracksNonFinite):
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), w, wq.data, wq.scale,
                                  None if wtq is None else wtq.data,
                                  None if wtq is None else wtq.scale,
-                                 getattr(self, "fp8_scale_max"), self.amax_history, self._recipe,
+                                 getattr(self, FLAG), self.amax_history, self._recipe,
                                  self.fqn, wq.block, None if wtq is None else wtq.block)
         return out.reshape(*lead, self.out_features)
 

@@ -39,14 +39,18 @@ def _flags(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
             if isinstance(m, TracksNonFinite) and getattr(m, FLAG).device.type != "meta"]
 
 
-def found_nonfinite(model: nn.Module) -> torch.Tensor:
+def found_nonfinite(model: nn.Module, *, reset: bool = False) -> torch.Tensor:
     """0-dim bool tensor on the first flag's device: some FP8 cast in ``model`` saw inf or NaN
-    since the last :func:`reset_nonfinite`. No host sync; False (CPU) for a model without FP8
-    layers. Fold it into the step's ``found_inf`` (e.g. ``found_inf |= found_nonfinite(model)``)."""
+    since the last reset. No host sync; False (CPU) for a model without FP8 layers. Fold it into
+    the step's ``found_inf`` (``found_inf |= found_nonfinite(model, reset=True)``); ``reset``
+    zeroes the flags after reading them (stream-ordered: the result is taken first)."""
     flags = [f for _, f in _flags(model)]
     if not flags:
         return torch.zeros((), dtype=torch.bool)
-    return ~torch.isfinite(_stack(flags).amax())
+    found = ~torch.isfinite(_stack(flags).amax())
+    if reset:
+        torch._foreach_zero_(flags)
+    return found
 
 
 def _stack(flags: list[torch.Tensor]) -> torch.Tensor:

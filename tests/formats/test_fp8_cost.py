@@ -125,6 +125,25 @@ def test_nonfinite_operand_reaches_a_device_flag_without_a_sync():
     assert "fp8_scale_max" not in model.state_dict()
 
 
+def test_a_cached_nonfinite_weight_is_reported_again_after_a_reset():
+    m = _layer("tensorwise", dtype=torch.float32)
+    with torch.no_grad():
+        m.weight[0, 0] = float("nan")
+    x = torch.randn(4, 256, requires_grad=True)
+    m(x).sum().backward()
+    assert bool(found_nonfinite(m, reset=True)) and not bool(found_nonfinite(m))
+    m(x).sum().backward()                  # a skipped step: same weight version, cast reused
+    assert bool(found_nonfinite(m))
+
+
+def test_blockwise_on_a_device_without_block_scaled_gemms_says_so_once():
+    from mixprec.formats import plan_gemms
+    plan = plan_gemms(Fp8Config.from_recipe("blockwise", backend="scaled-mm"), "cpu", 256, 256)
+    assert plan.path == "emulated" and "no native block-scaled" in plan.reason
+    assert plan_gemms(Fp8Config.from_recipe("rowwise", backend="scaled-mm"), "cpu", 256, 256) \
+        .path == "cpu-scaled-mm"
+
+
 def test_raise_mode_still_names_the_operand():
     m = Fp8Linear.from_linear(nn.Linear(64, 32), Fp8Config.from_recipe("tensorwise",
                                                                        nonfinite="raise"))
