@@ -77,6 +77,8 @@ class CompiledCasts:
         self._fns: dict[tuple, Callable[..., Any]] = {}
 
     def __call__(self, tensors, specs, fp8_dtype, **kw):
+        if torch.compiler.is_compiling():      # inside the user's compiled model: inline, fused there
+            return fp8_cast.cast_group(tensors, specs, fp8_dtype, **kw)
         key = (specs, fp8_dtype, tuple(t.dtype for t in tensors), kw.get("margin"),
                kw.get("power_of_two"), kw.get("flag") is not None, kw.get("flag_from"))
         fn = self._fns.get(key)

@@ -196,3 +196,8 @@ def test_compiled_casts_equal_the_eager_ones_one_code_copy_per_configuration():
             for (d, s), (dw, sw) in zip(got, want):
                 assert torch.equal(d.float(), dw.float()) and torch.equal(s, sw)
     assert len(casts._fns) == 2
+    # inside a compiled model the casts are inlined (the outer graph fuses them), not nested
+    inner = torch.compile(lambda t: casts([t], (("tensor", 1, (1, 1)),), torch.float8_e4m3fn,
+                                          **kw)[0][1], fullgraph=True)
+    assert torch.equal(inner(x), fp8_cast.cast_tensorwise(x, torch.float8_e4m3fn, power_of_two=True)[1])
+    assert len(casts._fns) == 2
