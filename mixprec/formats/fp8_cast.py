@@ -25,11 +25,12 @@ Why each pass is there (an eager GPU pays a launch per op; ``torch.compile`` fus
 * the scale math runs on the small amax tensors in FP32; :func:`cast_group` does it for several
   operands at once with ``torch._foreach_*`` ops (one launch per step of the math, not one per
   operand);
-* the cast is one division (BF16 / FP32 scale promotes to FP32 element by element, no copy) and
-  one conversion. There is no clamp: with the scale from the tensor's own amax, ``|x / scale|``
-  exceeds the format's max by at most a rounding error, which the conversion rounds back to the
-  max. (:func:`cast_with_amax`, used by delayed scaling, clamps: values above a *past* amax must
-  saturate.) Dividing (rather than multiplying by a reciprocal) skips a pass and rounds once.
+* the cast is one multiply by the scale's reciprocal (a division for power-of-two scales, where
+  it is exact and saves the reciprocal) -- BF16 x FP32 promotes to FP32 element by element, no
+  copy -- and one conversion. There is no clamp: with the scale from the tensor's own amax,
+  ``|x / scale|`` exceeds the format's max by at most a rounding error, which the conversion
+  rounds back to the max. (:func:`cast_with_amax`, used by delayed scaling, clamps: values above
+  a *past* amax must saturate.) The bytes and scales are those mixprec computed before #36.
 
 Non-finite input is never saturated and never checked here with a host read: an inf/NaN makes
 the block's amax, hence its scale, non-finite (inf or NaN), so everything computed from the block
@@ -148,9 +149,13 @@ def cast_group(tensors: list[torch.Tensor], specs: tuple[tuple[str, int, tuple[i
     if flag is not None:
         for i in flag_from:
             fold_flag(flag, scales[i])
+    # Power-of-two scales: dividing is exact. Otherwise multiply by the reciprocal, as the
+    # recipe's reference computes (and mixprec always has: the same bits as before #36).
+    mults = scales if power_of_two else (
+        [scales[0].reciprocal()] if len(scales) == 1 else list(torch._foreach_reciprocal(scales)))
     out = []
-    for t, (v, p), s, (gran, dim, _) in zip(tensors, views, scales, specs):
-        q = (v / s).to(fp8_dtype)
+    for t, (v, p), s, m, (gran, dim, _) in zip(tensors, views, scales, mults, specs):
+        q = (v / m if power_of_two else v * m).to(fp8_dtype)
         if q.dim() != 2:
             q = q.view(p.shape)
         if p.shape != t.shape:
@@ -212,4 +217,5 @@ def cast_with_amax(x: torch.Tensor, fp8_dtype: torch.dtype, amax: torch.Tensor, 
     if flag is not None:
         fold_flag(flag, scale)
     fmax = torch.finfo(fp8_dtype).max
-    return (x / scale).clamp_(-fmax, fmax).to(fp8_dtype), scale
+    q = x / scale if power_of_two else x * scale.reciprocal()
+    return q.clamp_(-fmax, fmax).to(fp8_dtype), scale
