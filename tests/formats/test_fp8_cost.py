@@ -8,9 +8,9 @@ BF16 nn.Linear). Measured here on torch 2.13 CPU, bf16 256->128 layer, 64 tokens
 ==========  ============  ==========================
 recipe      before #36    after (scaled-mm / emulated)
 ==========  ============  ==========================
-tensorwise  157 / 166     48 / 54
+tensorwise  157 / 166     51 / 57
 rowwise     205 / 238     72 / 72
-blockwise   227 / 242     92 (one GEMM each; before: one per 128 of K)
+blockwise   227 / 242     95 (one GEMM each; before: one per 128 of K)
 ==========  ============  ==========================
 """
 import collections
