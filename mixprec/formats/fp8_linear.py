@@ -72,6 +72,7 @@ _operand_block = operand_block  # the old private name, still imported by mixpre
 
 log = logging.getLogger("mixprec.fp8")
 
+
 class _Fp8Gemms(TracksNonFinite):
     """What :class:`Fp8Linear` and :class:`Fp8Conv1D` share: the recipe, the plan decided once,
     the amax history, the weight-cast cache and the non-finite flag. The host class sets
@@ -186,8 +187,8 @@ class _Fp8Gemms(TracksNonFinite):
         with torch.no_grad():
             # Conv1D's weight is stored (K, N): W's rows (along K) are its columns.
             wd, kd = (0, 1) if transposed else (1, 0)
-            ops = cast_operands(rec, weight, "weight", (wd, kd) if need_wt else (wd,), flag, hist, "w",
-                        update_history=True)
+            ops = cast_operands(rec, weight, "weight", (wd, kd) if need_wt else (wd,), flag, hist,
+                                "w", update_history=True)
             wq, wtq = ops[0], (ops[1] if need_wt else None)
         if key is not None:
             self._weight_cache = (weight, key, wq, wtq)

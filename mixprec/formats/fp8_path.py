@@ -80,13 +80,13 @@ def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features
     Raises :class:`~mixprec.errors.ConfigError` when ``backend="scaled-mm"`` is forced on a shape
     FP8 kernels cannot take."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "meta":
+        return GemmPlan("emulated", "not on a device yet (decided when the weights arrive)")
     aligned = in_features % 16 == 0 and out_features % 16 == 0
     if config.backend == "scaled-mm" and not aligned:
         raise ConfigError(f"{owner} '{fqn or '<unnamed>'}' ({in_features}->{out_features}) needs "
                           "in/out features that are multiples of 16 for torch._scaled_mm; use "
                           "backend='auto' or leave this layer unconverted")
-    if dev.type == "meta":
-        return GemmPlan("emulated", "not on a device yet (decided when the weights arrive)")
     if config.backend == "emulated":
         return GemmPlan("emulated", "backend='emulated' requested")
     if config.backend == "scaled-mm":

@@ -201,3 +201,10 @@ def test_compiled_casts_equal_the_eager_ones_one_code_copy_per_configuration():
                                           **kw)[0][1], fullgraph=True)
     assert torch.equal(inner(x), fp8_cast.cast_tensorwise(x, torch.float8_e4m3fn, power_of_two=True)[1])
     assert len(casts._fns) == 2
+
+
+def test_forced_scaled_mm_on_an_unaligned_layer_fails_at_conversion_naming_it():
+    from mixprec.errors import ConfigError
+    with pytest.raises(ConfigError, match="'blocks.0.fc' \\(64->24\\).*multiples of 16"):
+        Fp8Linear.from_linear(nn.Linear(64, 24), Fp8Config.from_recipe("tensorwise", backend="scaled-mm"),
+                              fqn="blocks.0.fc")
