@@ -33,6 +33,8 @@ scaling     casts per forward + backward                   saved for backward
 tensorwise  x, W, dy (the transposes are free: same scale)  FP8 x and W (not x in BF16)
 rowwise     x, x^T, W, W^T, dy, dy^T (scales differ)        FP8 x^T and W^T
 blockwise   x, x^T, W (128x128 blocks: W^T free), dy, dy^T   FP8 x^T and W
+delayed     x, W, dy; then x^T, W^T, dy^T from the history   x and W (high precision)
+            the first casts updated (the recipe's scales)
 ==========  =============================================  ===============================
 
 (``x^T`` is cast along the token dimension in the forward, from ``x`` itself: no high-precision
@@ -198,7 +200,8 @@ class _Fp8Gemms(TracksNonFinite):
         """``x @ W^T`` in FP8 for ``x`` (..., K); ``weight`` is W (N, K), or (K, N) when
         ``transposed`` (Conv1D)."""
         lead = x.shape[:-1]
-        need_wt = x.requires_grad and torch.is_grad_enabled()
+        # W^T for the input gradient (delayed scaling casts it in the backward, see _Fp8LinearFn)
+        need_wt = x.requires_grad and torch.is_grad_enabled() and self.config.scaling != "delayed"
         wq, wtq = self._weight_operands(weight, transposed, need_wt)
         w = weight.t() if transposed else weight
         out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), w, wq.data, wq.scale,
@@ -309,21 +312,26 @@ class _Fp8LinearFn(torch.autograd.Function):
         out_dtype = _out_dtype(x)
         wq = Fp8Tensor(w_data, w_scale, w_block)
         need_wgrad = ctx.needs_input_grad[1]
+        # Delayed scaling casts x^T and W^T in the backward, from the amax history the forward
+        # updated (the recipe's scales): x and W are kept in high precision for it.
+        delayed = cfg.scaling == "delayed"
         with torch.autocast(x.device.type, enabled=False):
             # x along K for the forward; x^T along the tokens for the weight gradient, cast now
             # from x itself (free for one scale; no high-precision transpose ever).
-            want_xt = need_wgrad and not cfg.high_precision_wgrad
+            want_xt = need_wgrad and not cfg.high_precision_wgrad and not delayed
             ops = cast_operands(rec, x, "act", (1, 0) if want_xt else (1,), flag, hist, "x",
-                        update_history=True)
+                                update_history=True)
             xq, xtq = ops[0], (ops[1] if want_xt else None)
             if cfg.nonfinite == "raise":
                 raise_if_nonfinite(rec, fqn, [("input", xq), ("weight", wq)])
             out = _gemm(rec, xq, wq, out_dtype)                                   # (M, N)
-        saved: list[torch.Tensor | None] = [None] * 5
+        saved: list[torch.Tensor | None] = [None] * 6
         if ctx.needs_input_grad[0]:
             saved[0], saved[1] = wt_data, wt_scale                               # W^T (K, N)
+            if delayed:
+                saved[5] = weight
         if need_wgrad:
-            if cfg.high_precision_wgrad:
+            if cfg.high_precision_wgrad or delayed:
                 saved[2] = x
             else:
                 saved[3], saved[4] = xtq.data, xtq.scale                         # x^T (K, M)
@@ -335,7 +343,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        wt_data, wt_scale, x, xt_data, xt_scale = ctx.saved_tensors
+        wt_data, wt_scale, x, xt_data, xt_scale, weight = ctx.saved_tensors
         rec, fqn, hist, flag = ctx.rec, ctx.fqn, ctx.hist, ctx.flag
         cfg = rec.config
         g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()     # (M, N)
@@ -346,10 +354,20 @@ class _Fp8LinearFn(torch.autograd.Function):
             # dW = dy^T @ x: contraction over the M tokens (dy^T and x^T along M).
             dims = ((1,) if need_dgrad else ()) + \
                 ((0,) if need_wgrad and not cfg.high_precision_wgrad else ())
-            ops = cast_operands(rec, g, "grad", dims, flag, hist, "g", update_history=True) if dims else []
+            ops = cast_operands(rec, g, "grad", dims, flag, hist, "g", update_history=True) \
+                if dims else []
             gq = ops[0] if need_dgrad else None
             gtq = ops[-1] if 0 in dims else None
             named = [("output gradient", q) for q in ops]
+            if cfg.scaling == "delayed":
+                if need_dgrad:
+                    (wtq,) = cast_operands(rec, weight, "weight", (0,), flag, hist, "w",
+                                           update_history=False)
+                    wt_data, wt_scale, ctx.wt_block = wtq.data, wtq.scale, wtq.block
+                if need_wgrad and not cfg.high_precision_wgrad:
+                    (xtq,) = cast_operands(rec, x, "act", (0,), flag, hist, "x",
+                                           update_history=False)
+                    xt_data, xt_scale, ctx.xt_block = xtq.data, xtq.scale, xtq.block
             if cfg.nonfinite == "raise" and named:
                 raise_if_nonfinite(rec, fqn, named)
             if need_dgrad:

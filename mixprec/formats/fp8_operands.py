@@ -117,16 +117,25 @@ def _as_operand(data: torch.Tensor, scale: torch.Tensor, spec: tuple[str, int, t
     return Fp8Tensor(data, scale, block) if dim == 1 else Fp8Tensor(data.t(), scale.t(), block)
 
 
-def cast_operands(rec: Recipe, t: torch.Tensor, role: str, dims: tuple[int, ...], flag: torch.Tensor | None,
-          hist: torch.Tensor | None, slot: str, update_history: bool) -> list[Fp8Tensor]:
+def cast_operands(rec: Recipe, t: torch.Tensor, role: str, dims: tuple[int, ...],
+                  flag: torch.Tensor | None, hist: torch.Tensor | None, slot: str,
+                  update_history: bool) -> list[Fp8Tensor]:
     """The operands of ``t`` for each contraction dim in ``dims`` (1: ``t`` is the operand; 0:
-    ``t.t()`` is), cast together. ``role`` is ``act``, ``weight`` or ``grad``."""
+    ``t.t()`` is), cast together. ``role`` is ``act``, ``weight`` or ``grad``.
+
+    Delayed scaling casts each orientation on its own: the first records the current amax in the
+    history (``update_history``), the next ones read the history it left, as the recipe's scale
+    is defined (so a transpose is not the first cast's bytes)."""
     cfg = rec.config
     fp8_dtype = cfg.grad_dtype if role == "grad" else cfg.forward_dtype
     specs = tuple(_spec(cfg, role, d) for d in dims)
     if cfg.scaling == "delayed":
-        data, scale = _delayed_cast(t, fp8_dtype, cfg, flag, hist[_SLOTS[slot]], update_history)
-        return [_as_operand(data, scale, sp) for sp in specs]
+        out = []
+        for i, sp in enumerate(specs):
+            data, scale = _delayed_cast(t, fp8_dtype, cfg, flag, hist[_SLOTS[slot]],
+                                        update_history and i == 0)
+            out.append(_as_operand(data, scale, sp))
+        return out
     if cfg.scaling == "tensorwise" or (cfg.scaling == "blockwise" and role == "weight"):
         # one scale, or square blocks: every orientation is the transpose of one cast
         data, scale = rec.cast([t], specs[:1], fp8_dtype, margin=cfg.margin,
