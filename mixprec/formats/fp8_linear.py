@@ -45,7 +45,7 @@ Execution path, decided once (at conversion, or when the layer moves to another 
 ``cpu-scaled-mm`` (forced with ``backend="scaled-mm"``) or ``emulated``. ``execution_path`` and
 ``execution_reason`` say which and why; ``forward`` decides nothing.
 
-Non-finite operands: every cast folds its scales into the layer's ``fp8_scale_max`` buffer (no host
+Non-finite operands: every cast folds its scales into the layer's ``fp8_scale_max`` tensor (no host
 read); the step reads :func:`mixprec.formats.found_nonfinite` (see
 :mod:`mixprec.formats.fp8_nonfinite`). ``Fp8Config(nonfinite="raise")`` checks once per forward
 and once per backward and names the operand.
@@ -146,6 +146,7 @@ class _Fp8Gemms(TracksNonFinite):
         # GPU's path here, not in forward.
         before = self.weight.device
         out = super()._apply(fn, recurse)
+        self._move_nonfinite_flag(fn)
         if self.weight.device != before:
             self._decide(self.weight.device)
         return out

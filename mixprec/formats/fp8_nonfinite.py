@@ -2,7 +2,7 @@
 
 An FP8 cast never checks its input with a host read: an inf/NaN makes the amax, hence the scale,
 of its block non-finite (see :mod:`mixprec.formats.fp8_cast`). Each FP8 layer keeps one FP32
-device buffer, ``fp8_scale_max``, into which every one of its casts folds its scales
+device tensor, ``fp8_scale_max``, into which every one of its casts folds its scales
 (``max``, NaN-sticky): finite while every operand was finite, inf or NaN from the first
 non-finite operand on. Nothing is synchronised per cast; the training step reads
 
@@ -12,8 +12,9 @@ non-finite operand on. Nothing is synchronised per cast; the training step reads
 * :func:`nonfinite_layers` -- the names of the layers whose operands were not finite, one host
   read, for an error message or a report once the step knows it skipped.
 
-The flags are not in ``state_dict`` (non-persistent), so checkpoints stay interchangeable with
-plain ``nn.Linear`` models.
+The flags are plain tensor attributes, not buffers: not in ``state_dict`` (checkpoints stay
+interchangeable with plain ``nn.Linear`` models), not broadcast by DDP (each rank's flag is its
+own; the step reduces ``found_inf`` across ranks as it does for gradients).
 """
 from __future__ import annotations
 
@@ -27,11 +28,21 @@ FLAG = "fp8_scale_max"
 
 
 class TracksNonFinite:
-    """Mixin of the FP8 layers: registers the ``fp8_scale_max`` buffer (a (1, 1) FP32 zero)."""
+    """Mixin of the FP8 layers: holds the ``fp8_scale_max`` flag, a (1, 1) FP32 device tensor.
+
+    A plain attribute, not a buffer: DDP broadcasts buffers from rank 0 at every forward, which
+    would overwrite the flag a rank set in its backward; ``state_dict`` never carries it. The
+    layer moves it with its weights (``_apply``): a new device starts from zero."""
 
     def _init_nonfinite_flag(self, device: torch.device | str | None) -> None:
-        self.register_buffer(FLAG, torch.zeros(1, 1, dtype=torch.float32, device=device),
-                             persistent=False)
+        object.__setattr__(self, FLAG, torch.zeros(1, 1, dtype=torch.float32, device=device))
+
+    def _move_nonfinite_flag(self, fn) -> None:
+        """Called from the layer's ``_apply`` with its function (``.to``, ``.cuda``, ``to_empty``)."""
+        flag = getattr(self, FLAG)
+        moved = fn(flag)
+        if moved.device != flag.device:
+            self._init_nonfinite_flag(moved.device)
 
 
 def _flags(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -123,6 +123,7 @@ def test_nonfinite_operand_reaches_a_device_flag_without_a_sync():
     reset_nonfinite(model)
     assert not bool(found_nonfinite(model)) and nonfinite_layers(model) == []
     assert "fp8_scale_max" not in model.state_dict()
+    assert not any(n.endswith("fp8_scale_max") for n, _ in model.named_buffers())  # DDP leaves it
 
 
 def test_a_cached_nonfinite_weight_is_reported_again_after_a_reset():
@@ -170,6 +171,10 @@ def test_torch_compile_of_fp8_and_micro_layers_runs_on_cpu():
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
     assert torch.allclose(x.grad, ref_grad, rtol=1e-4, atol=1e-4)
     assert not bool(found_nonfinite(model))
+    bad = x.detach().clone()
+    bad[0, 0] = float("inf")
+    compiled(bad.requires_grad_()).sum().backward()       # the flag is updated inside the graph
+    assert bool(found_nonfinite(model, reset=True)) and not bool(found_nonfinite(model))
 
 
 def test_a_new_config_or_device_is_set_up_and_decides_the_path_again():
