@@ -213,3 +213,13 @@ def test_forced_scaled_mm_on_an_unaligned_layer_fails_at_conversion_naming_it():
     with pytest.raises(ConfigError, match="'blocks.0.fc' \\(64->24\\).*multiples of 16"):
         Fp8Linear.from_linear(nn.Linear(64, 24), Fp8Config.from_recipe("tensorwise", backend="scaled-mm"),
                               fqn="blocks.0.fc")
+
+
+def test_reading_the_flags_costs_the_same_ops_for_any_number_of_layers():
+    def ops(n):
+        model = nn.Sequential(*[_layer("tensorwise", dtype=torch.float32, k=64, n=64)
+                                for _ in range(n)])
+        with _Count() as c:
+            found_nonfinite(model, reset=True)
+        return sum(c.ops.values())
+    assert ops(2) == ops(12) <= 6
