@@ -139,11 +139,12 @@ def check_correctness(report: dict) -> None:
         real_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe, backend=BACKEND))
         emu, real = run(emu_layer), run(real_layer)
         row = {"recipe": recipe, "path": real_layer.execution_path,
+               "reason": real_layer.execution_reason,
                "vs_emulated_db": [round(sqnr_db(e, r), 1) for e, r in zip(emu, real)],
                "vs_fp32_db": [round(sqnr_db(f, r), 1) for f, r in zip(ref, real)]}
         rows.append(row)
-        print(f"correctness {recipe:>10}: path {row['path']}, SQNR (out, dx, dW) vs emulated "
-              f"{row['vs_emulated_db']} dB, vs FP32 {row['vs_fp32_db']} dB", flush=True)
+        print(f"correctness {recipe:>10}: path {row['path']} ({row['reason']}), SQNR (out, dx, dW) "
+              f"vs emulated {row['vs_emulated_db']} dB, vs FP32 {row['vs_fp32_db']} dB", flush=True)
     report["correctness"] = rows
 
 
