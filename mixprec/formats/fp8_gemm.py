@@ -67,16 +67,22 @@ def _scaled_mm(a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype, rowwise_out_
         return torch._scaled_mm(ad, bd.t(), scale_a=a.scale.reshape(1, 1),
                                 scale_b=bt.scale.reshape(1, 1), out_dtype=out_dtype)
     # rowwise: a's scales (M, 1), b's (1, N); a tensorwise operand is expanded to its rows.
-    sa, sb = _per_row(a.scale, M).view(M, 1), _per_row(bt.scale, N).view(1, N)
+    sa, sb = _per_row(a, M).view(M, 1), _per_row(bt, N).view(1, N)
     if rowwise_out_fp32 or out_dtype == torch.bfloat16:
         return torch._scaled_mm(ad, bd.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     return torch._scaled_mm(ad, bd.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
 
 
-def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """Scales as a contiguous 1-D (rows,) vector (the kernel checks strides, not just sizes)."""
-    s = scale.reshape(-1)
-    return (s.expand(rows) if s.numel() == 1 else s).contiguous()
+def _per_row(q: Fp8Tensor, rows: int) -> torch.Tensor:
+    """``q``'s scales as a contiguous 1-D (rows,) vector (the kernel checks strides, not just
+    sizes): one scale broadcast, or a block's scale repeated for each of its rows (a 128x128
+    weight with a single K block)."""
+    s = q.scale.reshape(-1)
+    if s.numel() == 1:
+        return s.expand(rows).contiguous()
+    if s.numel() != rows:
+        s = s.repeat_interleave(q.block[0])[:rows]
+    return s.contiguous()
 
 
 # --- DeepSeek-V3 blocks through torch's native block-scaled GEMM ---------------------------------
