@@ -6,9 +6,11 @@
 1. Correctness first: on one shape, every recipe's ``cuda-scaled-mm`` result (output and both
    gradients) is compared with the emulated result (SQNR, dB) and with the FP32 reference.
 2. Linear forward+backward throughput (3 GEMMs: 6*M*K*N FLOPs per iteration) of BF16 ``nn.Linear``
-   vs ``Fp8Linear`` (tensorwise, rowwise, blockwise), square shapes 4096/8192/16384 and LLM-like
+   vs ``Fp8Linear`` (tensorwise, rowwise, blockwise; eager, its casts compiled on CUDA), and,
+   when torchao is importable, torchao's ``Float8Linear`` (tensorwise, rowwise; eager and
+   ``torch.compile``d), same shapes, same run: square shapes 4096/8192/16384 and LLM-like
    shapes (16384 tokens x FFN projections). CUDA events, warm-up, median of repeats; TFLOPS
-   counts the whole layer including quantization, as a user sees it (eager mode, no compile).
+   counts the whole layer including quantization, as a user sees it. ``--no-torchao`` skips it.
 3. A mid-sized Transformer (mixprec.models.Transformer) training step: bf16-mixed vs the fp8-*
    policies; median step time and the speed-up.
 
@@ -71,19 +73,47 @@ def time_cuda(fn, *, warmup: int, iters: int, repeats: int) -> list[float]:
     return out
 
 
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+
+
+def torchao_kinds(enabled: bool) -> list[str]:
+    """``torchao-<recipe>`` and ``torchao-<recipe>-compiled`` when torchao's float8 imports."""
+    if not enabled:
+        return []
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return []
+    return [f"torchao-{r}{c}" for r in TORCHAO_RECIPES for c in ("", "-compiled")]
+
+
 def make_layer(kind: str, K: int, N: int) -> nn.Module:
     lin = nn.Linear(K, N, bias=False, device=DEVICE, dtype=torch.float32)
     if kind == "bf16":
         return lin
+    if kind.startswith("torchao-"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        recipe = kind.split("-")[1]
+        # torchao's own emulation stands in for its GPU kernels on the CPU smoke run.
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if DEVICE == "cpu":
+            import dataclasses
+            config = dataclasses.replace(config, emulate=True)
+        model = convert_to_float8_training(nn.Sequential(lin), config=config)
+        layer = model[0]
+        return torch.compile(layer) if kind.endswith("-compiled") else layer
     return Fp8Linear.from_linear(lin, Fp8Config.from_recipe(kind, backend=BACKEND))
 
 
 def linear_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    params = list(layer.parameters())
+
     def step():
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             y = layer(x)
         y.backward(g)
-        layer.weight.grad = None
+        for p in params:
+            p.grad = None
         x.grad = None
     return step
 
@@ -109,11 +139,12 @@ def check_correctness(report: dict) -> None:
         real_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe, backend=BACKEND))
         emu, real = run(emu_layer), run(real_layer)
         row = {"recipe": recipe, "path": real_layer.execution_path,
+               "reason": real_layer.execution_reason,
                "vs_emulated_db": [round(sqnr_db(e, r), 1) for e, r in zip(emu, real)],
                "vs_fp32_db": [round(sqnr_db(f, r), 1) for f, r in zip(ref, real)]}
         rows.append(row)
-        print(f"correctness {recipe:>10}: path {row['path']}, SQNR (out, dx, dW) vs emulated "
-              f"{row['vs_emulated_db']} dB, vs FP32 {row['vs_fp32_db']} dB", flush=True)
+        print(f"correctness {recipe:>10}: path {row['path']} ({row['reason']}), SQNR (out, dx, dW) "
+              f"vs emulated {row['vs_emulated_db']} dB, vs FP32 {row['vs_fp32_db']} dB", flush=True)
     report["correctness"] = rows
 
 
@@ -130,7 +161,7 @@ def bench_linears(report: dict, args: argparse.Namespace) -> None:
             x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
             g = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
             flops = 6 * M * K * N
-            kinds = ["bf16", *RECIPES]
+            kinds = ["bf16", *RECIPES, *torchao_kinds(not args.no_torchao)]
             layers = {k: make_layer(k, K, N) for k in kinds}
             times: dict[str, list[float]] = {k: [] for k in kinds}
             for _ in range(args.repeats):  # alternate contenders
@@ -144,7 +175,7 @@ def bench_linears(report: dict, args: argparse.Namespace) -> None:
                 row[k] = {"median_ms": med * 1e3, "min_ms": min(times[k]) * 1e3,
                           "max_ms": max(times[k]) * 1e3, "tflops": flops / med / 1e12,
                           "speedup_vs_bf16": base / med}
-            paths = {k: getattr(layers[k], "execution_path", "bf16") for k in RECIPES}
+            paths = {k: layers[k].execution_path for k in RECIPES}
             row["paths"] = paths
             rows.append(row)
             print(f"{group:>6} M={M:>5} K={K:>5} N={N:>5}: " + "  ".join(
@@ -224,6 +255,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--skip-transformer", action="store_true")
+    p.add_argument("--no-torchao", action="store_true",
+                   help="skip torchao's Float8Linear (compared by default when it imports)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on the CPU through the scaled-mm code path: checks this script "
                         "runs end to end before spending GPU time (its timings mean nothing)")
@@ -241,7 +274,10 @@ def main() -> None:
                     "torch": torch.__version__,
                     "cuda": torch.version.cuda, "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "args": vars(args)}
-    print(f"{report['device']}, torch {report['torch']}, CUDA {report['cuda']}", flush=True)
+    kinds = torchao_kinds(not args.no_torchao)
+    report["torchao"] = __import__("torchao").__version__ if kinds else None
+    print(f"{report['device']}, torch {report['torch']}, CUDA {report['cuda']}, torchao "
+          f"{report['torchao'] or 'not compared'}", flush=True)
 
     def save():
         report["elapsed_s"] = elapsed()

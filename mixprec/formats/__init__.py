@@ -1,8 +1,11 @@
 """Number formats.
 
 FP8 training: E4M3/E5M2 Linear (and Hugging Face Conv1D) layers with tensorwise, delayed, rowwise and DeepSeek-V3
-blockwise scaling; real FP8 GEMMs through ``torch._scaled_mm`` on GPUs with FP8 tensor cores,
-faithful emulation elsewhere.
+blockwise scaling; real FP8 GEMMs through ``torch._scaled_mm`` (and torch's native block-scaled
+``scaled_mm`` for blockwise) on GPUs with FP8 tensor cores, faithful emulation elsewhere. Casts are
+lean (:mod:`~mixprec.formats.fp8_cast`), the path is decided once at conversion
+(:mod:`~mixprec.formats.fp8_path`), and an inf/NaN operand is recorded on the device
+(:func:`found_nonfinite`, no host sync per cast).
 
 The ``fp8-*`` precision policies are declared with the other presets in
 :mod:`mixprec.policy.policy`; :class:`mixprec.Precision` applies them. Their non-FP8 compute dtype is
@@ -21,6 +24,8 @@ presets and per-layer formats are declared with the others in :mod:`mixprec.poli
 from mixprec.formats.fp8_config import FORMATS, RECIPES, SCALINGS, Fp8Config
 from mixprec.formats.emulation import emulated_mm, limited_precision_matmul, round_mantissa
 from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
+from mixprec.formats.fp8_nonfinite import found_nonfinite, nonfinite_layers, reset_nonfinite
+from mixprec.formats.fp8_path import GemmPlan, plan_gemms
 from mixprec.formats.fp8_quantize import Fp8Tensor, compute_amax, dequantize, quantize, scale_from_amax, sqnr_db
 from mixprec.formats.micro_config import BF16_SHARE, MICRO_RECIPES, MicroConfig
 from mixprec.formats.mx import (E2M1_VALUES, ELEMENTS, BlockScaledTensor, ElementFormat, quantize_mx,
@@ -35,8 +40,10 @@ __all__ = [
     "Fp8Linear", "Fp8Conv1D", "is_conv1d", "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
     # quantization
     "Fp8Tensor", "quantize", "dequantize", "compute_amax", "scale_from_amax", "sqnr_db",
-    # GEMMs and emulation
-    "fp8_gemm", "emulated_mm", "limited_precision_matmul", "round_mantissa",
+    # GEMMs, their path (decided once) and emulation
+    "fp8_gemm", "GemmPlan", "plan_gemms", "emulated_mm", "limited_precision_matmul", "round_mantissa",
+    # non-finite FP8 operands, read once per step on the device
+    "found_nonfinite", "reset_nonfinite", "nonfinite_layers",
     # micro formats: configuration, quantization, modules and conversion
     "MicroConfig", "MICRO_RECIPES", "BF16_SHARE",
     "quantize_mx", "quantize_nvfp4", "BlockScaledTensor", "ElementFormat", "ELEMENTS", "E2M1_VALUES",

@@ -76,10 +76,19 @@ class Fp8Config:
     accum_chunk: int = 32
     """Emulation only, with ``accum_mantissa_bits``: K elements summed exactly inside one tensor
     core instruction before the limited-precision accumulator rounds (32 for FP8 WGMMA)."""
+    compile_casts: bool = True
+    """CUDA only (with Triton): run each FP8 cast (amax, scale, saturated cast) through
+    ``torch.compile`` as one fused kernel. Eager elsewhere (CPUs, or False here)."""
+    cache_weight_casts: bool = True
+    """Reuse a weight's FP8 casts while the weight is unchanged (its ``_version`` and storage):
+    micro-batches of one optimizer step cast each weight once. Costs one FP8 copy of the weight
+    (two for rowwise) between steps. Not with delayed scaling (its amax history moves per call)."""
     nonfinite: str = "propagate"
     """What an inf/NaN in a GEMM operand does: ``propagate`` makes the affected outputs NaN (no host
-    sync; the loss scaler / non-finite check then skips the step), ``raise`` raises
-    :class:`~mixprec.errors.NumericsError` at once (one host sync per quantization). Never saturate."""
+    sync; the loss scaler / non-finite check then skips the step, and
+    :func:`mixprec.formats.found_nonfinite` says so on the device), ``raise`` raises
+    :class:`~mixprec.errors.NumericsError` in the layer (one host sync per forward and per
+    backward of each layer, naming the operand). Never saturate."""
 
     def __post_init__(self) -> None:
         _choice("scaling", self.scaling, SCALINGS)

@@ -21,14 +21,34 @@ blockwise   1x128 tiles                 128x128 blocks
 ==========  ==========================  ==========================
 
 The parameters are the original ``nn.Linear``'s (FP32 or BF16 master weights, never modified);
-FP8 copies exist only inside a step. The high-precision input is saved for backward (as
-``nn.Linear`` does) and re-quantized there along the other dimension.
+FP8 copies exist only inside a step, except the weight's casts, which are reused while the weight
+is unchanged (micro-batches of one optimizer step; ``Fp8Config.cache_weight_casts``).
 
-Execution path, decided per call and never silently: ``cuda-scaled-mm`` (``torch._scaled_mm``
-on a GPU with FP8 tensor cores), ``cpu-scaled-mm`` (PyTorch's CPU FP8 kernel, only when forced
-with ``backend="scaled-mm"``) or ``emulated`` (see :mod:`mixprec.formats.emulation`). The module's
-``execution_path`` and ``execution_reason`` say which ran last and why; every change of path is
-logged at INFO level.
+Backward reuses the forward's casts wherever the scales allow, so each operand is cast as few
+times as the recipe needs:
+
+==========  =============================================  ===============================
+scaling     casts per forward + backward                   saved for backward
+==========  =============================================  ===============================
+tensorwise  x, W, dy (the transposes are free: same scale)  FP8 x and W (not x in BF16)
+rowwise     x, x^T, W, W^T, dy, dy^T (scales differ)        FP8 x^T and W^T
+blockwise   x, x^T, W (128x128 blocks: W^T free), dy, dy^T   FP8 x^T and W
+delayed     x, W, dy; then x^T, W^T, dy^T from the history   x and W (high precision)
+            the first casts updated (the recipe's scales)
+==========  =============================================  ===============================
+
+(``x^T`` is cast along the token dimension in the forward, from ``x`` itself: no high-precision
+transpose is ever made.)
+
+Execution path, decided once (at conversion, or when the layer moves to another device) by
+:mod:`mixprec.formats.fp8_path` and logged there in one line: ``cuda-scaled-mm``,
+``cpu-scaled-mm`` (forced with ``backend="scaled-mm"``) or ``emulated``. ``execution_path`` and
+``execution_reason`` say which and why; ``forward`` decides nothing.
+
+Non-finite operands: every cast folds its scales into the layer's ``fp8_scale_max`` tensor (no host
+read); the step reads :func:`mixprec.formats.found_nonfinite` (see
+:mod:`mixprec.formats.fp8_nonfinite`). ``Fp8Config(nonfinite="raise")`` checks once per forward
+and once per backward and names the operand.
 """
 from __future__ import annotations
 
@@ -36,49 +56,54 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import ConfigError
+from mixprec.formats import fp8_cast
 from mixprec.formats.fp8_config import Fp8Config
-from mixprec.formats.emulation import emulated_mm
-from mixprec.formats.fp8_quantize import Block, Fp8Tensor, compute_amax, quantize
-from mixprec.policy import hardware
+from mixprec.formats.fp8_gemm import fp8_gemm
+from mixprec.formats.fp8_nonfinite import FLAG, TracksNonFinite
+from mixprec.formats.fp8_operands import (Recipe, cast_operands, compiled_casts, operand_block,
+                                          raise_if_nonfinite)
+from mixprec.formats.fp8_path import GemmPlan, log_plan, plan_gemms
+from mixprec.formats.fp8_quantize import Fp8Tensor
 
 __all__ = ["Fp8Linear", "Fp8Conv1D", "is_conv1d", "fp8_gemm"]
 
+_operand_block = operand_block  # the old private name, still imported by mixprec.plan
+
 log = logging.getLogger("mixprec.fp8")
 
-_SLOTS = {"x": 0, "w": 1, "g": 2}  # rows of the delayed-scaling amax history
 
-
-def _operand_block(config: Fp8Config, kind: str) -> Block:
-    """Scale granularity of a GEMM operand laid out (rows, contraction)."""
-    if config.scaling in ("tensorwise", "delayed"):
-        return None
-    if config.scaling == "rowwise":
-        return (1, None)
-    return config.weight_block if kind == "weight" else config.activation_block
-
-
-class _Fp8Gemms:
-    """What :class:`Fp8Linear` and :class:`Fp8Conv1D` share: the recipe, the amax history, the
-    choice of execution path, and the quantization of one GEMM operand. The host class sets
+class _Fp8Gemms(TracksNonFinite):
+    """What :class:`Fp8Linear` and :class:`Fp8Conv1D` share: the recipe, the plan decided once,
+    the amax history, the weight-cast cache and the non-finite flag. The host class sets
     ``config``, ``fqn``, ``in_features`` and ``out_features`` (the GEMM's K and N)."""
 
-    config: Fp8Config
     fqn: str
     in_features: int
     out_features: int
 
+    @property
+    def config(self) -> Fp8Config:
+        """The recipe. Assigning a new one is set-up: the path is decided again, then."""
+        return self._config
+
+    @config.setter
+    def config(self, value: Fp8Config) -> None:
+        self._config = value
+        if "_plan" in self.__dict__:
+            self._init_history(self.weight.device)
+            self._decide(self.weight.device)
+
     def _init_fp8_state(self, config: Fp8Config | None, device: Any) -> None:
-        self.config = config or Fp8Config.from_recipe("tensorwise")
+        self._config = config or Fp8Config.from_recipe("tensorwise")
         self.fqn = ""
         """Qualified name in the model (set by convert_to_fp8), used in logs and errors."""
-        self.execution_path: str | None = None
-        """``cuda-scaled-mm``, ``cpu-scaled-mm`` or ``emulated``: the path of the last call."""
-        self.execution_reason: str = "not run yet"
+        self._weight_cache: tuple | None = None
         self._init_history(device)
+        self._init_nonfinite_flag(device)
+        self._decide(device)
 
     def _init_history(self, device: torch.device) -> None:
         # Non-persistent: FP8 and non-FP8 checkpoints of a model stay interchangeable; after a
@@ -90,74 +115,102 @@ class _Fp8Gemms:
 
     def _adopt(self, source: nn.Module, fqn: str):
         """Take ``source``'s weight and bias Parameters (built on "meta", nothing was allocated),
-        its device for the amax history, its name and its train/eval mode; return self."""
+        its device for the buffers, its name and its train/eval mode; decide the path; return self."""
         self.weight = source.weight
         self.bias = source.bias
         self._init_history(source.weight.device)
+        self._init_nonfinite_flag(source.weight.device)
         self.fqn = fqn
         self.train(source.training)
+        self._decide(source.weight.device)
         return self
 
-    # --- path selection ------------------------------------------------------------------------
+    # --- the path, decided once ------------------------------------------------------------------
 
-    def _choose_path(self, x: torch.Tensor) -> tuple[str, str]:
-        cfg = self.config
-        aligned = self.in_features % 16 == 0 and self.out_features % 16 == 0
-        if cfg.backend == "emulated":
-            return "emulated", "backend='emulated' requested"
-        if cfg.backend == "scaled-mm":
-            if not aligned:
-                raise ConfigError(f"{type(self).__name__} '{self.fqn}' ({self.in_features}->"
-                                  f"{self.out_features}) needs in/out features that are multiples "
-                                  "of 16 for torch._scaled_mm; use backend='auto' or leave this "
-                                  "layer unconverted")
-            return f"{x.device.type}-scaled-mm", "backend='scaled-mm' requested"
-        if x.device.type != "cuda":
-            return "emulated", f"no FP8 GEMM hardware on {x.device.type} (emulation: numerics, not speed)"
-        if not hardware.cuda_supports_fp8():
-            return "emulated", "this GPU has no FP8 tensor cores (needs compute capability >= 8.9)"
-        if cfg.limited_accumulation:
-            return "emulated", "accum_mantissa_bits asks for accumulation emulation"
-        if cfg.format == "e5m2":
-            return "emulated", "torch._scaled_mm cannot multiply two E5M2 operands"
-        if not aligned:
-            return "emulated", "in/out features are not multiples of 16"
-        return "cuda-scaled-mm", "FP8 tensor cores available"
+    def _decide(self, device: Any) -> None:
+        """Ask :func:`~mixprec.formats.fp8_path.plan_gemms` once; log the one line when it changes."""
+        old = getattr(self, "_plan", None)
+        plan = plan_gemms(self.config, device, self.in_features, self.out_features,
+                          owner=type(self).__name__, fqn=self.fqn)
+        self._plan = plan
+        self._recipe = Recipe(self.config, plan, type(self).__name__,
+                               compiled_casts() if plan.compile_casts else fp8_cast.cast_group)
+        self._weight_cache = None
+        if torch.device(device if device is not None else "cpu").type != "meta" and \
+                (old is None or old.path != plan.path or old.reason != plan.reason):
+            log_plan(plan, type(self).__name__, self.fqn, self.in_features, self.out_features,
+                     self.config.recipe)
 
-    def _select_path(self, x: torch.Tensor) -> str:
-        """The path of this call; every change of path is logged."""
-        path, reason = self._choose_path(x)
-        if path != self.execution_path:
-            log.info("%s %s (%d->%d, %s): %s path (%s)", type(self).__name__, self.fqn or "<unnamed>",
-                     self.in_features, self.out_features, self.config.recipe, path, reason)
-            self.execution_path, self.execution_reason = path, reason
-        return path
+    def _apply(self, fn, recurse: bool = True):
+        # .to() / .cuda() is set-up too: a layer converted on the CPU and moved to a GPU gets the
+        # GPU's path here, not in forward.
+        before = self.weight.device
+        out = super()._apply(fn, recurse)
+        self._move_nonfinite_flag(fn)
+        if self.weight.device != before:
+            self._decide(self.weight.device)
+        return out
 
-    def _fp8_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``x @ w^T`` in FP8 for ``x`` (..., K) and ``w`` (N, K) (a view is fine)."""
-        path = self._select_path(x)
+    @property
+    def execution_path(self) -> str:
+        """``cuda-scaled-mm``, ``cpu-scaled-mm`` or ``emulated``: decided at conversion."""
+        return self._plan.path
+
+    @property
+    def execution_reason(self) -> str:
+        return self._plan.reason
+
+    @property
+    def gemm_plan(self) -> GemmPlan:
+        """The whole decision (path, reason, probed GEMM facts)."""
+        return self._plan
+
+    def clear_fp8_cache(self) -> None:
+        """Drop the cached weight casts (they are also dropped whenever the weight changes)."""
+        self._weight_cache = None
+
+    # --- the forward ----------------------------------------------------------------------------
+
+    def _weight_operands(self, weight: torch.Tensor, transposed: bool, need_wt: bool):
+        """The weight's FP8 operands (W along K; W^T along N where the recipe needs a second cast),
+        cached while the weight is unchanged. ``weight`` is the Parameter; ``transposed``: it is
+        stored (K, N) (Conv1D)."""
+        cfg, rec = self.config, self._recipe
+        cacheable = cfg.cache_weight_casts and cfg.scaling != "delayed" and \
+            not torch.compiler.is_compiling()
+        key = (weight._version, weight.data_ptr()) if cacheable else None
+        cache = self._weight_cache
+        flag, hist = getattr(self, FLAG), self.amax_history
+        if key is not None and cache is not None and cache[0] is weight and cache[1] == key and \
+                (cache[3] is not None or not need_wt):
+            # a reused cast still reports a non-finite weight after the flags were reset (a
+            # skipped step leaves the weight, hence its version, as it was)
+            fp8_cast.fold_flag(flag, cache[2].scale)
+            return cache[2], cache[3]
+        with torch.no_grad():
+            # Conv1D's weight is stored (K, N): W's rows (along K) are its columns.
+            wd, kd = (0, 1) if transposed else (1, 0)
+            ops = cast_operands(rec, weight, "weight", (wd, kd) if need_wt else (wd,), flag, hist,
+                                "w", update_history=True)
+            wq, wtq = ops[0], (ops[1] if need_wt else None)
+        if key is not None:
+            self._weight_cache = (weight, key, wq, wtq)
+        return wq, wtq
+
+    def _fp8_matmul(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+        """``x @ W^T`` in FP8 for ``x`` (..., K); ``weight`` is W (N, K), or (K, N) when
+        ``transposed`` (Conv1D)."""
         lead = x.shape[:-1]
-        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), w, self, path)
+        # W^T for the input gradient (delayed scaling casts it in the backward, see _Fp8LinearFn)
+        need_wt = x.requires_grad and torch.is_grad_enabled() and self.config.scaling != "delayed"
+        wq, wtq = self._weight_operands(weight, transposed, need_wt)
+        w = weight.t() if transposed else weight
+        out = _Fp8LinearFn.apply(x.reshape(-1, self.in_features), w, wq.data, wq.scale,
+                                 None if wtq is None else wtq.data,
+                                 None if wtq is None else wtq.scale,
+                                 getattr(self, FLAG), self.amax_history, self._recipe,
+                                 self.fqn, wq.block, None if wtq is None else wtq.block)
         return out.reshape(*lead, self.out_features)
-
-    # --- quantization of one operand -----------------------------------------------------------
-
-    def _quantize(self, t: torch.Tensor, dtype: torch.dtype, kind: str, slot: str, *,
-                  update_history: bool, what: str) -> Fp8Tensor:
-        cfg = self.config
-        amax = None
-        if cfg.scaling == "delayed":
-            hist = self.amax_history[_SLOTS[slot]]
-            cur = compute_amax(t)
-            past = hist.max() if cfg.amax_compute == "max" else hist[0]
-            amax = torch.where(past > 0, past, cur)  # first step: no history yet, use the current amax
-            if update_history:
-                hist.copy_(torch.roll(hist, 1))
-                hist[0] = torch.nan_to_num(cur, nan=0.0, posinf=0.0)
-        return quantize(t, dtype, _operand_block(cfg, kind), margin=cfg.margin,
-                        power_of_two=cfg.power_of_two_scales, amax=amax,
-                        raise_on_nonfinite=cfg.nonfinite == "raise",
-                        name=f"{type(self).__name__} '{self.fqn or '<unnamed>'}' {what}")
 
 
 class Fp8Linear(_Fp8Gemms, nn.Linear):
@@ -185,7 +238,7 @@ class Fp8Linear(_Fp8Gemms, nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.config.recipe}, "
-                f"path={self.execution_path or 'not run yet'}")
+                f"path={self.execution_path}")
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -226,12 +279,12 @@ class Fp8Conv1D(_Fp8Gemms, nn.Module):
         return cls(nx, nf, config=config, device="meta")._adopt(conv, fqn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._fp8_matmul(x, self.weight.t())                    # (nx, nf) -> W (N, K)
+        out = self._fp8_matmul(x, self.weight, transposed=True)       # (nx, nf) = W^T
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return (f"nf={self.nf}, nx={self.nx}, recipe={self.config.recipe}, "
-                f"path={self.execution_path or 'not run yet'}")
+                f"path={self.execution_path}")
 
 
 def _out_dtype(t: torch.Tensor) -> torch.dtype:
@@ -241,118 +294,90 @@ def _out_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+def _gemm(rec: Recipe, a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    plan = rec.plan
+    return fp8_gemm(a, bt, path=plan.path, config=rec.config, out_dtype=out_dtype,
+                    rowwise_out_fp32=plan.rowwise_out_fp32, block_layout=plan.block_layout)
+
+
 class _Fp8LinearFn(torch.autograd.Function):
+    """``y = x W^T`` with the weight's FP8 operands cast outside (cached) and passed in as tensors;
+    everything else the layer knows arrives as plain values, so ``torch.compile`` traces it."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, mod: _Fp8Gemms, path: str) -> torch.Tensor:
-        cfg = mod.config
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, w_data: torch.Tensor,
+                w_scale: torch.Tensor, wt_data: torch.Tensor | None, wt_scale: torch.Tensor | None,
+                flag: torch.Tensor, hist: torch.Tensor | None, rec: Recipe, fqn: str,
+                w_block: tuple[int, int] | None, wt_block: tuple[int, int] | None) -> torch.Tensor:
+        cfg = rec.config
         out_dtype = _out_dtype(x)
+        wq = Fp8Tensor(w_data, w_scale, w_block)
+        need_wgrad = ctx.needs_input_grad[1]
+        # Delayed scaling casts x^T and W^T in the backward, from the amax history the forward
+        # updated (the recipe's scales): x and W are kept in high precision for it.
+        delayed = cfg.scaling == "delayed"
         with torch.autocast(x.device.type, enabled=False):
-            xq = mod._quantize(x, cfg.forward_dtype, "act", "x", update_history=True, what="input")
-            wq = mod._quantize(weight, cfg.forward_dtype, "weight", "w", update_history=True,
-                               what="weight")
-            out = fp8_gemm(xq, wq, path=path, config=cfg, out_dtype=out_dtype)  # (M, N)
-        ctx.save_for_backward(x, weight)
-        ctx.mod, ctx.path = mod, path
+            # x along K for the forward; x^T along the tokens for the weight gradient, cast now
+            # from x itself (free for one scale; no high-precision transpose ever).
+            want_xt = need_wgrad and not cfg.high_precision_wgrad and not delayed
+            ops = cast_operands(rec, x, "act", (1, 0) if want_xt else (1,), flag, hist, "x",
+                                update_history=True)
+            xq, xtq = ops[0], (ops[1] if want_xt else None)
+            if cfg.nonfinite == "raise":
+                raise_if_nonfinite(rec, fqn, [("input", xq), ("weight", wq)])
+            out = _gemm(rec, xq, wq, out_dtype)                                   # (M, N)
+        saved: list[torch.Tensor | None] = [None] * 6
+        if ctx.needs_input_grad[0]:
+            saved[0], saved[1] = wt_data, wt_scale                               # W^T (K, N)
+            if delayed:
+                saved[5] = weight
+        if need_wgrad:
+            if cfg.high_precision_wgrad or delayed:
+                saved[2] = x
+            else:
+                saved[3], saved[4] = xtq.data, xtq.scale                         # x^T (K, M)
+                ctx.xt_block = xtq.block
+        ctx.save_for_backward(*saved)
+        ctx.rec, ctx.fqn, ctx.hist, ctx.flag = rec, fqn, hist, flag
+        ctx.weight_dtype, ctx.x_dtype, ctx.wt_block = weight.dtype, x.dtype, wt_block
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        mod, path = ctx.mod, ctx.path
-        cfg = mod.config
-        g = grad_out.contiguous()  # (M, N)
+        wt_data, wt_scale, x, xt_data, xt_scale, weight = ctx.saved_tensors
+        rec, fqn, hist, flag = ctx.rec, ctx.fqn, ctx.hist, ctx.flag
+        cfg = rec.config
+        g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()     # (M, N)
         grad_x = grad_w = None
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(g.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                # dx = dy @ W: contraction over N; dy tiles run along N, W^T blocks (K, N).
-                gq = mod._quantize(g, cfg.grad_dtype, "act", "g", update_history=True,
-                                   what="output gradient")
-                wtq = mod._quantize(weight.t(), cfg.forward_dtype, "weight", "w",
-                                    update_history=False, what="weight")
-                grad_x = fp8_gemm(gq, wtq, path=path, config=cfg, out_dtype=x.dtype)  # (M, K)
-            if ctx.needs_input_grad[1]:
+            # dx = dy @ W: contraction over N (dy along N, W^T (K, N) along N);
+            # dW = dy^T @ x: contraction over the M tokens (dy^T and x^T along M).
+            dims = ((1,) if need_dgrad else ()) + \
+                ((0,) if need_wgrad and not cfg.high_precision_wgrad else ())
+            ops = cast_operands(rec, g, "grad", dims, flag, hist, "g", update_history=True) \
+                if dims else []
+            gq = ops[0] if need_dgrad else None
+            gtq = ops[-1] if 0 in dims else None
+            named = [("output gradient", q) for q in ops]
+            if cfg.scaling == "delayed":
+                if need_dgrad:
+                    (wtq,) = cast_operands(rec, weight, "weight", (0,), flag, hist, "w",
+                                           update_history=False)
+                    wt_data, wt_scale, ctx.wt_block = wtq.data, wtq.scale, wtq.block
+                if need_wgrad and not cfg.high_precision_wgrad:
+                    (xtq,) = cast_operands(rec, x, "act", (0,), flag, hist, "x",
+                                           update_history=False)
+                    xt_data, xt_scale, ctx.xt_block = xtq.data, xtq.scale, xtq.block
+            if cfg.nonfinite == "raise" and named:
+                raise_if_nonfinite(rec, fqn, named)
+            if need_dgrad:
+                wtq = Fp8Tensor(wt_data, wt_scale, ctx.wt_block)
+                grad_x = _gemm(rec, gq, wtq, ctx.x_dtype)                           # (M, K)
+            if need_wgrad:
                 if cfg.high_precision_wgrad:
-                    grad_w = (g.float().t() @ x.float()).to(weight.dtype)  # (N, K) in FP32
+                    grad_w = (g.float().t() @ x.float()).to(ctx.weight_dtype)     # (N, K) in FP32
                 else:
-                    # dW = dy^T @ x: contraction over the M tokens; both operands tiled along M.
-                    gtq = mod._quantize(g.t(), cfg.grad_dtype, "act", "g",
-                                        update_history=not ctx.needs_input_grad[0],
-                                        what="output gradient")
-                    xtq = mod._quantize(x.t(), cfg.forward_dtype, "act", "x",
-                                        update_history=False, what="input")
-                    grad_w = fp8_gemm(gtq, xtq, path=path, config=cfg, out_dtype=weight.dtype)
-        return grad_x, grad_w, None, None
-
-
-# --- the GEMM ----------------------------------------------------------------------------------
-
-def fp8_gemm(a: Fp8Tensor, bt: Fp8Tensor, *, path: str, config: Fp8Config,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ bt.T`` for FP8 ``a`` (M, K) and ``bt`` (N, K), in ``out_dtype``, on ``path``."""
-    if path == "emulated":
-        out = emulated_mm(a, bt, mantissa_bits=config.accum_mantissa_bits,
-                          promotion_interval=config.promotion_interval, chunk=config.accum_chunk)
-        return out.to(out_dtype)
-    return _scaled_mm_gemm(a, bt, out_dtype)
-
-
-def _pad_k(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
-    """Zero-pad the last dim of an FP8 matrix (byte 0 is +0.0 in both FP8 formats)."""
-    pad = -t.shape[1] % multiple
-    if not pad:
-        return t
-    return F.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
-
-
-_ROWWISE_OUT_FALLBACK: set[str] = set()
-
-
-def _rowwise_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """Rowwise-scaled ``torch._scaled_mm``; a: (M, K) row-major, b: (K, N) column-major,
-    sa (M, 1), sb (1, N) FP32. Older CUTLASS kernels only emit BF16 for rowwise scaling: then the
-    result comes back through BF16 and a warning says so once."""
-    key = a.device.type
-    if key not in _ROWWISE_OUT_FALLBACK or out_dtype == torch.bfloat16:
-        try:
-            return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-        except RuntimeError as e:
-            if out_dtype == torch.bfloat16 or "bf16" not in str(e).lower() and \
-                    "bfloat16" not in str(e).lower():
-                raise
-            _ROWWISE_OUT_FALLBACK.add(key)
-            log.warning("torch._scaled_mm rowwise scaling cannot emit %s on this build; rowwise FP8 "
-                        "GEMM results now pass through bf16 (%s)", out_dtype, e)
-    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
-
-
-def _scaled_mm_gemm(a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    M, N = a.shape[0], bt.shape[0]
-    if a.block is None and bt.block is None:  # tensorwise: scalar FP32 scales
-        ad, bd = _pad_k(a.data), _pad_k(bt.data)
-        return torch._scaled_mm(ad, bd.t(), scale_a=a.scale.reshape(()).float(),
-                                scale_b=bt.scale.reshape(()).float(), out_dtype=out_dtype)
-    if a.block is None or bt.block is None:
-        raise ConfigError("cannot mix a tensorwise operand with a blocked one in one FP8 GEMM")
-    kb = a.block[1]
-    if bt.block[1] != kb:
-        raise ConfigError(f"blocked FP8 GEMM needs equal K-blocks for both operands, got {kb} "
-                          f"and {bt.block[1]}")
-    # One scale per (row, K-block) for each operand: (M, nk) and (N, nk).
-    sa = a.scale if a.block[0] == 1 else a.scale.repeat_interleave(a.block[0], 0)[:M]
-    sb = bt.scale if bt.block[0] == 1 else bt.scale.repeat_interleave(bt.block[0], 0)[:N]
-    nk = sa.shape[1]
-    if nk == 1:  # rowwise (or a single K-block): one GEMM
-        return _rowwise_mm(_pad_k(a.data), _pad_k(bt.data).t(), sa.reshape(M, 1).contiguous(),
-                           sb.reshape(1, N).contiguous(), out_dtype)
-    # Blockwise: one rowwise-scaled FP8 GEMM per K-block, each promoted into an FP32 sum; this is
-    # DeepSeek-V3's "promote every 128" done at GEMM level.
-    out = torch.zeros(M, N, dtype=torch.float32, device=a.data.device)
-    for j in range(nk):
-        k0 = j * kb
-        ad, bd = a.data[:, k0:k0 + kb], bt.data[:, k0:k0 + kb]  # strided views, no copy
-        if ad.shape[1] % 16:  # ragged last block: pad (copies only this block)
-            ad, bd = _pad_k(ad), _pad_k(bd)
-        out += _rowwise_mm(ad, bd.t(), sa[:, j:j + 1].contiguous(),
-                           sb[:, j].reshape(1, N).contiguous(), torch.float32)
-    return out.to(out_dtype)
+                    xtq = Fp8Tensor(xt_data, xt_scale, ctx.xt_block)
+                    grad_w = _gemm(rec, gtq, xtq, ctx.weight_dtype)                # (N, K)
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, None, None

@@ -23,7 +23,7 @@ the layer's name; not checkpointed: a resumed run draws a different stream).
 Execution path: always ``emulated`` here: operands are quantized with their real scales
 (:mod:`mixprec.formats.mx`), dequantized and multiplied in FP32, so every quantization error is
 real and only the accumulation order differs from a Blackwell tensor core. ``execution_path`` and
-``execution_reason`` say so, as :class:`mixprec.formats.Fp8Linear`'s do; the first call logs it.
+``execution_reason`` say so, as :class:`mixprec.formats.Fp8Linear`'s do; the conversion logs it.
 """
 from __future__ import annotations
 
@@ -79,6 +79,10 @@ def quantize_operand(t: torch.Tensor, config: MicroConfig, *, grad: bool = False
     return quantize_mx(t, element, block=config.block, rounding=rounding, generator=generator)
 
 
+_EMULATED = ("no block-scaled GEMM kernel in mixprec yet: operands quantized with their real "
+             "scales, multiplied in FP32 (numerics, not speed)")
+
+
 class MicroLinear(nn.Linear):
     """``nn.Linear`` with block-scaled forward, input-gradient and weight-gradient GEMMs.
 
@@ -92,9 +96,9 @@ class MicroLinear(nn.Linear):
         self.config = config or MicroConfig.from_recipe("mxfp8")
         self.fqn = ""
         """Qualified name in the model (set by the conversion), used in logs."""
-        self.execution_path: str | None = None
-        """``emulated``: the path of the last call (no block-scaled GEMM kernel is used yet)."""
-        self.execution_reason: str = "not run yet"
+        self.execution_path: str = "emulated"
+        """``emulated``: decided at construction (no block-scaled GEMM kernel is used yet)."""
+        self.execution_reason: str = _EMULATED
         self._generator: torch.Generator | None = None
         self._hadamard: torch.Tensor | None = None
 
@@ -106,6 +110,8 @@ class MicroLinear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias
         new.fqn = fqn
         new.train(linear.training)
+        log.info("MicroLinear %s (%d->%d, %s): emulated path (%s)", fqn or "<unnamed>",
+                 new.in_features, new.out_features, config.recipe, new.execution_reason)
         return new
 
     def _rng(self, device: torch.device) -> torch.Generator:
@@ -120,16 +126,10 @@ class MicroLinear(nn.Linear):
         return self._hadamard
 
     def _select_path(self) -> str:
-        if self.execution_path is None:
-            self.execution_path = "emulated"
-            self.execution_reason = ("no block-scaled GEMM kernel in mixprec yet: operands quantized "
-                                     "with their real scales, multiplied in FP32 (numerics, not speed)")
-            log.info("MicroLinear %s (%d->%d, %s): emulated path (%s)", self.fqn or "<unnamed>",
-                     self.in_features, self.out_features, self.config.recipe, self.execution_reason)
+        """The path decided at construction (kept for callers; forward does not ask)."""
         return self.execution_path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._select_path()
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         lead = x.shape[:-1]
@@ -139,7 +139,7 @@ class MicroLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.config.recipe}, "
-                f"path={self.execution_path or 'not run yet'}")
+                f"path={self.execution_path}")
 
 
 class _MicroLinearFn(torch.autograd.Function):

@@ -16,8 +16,8 @@ from torch import nn
 from mixprec.errors import ConfigError
 from mixprec.formats.fp8_config import Fp8Config
 from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, is_conv1d
+from mixprec.formats.fp8_path import plan_gemms
 from mixprec.nn.swap import replace_module
-from mixprec.policy import hardware
 from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.policy import Policy
 from mixprec.precision.rules import (GATE_NAMES, HEAD_NAMES, embedding_weights, fp8_skip_reason,
@@ -42,8 +42,8 @@ class Fp8ConversionReport:
     """What the skipped modules run in: the policy's compute dtype when a policy was given (BF16
     for the ``fp8-*`` presets), else "high precision"."""
     expected_path: str = "emulated"
-    """Path the converted layers will take on the model's current device (each layer records the
-    path it actually ran in ``Fp8Linear.execution_path``); with several recipes, each one's
+    """Path the converted layers take, as they decided it at conversion (``Fp8Linear.execution_path``;
+    a later move to another device decides again); with several recipes, each one's
     (``fp8-tensorwise emulated, fp8-blockwise emulated``) when they differ."""
     configs: dict[str, Fp8Config] = field(default_factory=dict)
     """The config of each recipe some layer was converted to, in first-use order."""
@@ -138,17 +138,24 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         report.converted.append(name)
         report.recipes[name] = layer_config.recipe
         report.configs.setdefault(layer_config.recipe, layer_config)
-    device = next((p.device for p in model.parameters()), None)
-    paths = {r: _expected_path(c, device) for r, c in (report.configs or {config.recipe: config}).items()}
-    report.expected_path = (next(iter(paths.values())) if len(set(paths.values())) == 1 else
-                            ", ".join(f"fp8-{r} {p}" for r, p in paths.items()))
+    report.expected_path = _paths(model, report, config)
     return report
 
 
-def _expected_path(config: Fp8Config, device) -> str:
-    """The GEMM path layers of ``config`` take on ``device``."""
-    if config.backend == "emulated" or device is None or device.type != "cuda" or \
-            not hardware.cuda_supports_fp8() or config.limited_accumulation or config.format == "e5m2":
-        return ("cpu-scaled-mm" if config.backend == "scaled-mm" and device is not None
-                and device.type == "cpu" else "emulated")
-    return "cuda-scaled-mm"
+def _paths(model: nn.Module, report: Fp8ConversionReport, config: Fp8Config) -> str:
+    """The converted layers' paths, as each layer decided them at conversion (one decider:
+    :func:`mixprec.formats.fp8_path.plan_gemms`); per recipe when recipes take different paths.
+    Nothing converted: the path the config would take on the model's device."""
+    found: dict[str, list[str]] = {}
+    for name in report.converted:
+        seen = found.setdefault(report.recipes[name], [])
+        path = model.get_submodule(name).execution_path
+        if path not in seen:
+            seen.append(path)
+    paths = {r: " / ".join(p) for r, p in found.items()}
+    if not paths:
+        device = next((p.device for p in model.parameters()), None)
+        paths[config.recipe] = plan_gemms(config, device, 16, 16).path
+    values = set(paths.values())
+    return next(iter(values)) if len(values) == 1 else \
+        ", ".join(f"fp8-{r} {p}" for r, p in paths.items())

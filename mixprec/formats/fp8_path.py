@@ -1,0 +1,132 @@
+"""Which GEMM path an FP8 layer runs, decided once (at conversion, or when the layer moves to
+another device) and stored on the layer: ``forward`` decides nothing, logs nothing and queries
+no hardware.
+
+This is the one decider: :class:`~mixprec.formats.Fp8Linear` asks it for its own plan and
+:func:`~mixprec.fp8.convert_to_fp8`'s report shows the converted layers' plans. The paths:
+
+* ``cuda-scaled-mm`` -- ``torch._scaled_mm`` (tensorwise, rowwise) or torch's native block-scaled
+  ``scaled_mm`` (blockwise) on a GPU with FP8 tensor cores;
+* ``cpu-scaled-mm`` -- PyTorch's CPU FP8 kernel, only when forced with ``backend="scaled-mm"``
+  (it tests the GPU path's layouts and scales on a CPU; tensorwise and rowwise);
+* ``emulated`` -- quantize, dequantize, one FP32 GEMM (:mod:`mixprec.formats.emulation`):
+  numerics, not speed. Blockwise takes it when this torch has no native block-scaled GEMM on the
+  device (probed once per device, below); the reason says so.
+
+Probes (each a few tiny GEMMs, cached per device for the process): whether rowwise
+``_scaled_mm`` emits FP32 (older CUTLASS kernels emit only BF16; then FP32 results pass through
+BF16, said once here) and which scale layout, if any, the native block-scaled GEMM accepts.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import ConfigError
+from mixprec.formats.fp8_config import Fp8Config
+from mixprec.formats.fp8_gemm import block_scaled_available
+from mixprec.policy import hardware
+
+__all__ = ["GemmPlan", "plan_gemms"]
+
+log = logging.getLogger("mixprec.fp8")
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """What an FP8 layer's three GEMMs run on, and why (frozen, decided once)."""
+
+    path: str
+    """``cuda-scaled-mm``, ``cpu-scaled-mm`` or ``emulated``."""
+    reason: str
+    """Why this path (shown in the conversion log line and ``Fp8Linear.execution_reason``)."""
+    block_layout: int | None = None
+    """Blockwise on a scaled-mm path: the native block-scaled GEMM's scale layout (probed)."""
+    rowwise_out_fp32: bool = True
+    """Rowwise ``_scaled_mm`` emits FP32 results itself (else they pass through BF16)."""
+    compile_casts: bool = False
+    """Run the casts through ``torch.compile`` (CUDA with Triton): one fused kernel per cast."""
+
+
+@functools.cache
+def _rowwise_emits_fp32(device: str) -> bool:
+    dev = torch.device(device)
+    a = torch.ones(16, 16, device=dev).to(torch.float8_e4m3fn)
+    s = torch.ones(16, 1, device=dev)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.float32)
+        return True
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _block_layout(device: str) -> int | None:
+    return block_scaled_available(torch.device(device))
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features: int,
+               out_features: int, *, owner: str = "Fp8Linear", fqn: str = "") -> GemmPlan:
+    """The plan of a layer ``in_features -> out_features`` with ``config`` on ``device``.
+
+    Raises :class:`~mixprec.errors.ConfigError` when ``backend="scaled-mm"`` is forced on a shape
+    FP8 kernels cannot take."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "meta":
+        return GemmPlan("emulated", "not on a device yet (decided when the weights arrive)")
+    aligned = in_features % 16 == 0 and out_features % 16 == 0
+    if config.backend == "scaled-mm" and not aligned:
+        raise ConfigError(f"{owner} '{fqn or '<unnamed>'}' ({in_features}->{out_features}) needs "
+                          "in/out features that are multiples of 16 for torch._scaled_mm; use "
+                          "backend='auto' or leave this layer unconverted")
+    if config.backend == "emulated":
+        return GemmPlan("emulated", "backend='emulated' requested")
+    if config.backend == "scaled-mm":
+        path, reason = f"{dev.type}-scaled-mm", "backend='scaled-mm' requested"
+    elif dev.type != "cuda":
+        return GemmPlan("emulated", f"no FP8 GEMM hardware on {dev.type} (emulation: numerics, "
+                                    "not speed)")
+    elif not hardware.cuda_supports_fp8():
+        return GemmPlan("emulated", "this GPU has no FP8 tensor cores (needs compute capability "
+                                    ">= 8.9)")
+    elif config.limited_accumulation:
+        return GemmPlan("emulated", "accum_mantissa_bits asks for accumulation emulation")
+    elif config.format == "e5m2":
+        return GemmPlan("emulated", "torch._scaled_mm cannot multiply two E5M2 operands")
+    elif not aligned:
+        return GemmPlan("emulated", "in/out features are not multiples of 16")
+    else:
+        path, reason = "cuda-scaled-mm", "FP8 tensor cores available"
+    compile_casts = dev.type == "cuda" and config.compile_casts and _triton_available()
+    if config.scaling == "blockwise":
+        if in_features % 128 or out_features % 128:
+            return GemmPlan("emulated", f"{reason}, but block-scaled GEMMs need in/out features "
+                                        "that are multiples of 128: blockwise runs emulated "
+                                        "(dequantize, one FP32 GEMM)", compile_casts=compile_casts)
+        layout = _block_layout(str(dev))
+        if layout is None:
+            return GemmPlan("emulated", f"torch {torch.__version__} has no native block-scaled "
+                                        f"scaled_mm on {dev.type}: blockwise runs emulated "
+                                        "(dequantize, one FP32 GEMM)", compile_casts=compile_casts)
+        return GemmPlan(path, f"{reason}; 1x128/128x128 blocks in torch's block-scaled scaled_mm "
+                              "(one GEMM)", block_layout=layout, compile_casts=compile_casts)
+    if config.scaling == "rowwise" and not _rowwise_emits_fp32(str(dev)):
+        return GemmPlan(path, f"{reason}; rowwise scaled_mm emits BF16 only on this build: FP32 "
+                              "results pass through BF16", rowwise_out_fp32=False,
+                        compile_casts=compile_casts)
+    return GemmPlan(path, reason, compile_casts=compile_casts)
+
+
+def log_plan(plan: GemmPlan, owner: str, fqn: str, in_features: int, out_features: int,
+             recipe: str) -> None:
+    """The one line a layer logs when its path is decided."""
+    log.info("%s %s (%d->%d, %s): %s path (%s)", owner, fqn or "<unnamed>", in_features,
+             out_features, recipe, plan.path, plan.reason)
