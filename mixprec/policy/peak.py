@@ -229,9 +229,9 @@ def low_peak_reason(fmt: str, device: torch.device | str | None = None) -> str |
 
 
 def _label_key(label: str, device: torch.device) -> str:
-    """The cache key of a measured label (``tf32`` on a GPU and ``fp8`` have keys of their own:
-    they are measured at every start, not cached, but may still be judged low)."""
-    if label in ("fp8",) or (label == "tf32" and device.type == "cuda"):
+    """The cache key of a measured label (``tf32`` on a GPU, ``fp8`` and ``fp4`` have keys of their
+    own: they are measured at every start or not at all, not cached, but may still be judged low)."""
+    if label in ("fp8", "fp4") or (label == "tf32" and device.type == "cuda"):
         return f"{_device_key(device)}|torch{torch.__version__}|{label}"
     return _cache_key(torch.float32 if label == "tf32" else parse_dtype(label), device)
 

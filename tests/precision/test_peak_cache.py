@@ -133,3 +133,10 @@ def test_a_low_refresh_keeps_the_cached_peak_as_the_mfu_peak(fake, monkeypatch):
     fake["values"] = [0.5e9] * 6                                              # busy, twice
     assert peak.format_peak_flops("fp32", "cpu", refresh=True) == 1.0e9       # the cached one
     assert peak.low_peak_reason("fp32", "cpu") is None
+
+
+@pytest.mark.parametrize("label", ["fp8", "fp4", "tf32", "bf16", "fp16", "fp32"])
+def test_every_peak_format_label_can_be_asked_why_it_is_low(label):
+    """A run whose narrowest format is a micro format (``fp4``: mxfp4 / nvfp4 layers) asked for the
+    reason with a label no dtype parses, and fit() ended in 'unknown dtype fp4'."""
+    assert peak.low_peak_reason(label, "cpu") is None or isinstance(peak.low_peak_reason(label, "cpu"), str)
