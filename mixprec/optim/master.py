@@ -49,7 +49,8 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from mixprec.optim import registry, split as _split
+from mixprec.optim import registry, sharded as _sharded, split as _split
+from mixprec.optim.flat import FlatSteps, unpack_ties
 from mixprec.optim.master_state import MasterState
 from mixprec.optim.split import SplitSteps, resolve_split
 from mixprec.errors import ConfigError
@@ -150,9 +151,16 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         self._pending: set[int] = set()   # split masters with a grad, not yet widened this step
         self._wide: set[int] = set()      # split masters holding FP32 values right now
         self._wanted: set[int] | None = None if master_params is None else {id(p) for p in master_params}
+        self._grad_of: dict[int, Tensor] = {}    # id(separate master) -> its FP32 grad, allocated once
+        self._twin_args = (optimizer_cls, dict(optimizer_kwargs))
+        self._flat: FlatSteps | None = None     # built at the first flat step (mixprec.optim.flat)
 
         master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
+        # The flat step needs an elementwise inner optimizer on FP32 (mixprec.optim.flat); 8-bit
+        # moments are blocked along each matrix's rows, so they keep the per-master step.
+        self._flat_capable = (_split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
+                              and not getattr(self._inner, "quantized", False))
         self._constructing = True
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self._constructing = False
@@ -213,6 +221,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         (group,) = _normalise_groups([param_group])
         self._inner.add_param_group(self._make_master_group(group))
         self._alias_inner()
+        self._drop_flat()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -240,6 +249,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         except KeyError:
             raise ConfigError("this tensor is not one of the optimizer's parameters") from None
         if self._is_split(m) and id(m) not in self._wide:
+            self._unpack_ties()
             return self._join(param, m)
         return m
 
@@ -277,7 +287,10 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                     pending.append(m)
                 continue
             if m.grad is None or m.grad.shape != m.shape:
-                m.grad = torch.empty_like(m)
+                buf = self._grad_of.get(id(m))
+                if buf is None or buf.shape != m.shape:    # once, not per step: no per-master op
+                    buf = self._grad_of[id(m)] = torch.empty_like(m)
+                m.grad = buf
             src.append(p.grad)
             dst.append(m.grad)
         if dst:
@@ -329,6 +342,13 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._grads_ready = False
         self._prepare_grads()
         params, masters = self._stepped
+        if parts is None and self._flat_ready():
+            try:
+                self._step_flat()
+            finally:
+                self._end_step()
+            return loss
+        self._leave_flat()
         try:
             if self._lo:
                 self._step_split(parts, around)
@@ -343,6 +363,106 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
             self._end_step()
         return loss
+
+    # ------------------------------------------------------------------ the flat step
+    def _flat_members(self) -> list[list[tuple[Tensor, Tensor, str, Tensor | None]]]:
+        """Per param group: (master, model param, kind, remainder) of every master, in order."""
+        out = []
+        for group in self.param_groups:
+            mems = []
+            for m in group["params"]:
+                p = self._model_of.get(id(m), m)
+                kind = "split" if self._is_split(m) else ("self" if p is m else "full")
+                mems.append((m, p, kind, self._lo.get(id(m))))
+            out.append(mems)
+        return out
+
+    def _make_twin(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        cls, kwargs = self._twin_args
+        if "seed" in kwargs and getattr(self._inner, "_seed", None) is not None:
+            kwargs = {**kwargs, "seed": self._inner._seed}   # the same rounding noise stream
+        return cls(params, **kwargs)
+
+    def _flat_ready(self) -> bool:
+        """Whether this step runs flat (mixprec.optim.flat): an elementwise FP32 inner optimizer,
+        every master of every group with a gradient, plain tensors, no FP32 copies widened by
+        ``master_grads()``; prepares the chunks (state adopted, ties packed) when it does."""
+        if not self._flat_capable or self._wide:
+            return False
+        for group in self.param_groups:
+            for m in group["params"]:
+                p = self._model_of.get(id(m), m)
+                g = p.grad if self._is_split(m) else m.grad
+                if g is None or p.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+                        or (p is m and p.dtype != torch.float32) or _sharded.is_dtensor(p):
+                    return False
+        if self._flat is None:
+            if not any(g["params"] for g in self.param_groups):
+                return False
+            self._flat = FlatSteps(self._flat_members(), self._make_twin)
+        for chunk in self._flat.chunks:
+            if not chunk.synced and not self._flat.adopt(chunk, self.state):
+                self._flat_capable = False      # step counts differ: the per-master step from now on
+                self._flat.release(self.state)
+                return False
+            if chunk.split_idx and not chunk.ties_packed:
+                self._pack_ties(chunk)
+        return True
+
+    @torch.no_grad()
+    def _pack_ties(self, chunk: Any) -> None:
+        """The per-master tie lists of ``chunk`` into its bitmap (once after a load or a
+        per-master step: the lists are host-sized, the bitmap is not)."""
+        chunk.flags.zero_()
+        for i in chunk.split_idx:
+            ties = self._ties[id(chunk.masters[i])]
+            if ties.numel():
+                chunk.flags[chunk.starts[i] + ties] = True
+        from mixprec.optim.flat import pack_ties_
+        pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+        chunk.ties_packed = True
+
+    @torch.no_grad()
+    def _unpack_ties(self) -> None:
+        """Bitmaps back into per-master tie lists, for the per-master paths (slow paths only)."""
+        if self._flat is None:
+            return
+        for chunk in self._flat.chunks:
+            if not chunk.ties_packed:
+                continue
+            flags = unpack_ties(chunk.ties, chunk.numel, chunk.shifts)
+            for i in chunk.split_idx:
+                a, n = chunk.starts[i], chunk.numels[i]
+                self._ties[id(chunk.masters[i])] = flags[a:a + n].nonzero().squeeze(1)
+            chunk.ties_packed = False
+
+    def _leave_flat(self) -> None:
+        """Before a per-master step: tie lists and per-master step counters back."""
+        if self._flat is not None:
+            self._unpack_ties()
+            self._flat.release(self.state)
+
+    def _drop_flat(self) -> None:
+        """Forget the chunks (param groups changed, or a load replaced the state and masters)."""
+        if self._flat is not None:
+            self._leave_flat()
+            self._flat = None
+
+    def _step_flat(self) -> None:
+        factors = self._deferred.factors if self._deferred is not None else []
+        flat = self._flat
+        assert flat is not None
+        groups, inner = self.param_groups, self._inner
+        # The inner optimizer's own step hooks still see one step (register_step_pre_hook on
+        # ``optimizer.inner``), although its math now runs on the twin's flat tensors.
+        for hook in list(inner._optimizer_step_pre_hooks.values()):
+            hook(inner, (), {})
+        with record_function("mixprec.flat_step"):
+            for chunk in flat.chunks:
+                hyper = {k: v for k, v in groups[chunk.group].items() if k != "params"}
+                flat.step_chunk(chunk, hyper, factors, self.state)
+        for hook in list(inner._optimizer_step_post_hooks.values()):
+            hook(inner, (), {})
 
     def _end_step(self) -> None:
         self._grads_ready = False

@@ -41,7 +41,7 @@ from torch.autograd.profiler import record_function
 
 from mixprec.errors import ConfigError
 
-__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks",
+__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks", "chunk_exact",
            "SplitSteps", "resolve_split"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
@@ -76,7 +76,9 @@ def empty_ties(device: torch.device | str) -> Tensor:
 @torch.no_grad()
 def join(hi: Tensor, lo: Tensor, ties: Tensor) -> Tensor:
     """The exact FP32 master of BF16 ``hi`` with remainder ``lo`` (int16) and ``ties``."""
-    bits = hi.float().view(torch.int32)            # exact: BF16 -> FP32 appends 16 zero bits
+    # exact: BF16 -> FP32 appends 16 zero bits; contiguous (row-major), as the flat tie indices
+    # and the remainder are: a channels_last ``hi`` would otherwise give a strided ``bits``
+    bits = hi.float().contiguous().view(torch.int32)
     bits.add_(lo)                                  # int16 promotes to int32
     if ties.numel():
         bits.view(-1).index_add_(0, ties, torch.full_like(ties, _WRAP, dtype=torch.int32))
@@ -301,6 +303,7 @@ class SplitSteps:
         todo = [m for m in masters if id(m) in self._pending]
         if not todo:
             return
+        self._leave_flat()
         params = [self._model_of[id(m)] for m in todo]
         factors = self._deferred.factors if self._deferred is not None else []
         with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
@@ -375,14 +378,20 @@ class SplitSteps:
                 torch._foreach_copy_([self._model_of[id(m)] for m in full], full)
 
 
+def chunk_exact(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
+    """Whether one step of ``optimizer_cls`` over any split of its elements into chunks (or over
+    their concatenation) gives every element the same value: an elementwise optimizer."""
+    from mixprec.optim.parts import SEPARABLE
+    return bool(issubclass(optimizer_cls, SEPARABLE) or getattr(optimizer_cls, "mixprec_chunk_exact", False)
+                or getattr(optimizer_cls, "mixprec_separable", None) is True)
+
+
 def resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
                    master_dtype: torch.dtype) -> bool:
     """Whether split masters are used: only where the chunked step is exact (see ``split``)."""
     if split is False:
         return False
-    from mixprec.optim.parts import SEPARABLE
-    exact = (issubclass(optimizer_cls, SEPARABLE) or getattr(optimizer_cls, "mixprec_chunk_exact", False)
-             or getattr(optimizer_cls, "mixprec_separable", None) is True)
+    exact = chunk_exact(optimizer_cls)
     if master_dtype != torch.float32:
         exact = False
     if split and not exact:

@@ -1,0 +1,242 @@
+"""The master-weight step as a fixed number of fused ops on flat buffers, whatever the model size.
+
+Why: a GPU pays per launch. Stepping a torch optimizer over a list of a few hundred masters,
+widening split masters param by param and finding their rounding ties with ``nonzero`` cost about
+1450 dispatched ops and a host sync per chunk on a 406M GPT (docs/performance.md, "The step's
+cost model"); torch's fused AdamW over one flat tensor costs about 14. So the step here works on
+*chunks*: consecutive masters of one param group on one device, at most ``split.CHUNK_NUMEL``
+elements together (a larger tensor is a chunk of its own). Each chunk has, allocated once:
+
+* a slot per master in two FP32 scratch buffers shared by all chunks of a device (the values
+  ``W`` and the gradients ``G``; the largest chunk sets their size, so the transient memory stays
+  bounded as with the earlier chunked step), and every per-master view of them;
+* its optimizer state as flat tensors, owned by a private *twin* of the inner optimizer (the same
+  class and arguments) whose one parameter per chunk is the chunk's slice of ``W``. The inner
+  optimizer's per-master state (what ``state_dict()`` saves) holds views of those flat tensors, so
+  the checkpoint format is unchanged and nothing is copied between the two;
+* for split masters (mixprec.optim.split), a dense tie bitmap: one bit per element saying that
+  the element's remainder ``-2**15`` means ``+2**15`` (an exact tie that rounded down to an even
+  BF16 value). It replaces the sparse list of tie indices, whose length depended on the data and
+  whose construction needed ``nonzero`` and ``bincount(...).tolist()`` (host syncs).
+
+One chunk's step, each line one dispatched op over the whole chunk (``torch._foreach_*`` over its
+lists, or one op on its flat slice)::
+
+    W[split] <- bf16 params (exact), W[split].bits += remainder, W.bits += 2**16 * ties
+    W[own]   <- FP32 masters / FP32 params that are their own master
+    G[split] <- bf16 grads (exact), times each pending factor (1/scale, clip coefficient)
+    G[own]   <- FP32 master grads (unscaled and clipped in place by the scaler already)
+    twin.step()                     the inner optimizer's own math, on one flat tensor
+    bf16 params <- W[split] (round to nearest even), remainder <- low halves of W[split], ties
+    FP32 masters / own params <- W[own], 16-bit params of full masters <- W[full] (rounded)
+
+Bit-identity: an elementwise optimizer (``mixprec.optim.parts.SEPARABLE``, or a class declaring
+``mixprec_chunk_exact``) computes each element from that element's value, gradient and state and
+its group's hyper-parameters only, so one call over the concatenation gives every element the
+value the per-master call gave (tests/optim/test_step_cost.py checks it against per-tensor steps;
+tests/optim/test_split_masters.py checks split against full masters with tolerance 0). The
+chunk boundaries are the earlier step's, so the BF16-moment AdamW draws the same rounding noise.
+
+What falls back to the per-master step (mixprec.optim.master, unchanged): an optimizer that is not
+elementwise, 8-bit moments (their blocks follow each matrix's rows), a step issued in parts (the
+overlap engine), masters whose grads were widened by ``master_grads()`` for torch's scaler, and any
+step in which some master of a flat group has no gradient (torch then skips only that master; the
+flat state would advance it too). After such a step the chunk adopts the per-master state again
+(a one-time concatenation) or, if the masters' step counts differ, keeps the per-master step.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixprec.optim import split as _split
+
+__all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_"]
+
+_TIE = 1 << 15
+
+
+def unpack_ties(bits: Tensor, n: int, shifts: Tensor) -> Tensor:
+    """The first ``n`` tie flags of a packed bitmap (uint8, bit ``j`` of byte ``i`` is element
+    ``8 i + j``), as a uint8 tensor of 0/1."""
+    return bits.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).view(-1)[:n]
+
+
+def pack_ties_(bits: Tensor, flags: Tensor, shifts: Tensor) -> None:
+    """Pack bool ``flags`` (length ``8 * bits.numel()``) into ``bits`` in place."""
+    packed = flags.view(-1, 8).to(torch.uint8).bitwise_left_shift_(shifts).sum(1, dtype=torch.uint8)
+    bits.copy_(packed)
+
+
+class Chunk:
+    """Consecutive masters of one param group on one device, stepped as one flat tensor.
+
+    ``kinds[i]``: ``"split"`` (the BF16 model param + int16 remainder + tie bit), ``"full"`` (a
+    separate FP32 master, its 16-bit model param rounded from it) or ``"self"`` (an FP32 param that
+    is its own master)."""
+
+    def __init__(self, group: int, masters: list[Tensor], models: list[Tensor], kinds: list[str],
+                 los: list[Tensor | None], w: Tensor, g: Tensor, shifts: Tensor) -> None:
+        self.group = group
+        self.masters, self.models, self.kinds = masters, models, kinds
+        self.numels = [p.numel() for p in models]
+        self.numel = n = sum(self.numels)
+        self.starts = [0]
+        for k in self.numels[:-1]:
+            self.starts.append(self.starts[-1] + k)
+        self.param = w[:n]                 # the twin's parameter: this chunk's slice of W
+        self.param.grad = g[:n]
+        self.w_views = [self.param[a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+        self.g_views = [self.param.grad[a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+        sp = [i for i, k in enumerate(kinds) if k == "split"]
+        own = [i for i, k in enumerate(kinds) if k != "split"]
+        full = [i for i, k in enumerate(kinds) if k == "full"]
+        self.split_idx, self.own_idx, self.full_idx = sp, own, full
+        self.split_models = [models[i] for i in sp]
+        self.split_w = [self.w_views[i] for i in sp]
+        self.split_g = [self.g_views[i] for i in sp]
+        self.split_bits = [self.w_views[i].view(torch.int32) for i in sp]
+        self.split_lo = [los[i] for i in sp]
+        self.split_lo_flat = [los[i].view(-1) for i in sp]
+        low, high = _split._halves(self.param)            # flat int16 views of W's halves
+        self.low, self.high = low, high
+        self.split_low = [low[self.starts[i]:self.starts[i] + self.numels[i]] for i in sp]
+        self.own_masters = [masters[i] for i in own]
+        self.own_w = [self.w_views[i] for i in own]
+        self.own_g = [self.g_views[i] for i in own]
+        self.full_models = [models[i] for i in full]
+        self.full_w = [self.w_views[i] for i in full]
+        self.bits_int = self.param.view(torch.int32)
+        nbytes = (n + 7) // 8 if sp else 0
+        self.ties = torch.zeros(nbytes, dtype=torch.uint8, device=w.device)
+        self.flags = torch.zeros(nbytes * 8, dtype=torch.bool, device=w.device)
+        self.flags_head = self.flags[:n]
+        self.shifts = shifts
+        self.ties_packed = False   # False: the owner's per-master tie lists hold the truth
+        self.viewed = False        # the inner optimizer's per-master state are views of the twin's
+        self.synced = False        # the twin's state is this chunk's state (adopted or created)
+
+
+class FlatSteps:
+    """The flat step of a :class:`mixprec.optim.MasterWeights` (its chunks, scratch and twin).
+
+    Built from the owner's param groups once (again after ``add_param_group``); the owner decides
+    each step whether the flat step applies (:meth:`MasterWeights._flat_eligible`)."""
+
+    def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None]]],
+                 make_twin: Callable[[list[Tensor]], torch.optim.Optimizer]) -> None:
+        plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]]] = []
+        need: dict[torch.device, int] = {}
+        for gi, members in enumerate(groups):
+            by_device: dict[torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]] = {}
+            for mem in members:
+                by_device.setdefault(mem[1].device, []).append(mem)
+            for dev, mems in by_device.items():
+                for a, b in _split.chunks([mem[1].numel() for mem in mems]):
+                    plan.append((gi, dev, mems[a:b]))
+                    need[dev] = max(need.get(dev, 0), sum(mem[1].numel() for mem in mems[a:b]))
+        self.w = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
+        self.g = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
+        shifts = {dev: torch.arange(8, dtype=torch.uint8, device=dev) for dev in need}
+        self.chunks = [Chunk(gi, [m for m, _, _, _ in mems], [p for _, p, _, _ in mems],
+                             [k for _, _, k, _ in mems], [lo for _, _, _, lo in mems],
+                             self.w[dev], self.g[dev], shifts[dev])
+                       for gi, dev, mems in plan]
+        self.chunk_of = {id(m): c for c in self.chunks for m in c.masters}
+        self.twin = make_twin([c.param for c in self.chunks])
+
+    # ------------------------------------------------------------------ state: twin <-> inner
+
+    def adopt(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> bool:
+        """Make the twin's state of ``chunk`` the concatenation of its masters' state (after a
+        load or a per-master step); False when they cannot share one (different step counts)."""
+        sts = [inner_state.get(m) for m in chunk.masters]
+        self.twin.state.pop(chunk.param, None)
+        chunk.viewed = False
+        if all(not st for st in sts):
+            chunk.synced = True
+            return True
+        if any(not st for st in sts) or any(st.keys() != sts[0].keys() for st in sts):
+            return False
+        flat: dict[str, Any] = {}
+        for key in sts[0]:
+            vals = [st[key] for st in sts]
+            if all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(vals, chunk.models)) \
+                    and key != "step":
+                flat[key] = torch.cat([v.reshape(-1) for v in vals])
+            elif all(isinstance(v, Tensor) and v.dim() == 0 for v in vals):
+                if len({float(v) for v in vals}) != 1:       # a host read of CPU step counters
+                    return False
+                flat[key] = vals[0].clone()
+            elif all(not isinstance(v, Tensor) and v == vals[0] for v in vals):
+                flat[key] = vals[0]
+            else:
+                return False
+        self.twin.state[chunk.param] = flat
+        self.share(chunk, inner_state)
+        chunk.synced = True
+        return True
+
+    def share(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """Point every master's state at views of the twin's flat state of ``chunk`` (once)."""
+        flat = self.twin.state.get(chunk.param)
+        if not flat:
+            return
+        for m, p, a, n in zip(chunk.masters, chunk.models, chunk.starts, chunk.numels):
+            st = {}
+            for key, v in flat.items():
+                if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == chunk.numel and key != "step":
+                    st[key] = v[a:a + n].view(p.shape)
+                elif isinstance(v, Tensor) and v.dim() == 0:
+                    st[key] = v.view(())       # shared: one step counter for the chunk
+                else:
+                    st[key] = v
+            inner_state[m] = st
+        chunk.viewed = True
+
+    def release(self, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """Before a per-master step: give each master its own step counter (the views share one)
+        and make every chunk adopt the per-master state again at its next flat step."""
+        for chunk in self.chunks:
+            if chunk.viewed:
+                for m in chunk.masters:
+                    st = inner_state.get(m)
+                    if st:
+                        inner_state[m] = {k: (v.clone() if isinstance(v, Tensor) and v.dim() == 0 else v)
+                                          for k, v in st.items()}
+            chunk.viewed = chunk.synced = False
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step_chunk(self, chunk: Chunk, hyper: dict[str, Any], factors: list[Tensor],
+                   inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """One chunk: gather into ``W``/``G``, the twin's step, scatter back (module docstring)."""
+        if chunk.split_idx:
+            torch._foreach_copy_(chunk.split_w, chunk.split_models)        # exact BF16 -> FP32
+            torch._foreach_add_(chunk.split_bits, chunk.split_lo)           # + remainder (int16 -> int32)
+            chunk.bits_int.add_(unpack_ties(chunk.ties, chunk.numel, chunk.shifts), alpha=1 << 16)
+            torch._foreach_copy_(chunk.split_g, [p.grad for p in chunk.split_models])
+            for f in factors:                                              # unscale, then clip
+                torch._foreach_mul_(chunk.split_g, f.to(chunk.param.device))
+        if chunk.own_idx:       # after the tie add: it touched the own slots too
+            torch._foreach_copy_(chunk.own_w, chunk.own_masters)
+            torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
+        self.twin.param_groups = [{**hyper, "params": [chunk.param]}]
+        self.twin.step()
+        if not chunk.viewed:
+            self.share(chunk, inner_state)
+        if chunk.split_idx:
+            torch._foreach_copy_(chunk.split_models, chunk.split_w)        # round to nearest even
+            torch._foreach_copy_(chunk.split_lo_flat, chunk.split_low)     # remainder = low half
+            tied = torch.eq(chunk.low, -_TIE)                              # 0x8000: a tie either way
+            even = chunk.high.bitwise_and(1).eq_(0)                        # ... that rounded down
+            torch.logical_and(tied, even, out=chunk.flags_head)
+            pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+        if chunk.own_idx:
+            torch._foreach_copy_(chunk.own_masters, chunk.own_w)
+        if chunk.full_idx:
+            torch._foreach_copy_(chunk.full_models, chunk.full_w)          # round into the model dtype
