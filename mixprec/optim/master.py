@@ -409,6 +409,22 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 self._pack_ties(chunk)
         return True
 
+    def _flat_batches(self, low: list[Tensor]) -> list[tuple[list[int], list[Tensor]]] | None:
+        """For the norms of deferred gradients (``split.DeferredGrads``): per chunk, positions of
+        its split grads in ``low`` and their FP32 scratch views; None when this step is not flat."""
+        if not self._flat_ready():
+            return None
+        assert self._flat is not None
+        pos = {id(g): i for i, g in enumerate(low)}
+        out = []
+        for chunk in self._flat.chunks:
+            if chunk.split_idx:
+                idx = [pos.get(id(p.grad)) for p in chunk.split_models]
+                if any(i is None for i in idx):
+                    return None
+                out.append((idx, chunk.split_g))
+        return out
+
     @torch.no_grad()
     def _pack_ties(self, chunk: Any) -> None:
         """The per-master tie lists of ``chunk`` into its bitmap (once after a load or a

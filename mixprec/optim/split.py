@@ -197,6 +197,9 @@ class DeferredGrads:
     """Pending FP32 multipliers of the ``low`` gradients, applied in order inside the step."""
     closed: bool = False
     """Set when the step (or ``master_grads()``) has consumed the factors."""
+    batches: list[tuple[list[int], list[Tensor]]] | None = None
+    """From the flat step (mixprec.optim.flat): per chunk, the positions in ``low`` of its split
+    gradients and the FP32 scratch views they widen into (allocated once)."""
 
     @torch.no_grad()
     def scale_(self, factor_for: Callable[[torch.device], Tensor | None]) -> None:
@@ -219,31 +222,54 @@ class DeferredGrads:
     def norms(self, norm_type: float, foreach: bool | None = None) -> list[Tensor]:
         """Per-tensor ``norm_type``-norms of the FP32 gradients the step will use, in the order
         ``torch.nn.utils.get_total_norm`` stacks them (grouped by device, first seen first).
-        ``low`` gradients are widened one bounded chunk at a time."""
-        out: list[tuple[torch.device, Tensor]] = []
-        pending: list[Tensor] = []
 
-        def flush() -> None:
-            if pending:
-                wide = widen(pending, self.factors)
-                out.extend((g.device, n) for g, n in zip(pending, _tensor_norms(wide, norm_type, foreach)))
-                pending.clear()
+        ``own`` gradients take one foreach norm per (device, dtype); ``low`` ones are widened one
+        bounded batch at a time: into the flat step's scratch views when the optimizer gave them
+        (``batches``: a fixed number of ops whatever the number of tensors), else into fresh FP32
+        copies of at most ``CHUNK_NUMEL`` elements."""
+        norm_of: dict[int, Tensor] = {}
+        if self.own:
+            for g, n in zip(self.own, _grouped_norms(self.own, norm_type, foreach)):
+                norm_of[id(g)] = n
+        if self.batches is not None:
+            for idx, views in self.batches:
+                grads = [self.low[i] for i in idx]
+                torch._foreach_copy_(views, grads)
+                for f in self.factors:
+                    torch._foreach_mul_(views, f.to(views[0].device))
+                for g, n in zip(grads, _tensor_norms(views, norm_type, foreach)):
+                    norm_of[id(g)] = n
+        else:
+            pending: list[Tensor] = []
+            budget = 0
 
-        budget = 0
-        for kind, g in self.entries:
-            if kind == "own":
-                flush()
-                budget = 0
-                out.append((g.device, _tensor_norms([g], norm_type, foreach)[0]))
-                continue
-            if pending and budget + g.numel() > CHUNK_NUMEL:
-                flush()
-                budget = 0
-            pending.append(g)
-            budget += g.numel()
-        flush()
+            def flush() -> None:
+                if pending:
+                    wide = widen(pending, self.factors)
+                    for g, n in zip(pending, _tensor_norms(wide, norm_type, foreach)):
+                        norm_of[id(g)] = n
+                    pending.clear()
+
+            for g in self.low:
+                if pending and budget + g.numel() > CHUNK_NUMEL:
+                    flush()
+                    budget = 0
+                pending.append(g)
+                budget += g.numel()
+            flush()
+        out = [(g.device, norm_of[id(g)]) for _, g in self.entries]
         devices = list(dict.fromkeys(d for d, _ in out))
         return [n for dev in devices for d, n in out if d == dev]
+
+
+def _grouped_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
+    """:func:`_tensor_norms` per (device, dtype) group, returned in the order of ``tensors``."""
+    groups = torch._C._group_tensors_by_device_and_dtype([tensors], True)
+    out: list[Tensor | None] = [None] * len(tensors)
+    for ([group], indices) in groups.values():
+        for i, n in zip(indices, _tensor_norms(group, norm_type, foreach)):
+            out[i] = n
+    return out  # type: ignore[return-value]
 
 
 def _tensor_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
@@ -294,8 +320,9 @@ class SplitSteps:
                     entries.append(("low", self._model_of[id(m)].grad))
                 elif m.grad is not None:
                     entries.append(("own", m.grad))
-        self._deferred = DeferredGrads(low=[g for k, g in entries if k == "low"],
-                                              own=[g for k, g in entries if k == "own"], entries=entries)
+        low = [g for k, g in entries if k == "low"]
+        self._deferred = DeferredGrads(low=low, own=[g for k, g in entries if k == "own"], entries=entries,
+                                       batches=self._flat_batches(low))
         return self._deferred
 
     def _widen(self, masters: list[Tensor]) -> None:
