@@ -79,7 +79,8 @@ class Chunk:
     is its own master)."""
 
     def __init__(self, group: int, masters: list[Tensor], models: list[Tensor], kinds: list[str],
-                 los: list[Tensor | None], w: Tensor, g: Tensor, shifts: Tensor) -> None:
+                 los: list[Tensor | None], w: Tensor, g: Tensor, shifts: Tensor,
+                 mv: tuple[Tensor, Tensor] | None = None) -> None:
         self.group = group
         self.masters, self.models, self.kinds = masters, models, kinds
         self.numels = [p.numel() for p in models]
@@ -115,6 +116,17 @@ class Chunk:
         self.flags = torch.zeros(nbytes * 8, dtype=torch.bool, device=w.device)
         self.flags_head = self.flags[:n]
         self.shifts = shifts
+        # 8-bit moments: FP32 scratch slots the codes are decoded into and encoded from, and the
+        # packing views of mixprec.optim.moments, made at the first step (reset with the state)
+        self.m_views = self.v_views = None
+        self.moments: dict[str, Tensor] | None = None
+        if mv is not None:
+            self.moments = {"exp_avg": mv[0][:n], "exp_avg_sq": mv[1][:n]}
+            self.m_views = [mv[0][a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+            self.v_views = [mv[1][a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+        self.cache: dict = {}
+        self.coded: list[int] = []
+        self.plain: list[int] = []
         self.ties_packed = False   # False: the owner's per-master tie lists hold the truth
         self.viewed = False        # the inner optimizer's per-master state are views of the twin's
         self.synced = False        # the twin's state is this chunk's state (adopted or created)
@@ -127,7 +139,10 @@ class FlatSteps:
     each step whether the flat step applies (:meth:`MasterWeights._flat_eligible`)."""
 
     def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None]]],
-                 make_twin: Callable[[list[Tensor]], torch.optim.Optimizer]) -> None:
+                 make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],
+                 inner: torch.optim.Optimizer, moments: str | None = None) -> None:
+        self.inner = inner
+        self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
         plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]]] = []
         need: dict[torch.device, int] = {}
         for gi, members in enumerate(groups):
@@ -141,9 +156,11 @@ class FlatSteps:
         self.w = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
         self.g = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
         shifts = {dev: torch.arange(8, dtype=torch.uint8, device=dev) for dev in need}
+        mv = {dev: (torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev))
+              for dev, n in need.items()} if moments else {}
         self.chunks = [Chunk(gi, [m for m, _, _, _ in mems], [p for _, p, _, _ in mems],
                              [k for _, _, k, _ in mems], [lo for _, _, _, lo in mems],
-                             self.w[dev], self.g[dev], shifts[dev])
+                             self.w[dev], self.g[dev], shifts[dev], mv.get(dev))
                        for gi, dev, mems in plan]
         self.chunk_of = {id(m): c for c in self.chunks for m in c.masters}
         self.twin = make_twin([c.param for c in self.chunks])
@@ -156,6 +173,9 @@ class FlatSteps:
         sts = [inner_state.get(m) for m in chunk.masters]
         self.twin.state.pop(chunk.param, None)
         chunk.viewed = False
+        chunk.cache = {}
+        if self.moments:
+            return self._adopt_coded(chunk, inner_state)
         if all(not st for st in sts):
             chunk.synced = True
             return True
@@ -178,6 +198,25 @@ class FlatSteps:
         self.twin.state[chunk.param] = flat
         self.share(chunk, inner_state)
         chunk.synced = True
+        return True
+
+    def _adopt_coded(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> bool:
+        """8-bit moments stay per master (codes and scales, or FP32 moments of vectors); only the
+        step counter is shared: the twin's ``step`` with views of it in every master's state."""
+        sts = [inner_state.get(m) for m in chunk.masters]
+        if all(not st for st in sts):
+            for i, m in enumerate(chunk.masters):
+                inner_state[m] = self.inner.new_state(chunk.w_views[i])      # type: ignore[attr-defined]
+            sts = [inner_state[m] for m in chunk.masters]
+        if any(not st or "step" not in st for st in sts) or len({float(st["step"]) for st in sts}) != 1:
+            return False
+        step = sts[0]["step"].clone()
+        self.twin.state[chunk.param] = {"step": step, **chunk.moments}
+        for st in sts:
+            st["step"] = step.view(())
+        chunk.coded = [i for i, st in enumerate(sts) if "exp_avg_scale" in st]
+        chunk.plain = [i for i, st in enumerate(sts) if "exp_avg_scale" not in st]
+        chunk.viewed = chunk.synced = True
         return True
 
     def share(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
@@ -211,6 +250,41 @@ class FlatSteps:
 
     # ------------------------------------------------------------------ the step
 
+    def _coded_lists(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]):
+        sts = [inner_state[chunk.masters[i]] for i in chunk.coded]
+        plain = [inner_state[chunk.masters[i]] for i in chunk.plain]
+        return sts, plain
+
+    def _decode(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """The masters' 8-bit (or FP32 vector) moments into the chunk's FP32 moment scratch."""
+        from mixprec.optim import moments as _moments
+        sts, plain = self._coded_lists(chunk, inner_state)
+        for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
+            if sts:
+                _moments.decode_(sts, key, [views[i] for i in chunk.coded], self.moments, cache=chunk.cache)
+            if plain:
+                torch._foreach_copy_([views[i] for i in chunk.plain], [st[key] for st in plain])
+
+    def _encode(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """The updated FP32 moments back into the masters' codes (the inner optimizer's rounding
+        noise, drawn in the order of its own per-master step) and FP32 vector moments."""
+        from mixprec.optim import moments as _moments
+        sts, plain = self._coded_lists(chunk, inner_state)
+        gen = self.inner._generator(chunk.param.device)           # type: ignore[attr-defined]
+        for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
+            if sts:
+                _moments.encode_(sts, key, [views[i] for i in chunk.coded], self.moments, gen, cache=chunk.cache)
+        for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
+            if plain:
+                torch._foreach_copy_([st[key] for st in plain], [views[i] for i in chunk.plain])
+
+    def reseed(self) -> None:
+        """8-bit moments: start the inner optimizer's rounding noise of this step, as its own
+        step does (once per step, from the step count before it: a CPU step counter read)."""
+        if self.moments and self.chunks:
+            first = self.twin.state[self.chunks[0].param]["step"]
+            self.inner._reseed(int(float(first)), {c.param.device for c in self.chunks})  # type: ignore[attr-defined]
+
     @torch.no_grad()
     def step_chunk(self, chunk: Chunk, hyper: dict[str, Any], factors: list[Tensor],
                    inner_state: dict[Tensor, dict[str, Any]]) -> None:
@@ -225,9 +299,13 @@ class FlatSteps:
         if chunk.own_idx:       # after the tie add: it touched the own slots too
             torch._foreach_copy_(chunk.own_w, chunk.own_masters)
             torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
+        if self.moments:
+            self._decode(chunk, inner_state)
         self.twin.param_groups = [{**hyper, "params": [chunk.param]}]
         self.twin.step()
-        if not chunk.viewed:
+        if self.moments:
+            self._encode(chunk, inner_state)
+        elif not chunk.viewed:
             self.share(chunk, inner_state)
         if chunk.split_idx:
             torch._foreach_copy_(chunk.split_models, chunk.split_w)        # round to nearest even

@@ -159,8 +159,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
         # The flat step needs an elementwise inner optimizer on FP32 (mixprec.optim.flat); 8-bit
         # moments are blocked along each matrix's rows, so they keep the per-master step.
-        self._flat_capable = (_split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
-                              and not getattr(self._inner, "quantized", False))
+        self._flat_capable = _split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
         self._constructing = True
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self._constructing = False
@@ -379,6 +378,9 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
 
     def _make_twin(self, params: list[Tensor]) -> torch.optim.Optimizer:
         cls, kwargs = self._twin_args
+        if getattr(self._inner, "quantized", False):   # FP32 moment scratch: the codes stay the inner's
+            return cls(params, **{**kwargs, "moments": None, "moments_dtype": torch.float32,
+                                  "stochastic_rounding": False, "seed": None})
         if "seed" in kwargs and getattr(self._inner, "_seed", None) is not None:
             kwargs = {**kwargs, "seed": self._inner._seed}   # the same rounding noise stream
         return cls(params, **kwargs)
@@ -399,7 +401,8 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         if self._flat is None:
             if not any(g["params"] for g in self.param_groups):
                 return False
-            self._flat = FlatSteps(self._flat_members(), self._make_twin)
+            coded = self._inner.moments if getattr(self._inner, "quantized", False) else None
+            self._flat = FlatSteps(self._flat_members(), self._make_twin, self._inner, coded)
         for chunk in self._flat.chunks:
             if not chunk.synced and not self._flat.adopt(chunk, self.state):
                 self._flat_capable = False      # step counts differ: the per-master step from now on
@@ -473,6 +476,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         # ``optimizer.inner``), although its math now runs on the twin's flat tensors.
         for hook in list(inner._optimizer_step_pre_hooks.values()):
             hook(inner, (), {})
+        flat.reseed()
         with record_function("mixprec.flat_step"):
             for chunk in flat.chunks:
                 hyper = {k: v for k, v in groups[chunk.group].items() if k != "params"}
