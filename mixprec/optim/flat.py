@@ -71,6 +71,28 @@ def pack_ties_(bits: Tensor, flags: Tensor, shifts: Tensor) -> None:
     bits.copy_(packed)
 
 
+class _Bytes:
+    """The bytes of a list of tensors (8-bit codes, their scales, FP32 vector moments) as views
+    made once, to keep and restore them with a fixed number of ops: one foreach copy into a flat
+    byte buffer, and ``torch.where`` over it."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.views = [t.view(-1).view(torch.uint8) for t in tensors]
+        self.sizes = [v.numel() for v in self.views]
+        self.device = tensors[0].device
+
+    def copy(self) -> Tensor:
+        """The bytes now, in a fresh flat buffer (transient: the step's lifetime)."""
+        out = torch.empty(sum(self.sizes), dtype=torch.uint8, device=self.device)
+        torch._foreach_copy_(list(out.split(self.sizes)), self.views)
+        return out
+
+    def restore_where(self, old: Tensor, skip: Tensor) -> None:
+        now = self.copy()
+        torch.where(skip, old, now, out=now)
+        torch._foreach_copy_(self.views, list(now.split(self.sizes)))
+
+
 class Chunk:
     """Consecutive masters of one param group on one device, stepped as one flat tensor.
 
@@ -125,6 +147,7 @@ class Chunk:
             self.m_views = [mv[0][a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
             self.v_views = [mv[1][a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
         self.cache: dict = {}
+        self.stored: _Bytes | None = None    # 8-bit state as bytes, for a step skipped on the device
         self.coded: list[int] = []
         self.plain: list[int] = []
         self.ties_packed = False   # False: the owner's per-master tie lists hold the truth
@@ -174,6 +197,7 @@ class FlatSteps:
         self.twin.state.pop(chunk.param, None)
         chunk.viewed = False
         chunk.cache = {}
+        chunk.stored = None
         if self.moments:
             return self._adopt_coded(chunk, inner_state)
         if all(not st for st in sts):
@@ -278,17 +302,61 @@ class FlatSteps:
             if plain:
                 torch._foreach_copy_([st[key] for st in plain], [views[i] for i in chunk.plain])
 
+    def _keep(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> dict[str, Any]:
+        """Copies of what the step is about to change (a masked step; fixed ops per chunk)."""
+        kept: dict[str, Any] = {"W": chunk.param.clone()}
+        st = self.twin.state.get(chunk.param)
+        if st and not self.moments:
+            kept.update({k: v.clone() for k, v in st.items()
+                         if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == chunk.numel})
+        if self.moments:
+            if chunk.stored is None:
+                chunk.stored = _Bytes(self._stored_tensors(chunk, inner_state))
+            kept["bytes"] = chunk.stored.copy()
+        return kept
+
+    def _restore_where(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]], kept: dict[str, Any],
+                       skip: Tensor) -> None:
+        torch.where(skip, kept["W"], chunk.param, out=chunk.param)
+        st = self.twin.state[chunk.param]
+        for k, old in kept.items():
+            if k in st:
+                torch.where(skip, old, st[k], out=st[k])
+        if "bytes" in kept:
+            assert chunk.stored is not None
+            chunk.stored.restore_where(kept["bytes"], skip)
+        step = st.get("step")
+        if isinstance(step, Tensor):
+            step.sub_(skip.to(device=step.device, dtype=step.dtype))
+
+    @staticmethod
+    def _stored_tensors(chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> list[Tensor]:
+        out = []
+        for m in chunk.masters:
+            for k, v in inner_state[m].items():
+                if k != "step" and isinstance(v, Tensor):
+                    out.append(v)
+        return out
+
     def reseed(self) -> None:
         """8-bit moments: start the inner optimizer's rounding noise of this step, as its own
         step does (once per step, from the step count before it: a CPU step counter read)."""
+        for opt in (self.inner, self.twin):    # a step skipped on the device drew noise: draw it again
+            if hasattr(opt, "_seeded_at"):
+                opt._seeded_at = None                                                   # type: ignore[attr-defined]
         if self.moments and self.chunks:
             first = self.twin.state[self.chunks[0].param]["step"]
             self.inner._reseed(int(float(first)), {c.param.device for c in self.chunks})  # type: ignore[attr-defined]
 
     @torch.no_grad()
     def step_chunk(self, chunk: Chunk, hyper: dict[str, Any], factors: list[Tensor],
-                   inner_state: dict[Tensor, dict[str, Any]]) -> None:
-        """One chunk: gather into ``W``/``G``, the twin's step, scatter back (module docstring)."""
+                   inner_state: dict[Tensor, dict[str, Any]], skip: Tensor | None = None) -> None:
+        """One chunk: gather into ``W``/``G``, the twin's step, scatter back (module docstring).
+
+        ``skip``: a 0-dim bool on the chunk's device; where True, everything the step writes
+        keeps its old value (``torch.where`` over the flat buffers, no host sync): the masters
+        through ``W`` (the scatter then writes back what was gathered, bit for bit), the twin's
+        flat state, 8-bit codes and scales through a byte copy, and the step counter."""
         if chunk.split_idx:
             torch._foreach_copy_(chunk.split_w, chunk.split_models)        # exact BF16 -> FP32
             torch._foreach_add_(chunk.split_bits, chunk.split_lo)           # + remainder (int16 -> int32)
@@ -301,12 +369,15 @@ class FlatSteps:
             torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
         if self.moments:
             self._decode(chunk, inner_state)
+        kept = self._keep(chunk, inner_state) if skip is not None else None
         self.twin.param_groups = [{**hyper, "params": [chunk.param]}]
         self.twin.step()
         if self.moments:
             self._encode(chunk, inner_state)
         elif not chunk.viewed:
             self.share(chunk, inner_state)
+        if kept is not None:
+            self._restore_where(chunk, inner_state, kept, skip)
         if chunk.split_idx:
             torch._foreach_copy_(chunk.split_models, chunk.split_w)        # round to nearest even
             torch._foreach_copy_(chunk.split_lo_flat, chunk.split_low)     # remainder = low half

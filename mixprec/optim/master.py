@@ -51,6 +51,7 @@ from torch.autograd.profiler import record_function
 
 from mixprec.optim import registry, sharded as _sharded, split as _split
 from mixprec.optim.flat import FlatSteps, unpack_ties
+from mixprec.optim.inputs import StepInputs
 from mixprec.optim.master_state import MasterState
 from mixprec.optim.split import SplitSteps, resolve_split
 from mixprec.errors import ConfigError
@@ -322,10 +323,17 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
              parts: Sequence[Sequence[Tensor]] | None = None,
-             around: Callable[[int], contextlib.AbstractContextManager] | None = None) -> Any:
+             around: Callable[[int], contextlib.AbstractContextManager] | None = None,
+             inputs: StepInputs | None = None) -> Any:
         """Step the masters and round them back into the model params.
 
         A ``closure`` is evaluated once (with grad enabled) before the grads are moved.
+
+        ``inputs``: the precision side's device tensors (:class:`mixprec.optim.inputs.StepInputs`).
+        With ``found_inf`` the step is skipped *on the device* where the flag is raised: the flat
+        step (mixprec.optim.flat) issues its whole update and keeps the old values, bit for bit,
+        without a host sync; the per-master step (a step in parts, 8-bit... see flat's docstring)
+        reads the flag on the host first.
 
         ``parts``: disjoint lists of *model* params; the step is then issued part by part (the
         inner optimizer over only that part's masters, then that part's copy-back), each inside
@@ -341,13 +349,18 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._grads_ready = False
         self._prepare_grads()
         params, masters = self._stepped
+        found = inputs.found_inf if inputs is not None else None
         if parts is None and self._flat_ready():
             try:
-                self._step_flat()
+                self._step_flat(found)
             finally:
                 self._end_step()
             return loss
         self._leave_flat()
+        if found is not None and bool(found.item() > 0):    # the per-master step: a host read
+            self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
+            self._end_step()
+            return loss
         try:
             if self._lo:
                 self._step_split(parts, around)
@@ -467,10 +480,14 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._leave_flat()
             self._flat = None
 
-    def _step_flat(self) -> None:
+    def _step_flat(self, found_inf: Tensor | None = None) -> None:
         factors = self._deferred.factors if self._deferred is not None else []
         flat = self._flat
         assert flat is not None
+        skips: dict[torch.device, Tensor] = {}
+        if found_inf is not None:
+            for dev in {c.param.device for c in flat.chunks}:
+                skips[dev] = found_inf.to(dev, non_blocking=True) > 0     # stays on the device
         groups, inner = self.param_groups, self._inner
         # The inner optimizer's own step hooks still see one step (register_step_pre_hook on
         # ``optimizer.inner``), although its math now runs on the twin's flat tensors.
@@ -480,7 +497,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         with record_function("mixprec.flat_step"):
             for chunk in flat.chunks:
                 hyper = {k: v for k, v in groups[chunk.group].items() if k != "params"}
-                flat.step_chunk(chunk, hyper, factors, self.state)
+                flat.step_chunk(chunk, hyper, factors, self.state, skips.get(chunk.param.device))
         for hook in list(inner._optimizer_step_post_hooks.values()):
             hook(inner, (), {})
 

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mixprec as mp
 from mixprec.models import Transformer
 from mixprec.optim import AdamW, MasterWeights
+from mixprec.optim.inputs import StepInputs
 
 SYNCING = {"nonzero", "bincount", "unique", "_unique2", "masked_select", "_local_scalar_dense"}
 LAYOUTS = {
@@ -81,23 +82,25 @@ def _backward(model: nn.Module, seed: int) -> None:
     model(x, x)[1].backward()
 
 
-def _count_step(blocks: int, layout: dict) -> tuple[OpCounter, torch.optim.Optimizer]:
+def _count_step(blocks: int, layout: dict, masked: bool = False) -> tuple[OpCounter, torch.optim.Optimizer]:
     model = _model(blocks)
     opt = AdamW(model.parameters(), lr=1e-3, seed=0, **layout)
+    inputs = StepInputs(found_inf=torch.zeros(())) if masked else None
     for i in range(2):                  # the first step builds the chunks
         _backward(model, i)
-        opt.step()
+        opt.step(inputs=inputs)
         opt.zero_grad()
     _backward(model, 2)
     with OpCounter() as counter:
-        opt.step()
+        opt.step(inputs=inputs)
     return counter, opt
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "found_inf"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
-def test_the_step_dispatches_a_fixed_number_of_ops_whatever_the_number_of_parameters(layout):
-    small, opt_small = _count_step(2, LAYOUTS[layout])
-    large, opt_large = _count_step(8, LAYOUTS[layout])
+def test_the_step_dispatches_a_fixed_number_of_ops_whatever_the_number_of_parameters(layout, masked):
+    small, opt_small = _count_step(2, LAYOUTS[layout], masked)
+    large, opt_large = _count_step(8, LAYOUTS[layout], masked)
     assert len(opt_large.state) > 3 * len(opt_small.state) - 8    # 100 vs 28 parameters
     assert large.total <= 1.2 * small.total, (small.total, large.total, large.ops - small.ops)
     assert _syncs(small, opt_small) == {} and _syncs(large, opt_large) == {}
@@ -114,6 +117,34 @@ def test_the_flat_step_is_bit_identical_to_the_per_master_step(layout):
         for i in range(4):
             _backward(model, i)
             opt.step()
+            opt.zero_grad()
+        return model, opt.state_dict()
+
+    (ma, sa), (mb, sb) = run(True), run(False)
+    for pa, pb in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(_bits(pa), _bits(pb))
+    for x, y in zip(sa["master_weights"]["tensors"], sb["master_weights"]["tensors"]):
+        assert torch.equal(_bits(x), _bits(y))
+    for k, st in sa["state"].items():
+        for key, t in st.items():
+            u = sb["state"][k][key]
+            assert t.dtype == u.dtype and torch.equal(t.reshape(-1).view(torch.uint8), u.reshape(-1).view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
+def test_a_step_skipped_on_the_device_leaves_what_a_step_not_taken_leaves(layout):
+    # found_inf > 0 at step 1: the masked step (no host read) and the step the host did not call
+    # give the same bits afterwards, also for the steps after it (counters, rounding noise).
+    def run(on_device: bool):
+        model = _model(2)
+        opt = AdamW(model.parameters(), lr=1e-2, seed=1, **LAYOUTS[layout])
+        for i in range(4):
+            _backward(model, i)
+            found = torch.tensor(1.0 if i == 1 else 0.0)
+            if on_device:
+                opt.step(inputs=StepInputs(found_inf=found))
+            elif i != 1:
+                opt.step()
             opt.zero_grad()
         return model, opt.state_dict()
 
