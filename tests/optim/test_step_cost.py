@@ -39,12 +39,16 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.reads: list[int] = []
+        self.order: list[tuple[str, int | None]] = []     # (op, storage read by .item())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.ops[name] += 1
+        read = None
         if name == "_local_scalar_dense":
-            self.reads.append(args[0].untyped_storage().data_ptr())
+            read = args[0].untyped_storage().data_ptr()
+            self.reads.append(read)
+        self.order.append((name, read))
         return func(*args, **(kwargs or {}))
 
     @property
@@ -180,15 +184,18 @@ def _precision_step(mode: str, blocks: int, clip: float | None) -> tuple[OpCount
 
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
-def test_precision_step_of_bf16_true_has_a_fixed_cost_and_one_flag_read(clip):
+def test_precision_step_of_bf16_true_has_a_fixed_cost_and_reads_the_flag_after_the_update(clip):
     small, opt_small = _precision_step("bf16-true", 2, clip)
     large, opt_large = _precision_step("bf16-true", 8, clip)
     assert isinstance(opt_large, MasterWeights)
     assert large.total <= 1.2 * small.total, (small.total, large.total, large.ops - small.ops)
     for counter, opt in ((small, opt_small), (large, opt_large)):
         syncs = _syncs(counter, opt)
-        assert syncs.get("_local_scalar_dense", 0) <= 1, syncs    # the skip decision's found_inf
-        assert set(syncs) <= {"_local_scalar_dense"}, syncs
+        assert syncs == {"_local_scalar_dense": 1}, syncs     # found_inf, for the counters
+        steps = _step_counters(opt)
+        flag_read = max(i for i, (_, r) in enumerate(counter.order) if r is not None and r not in steps)
+        last_copy_back = max(i for i, (op, _) in enumerate(counter.order) if op == "_foreach_copy_")
+        assert flag_read > last_copy_back     # the whole update was issued before the host waits
 
 
 def _conv_net() -> nn.Module:
