@@ -4,8 +4,11 @@ Why: a GPU pays per launch. Stepping a torch optimizer over a list of a few hund
 widening split masters param by param and finding their rounding ties with ``nonzero`` cost about
 1450 dispatched ops and a host sync per chunk on a 406M GPT (docs/performance.md, "The step's
 cost model"); torch's fused AdamW over one flat tensor costs about 14. So the step here works on
-*chunks*: consecutive masters of one param group on one device, at most ``split.CHUNK_NUMEL``
-elements together (a larger tensor is a chunk of its own). Each chunk has, allocated once:
+*chunks*: consecutive masters of one param group on one device, about ``split.FLAT_CHUNKS`` per
+group and device and none under ``split.CHUNK_NUMEL`` elements (``split.flat_chunk_numel``; a
+larger tensor is a chunk of its own). So a step costs a bounded number of ops at any model size
+(one chunk per group on the small models of the tests) and a scratch of at most about one byte
+per parameter. Each chunk has, allocated once:
 
 * a slot per master in two FP32 scratch buffers shared by all chunks of a device (the values
   ``W`` and the gradients ``G``; the largest chunk sets their size, so the transient memory stays
@@ -34,8 +37,10 @@ Bit-identity: an elementwise optimizer (``mixprec.optim.parts.SEPARABLE``, or a 
 ``mixprec_chunk_exact``) computes each element from that element's value, gradient and state and
 its group's hyper-parameters only, so one call over the concatenation gives every element the
 value the per-master call gave (tests/optim/test_step_cost.py checks it against per-tensor steps;
-tests/optim/test_split_masters.py checks split against full masters with tolerance 0). The
-chunk boundaries are the earlier step's, so the BF16-moment AdamW draws the same rounding noise.
+tests/optim/test_split_masters.py checks split against full masters with tolerance 0). Rounding
+noise (BF16 moments, int8 codes) is drawn per chunk: split and full masters cut the same chunks
+and draw the same noise; the per-master step cuts ``CHUNK_NUMEL`` chunks, the same ones for a
+param group under ``FLAT_CHUNKS * CHUNK_NUMEL`` (32 Mi) elements, other noise above.
 
 What falls back to the per-master step (mixprec.optim.master, unchanged): an optimizer that is not
 elementwise, 8-bit moments (their blocks follow each matrix's rows), a step issued in parts (the
@@ -165,6 +170,7 @@ class FlatSteps:
                  make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],
                  inner: torch.optim.Optimizer, moments: str | None = None) -> None:
         self.inner = inner
+        self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
         self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
         plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]]] = []
         need: dict[torch.device, int] = {}
@@ -173,7 +179,8 @@ class FlatSteps:
             for mem in members:
                 by_device.setdefault(mem[1].device, []).append(mem)
             for dev, mems in by_device.items():
-                for a, b in _split.chunks([mem[1].numel() for mem in mems]):
+                numels = [mem[1].numel() for mem in mems]
+                for a, b in _split.chunks(numels, _split.flat_chunk_numel(sum(numels))):
                     plan.append((gi, dev, mems[a:b]))
                     need[dev] = max(need.get(dev, 0), sum(mem[1].numel() for mem in mems[a:b]))
         self.w = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
@@ -196,7 +203,7 @@ class FlatSteps:
         sts = [inner_state.get(m) for m in chunk.masters]
         self.twin.state.pop(chunk.param, None)
         chunk.viewed = False
-        chunk.cache = {}
+        chunk.cache = {"pool": self.pool}
         chunk.stored = None
         if self.moments:
             return self._adopt_coded(chunk, inner_state)

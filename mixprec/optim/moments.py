@@ -254,10 +254,19 @@ class _Packing:
     ``cache`` a caller passes (the flat step's chunk, mixprec.optim.flat), so a step with a cache
     dispatches no per-tensor view op."""
 
-    def __init__(self, codes: list[Tensor], others: list[Tensor], scales: list[Tensor], lay: Layout) -> None:
+    def __init__(self, codes: list[Tensor], others: list[Tensor], scales: list[Tensor], lay: Layout,
+                 pool: dict | None = None) -> None:
         total, slots = _slots(codes, lay)
         block = _row_blocks(lay, tuple(codes[0].shape))[1]
-        self.buf = torch.zeros(total, block, dtype=torch.float32, device=codes[0].device)
+        device = codes[0].device
+        if pool is None:
+            self.buf = torch.zeros(total, block, dtype=torch.float32, device=device)
+        else:   # one buffer per device and block length, shared by every chunk (they run in turn)
+            have = pool.get((device, block))
+            if have is None or have.numel() < total * block:
+                have = pool[(device, block)] = torch.zeros(max(total * block, 2 * (have.numel() if have is not None else 0)),
+                                                           dtype=torch.float32, device=device)
+            self.buf = have[:total * block].view(total, block)
         self.windows = _views(self.buf, codes, lay)
         self.codes = [c.view(sl[1], sl[3]) for c, sl in zip(codes, slots)]
         self.others = [o.view(sl[1], sl[3]) for o, sl in zip(others, slots)]
@@ -273,7 +282,7 @@ def _packing(cache: dict | None, codes: list[Tensor], others: list[Tensor], scal
     k = (lay, tuple(map(id, codes)), tuple(map(id, others)), tuple(map(id, scales)))
     hit = cache.get(k)
     if hit is None:
-        hit = cache[k] = _Packing(codes, others, scales, lay)
+        hit = cache[k] = _Packing(codes, others, scales, lay, cache.get("pool"))
     return hit
 
 

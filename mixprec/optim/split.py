@@ -41,10 +41,20 @@ from torch.autograd.profiler import record_function
 
 from mixprec.errors import ConfigError
 
-__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "chunks", "chunk_exact",
+__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "flat_chunk_numel", "chunks", "chunk_exact",
            "SplitSteps", "resolve_split"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
+FLAT_CHUNKS = 8
+"""The flat step (mixprec.optim.flat) cuts a param group's masters on a device into about this many
+chunks, none under ``CHUNK_NUMEL`` elements: the number of ops stays bounded whatever the model's
+size, and the FP32 scratch (values and gradients of one chunk, 8 bytes per element) costs about
+one byte per parameter at most."""
+
+
+def flat_chunk_numel(total: int) -> int:
+    """The element budget of one flat-step chunk of a list of ``total`` elements."""
+    return max(CHUNK_NUMEL, -(-total // FLAT_CHUNKS))
 _TIE = 1 << 15
 _WRAP = 1 << 16
 
