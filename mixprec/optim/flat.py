@@ -5,10 +5,11 @@ widening split masters param by param and finding their rounding ties with ``non
 1450 dispatched ops and a host sync per chunk on a 406M GPT (docs/performance.md, "The step's
 cost model"); torch's fused AdamW over one flat tensor costs about 14. So the step here works on
 *chunks*: consecutive masters of one param group on one device, about ``split.FLAT_CHUNKS`` per
-group and device and none under ``split.CHUNK_NUMEL`` elements (``split.flat_chunk_numel``; a
-larger tensor is a chunk of its own). So a step costs a bounded number of ops at any model size
-(one chunk per group on the small models of the tests) and a scratch of at most about one byte
-per parameter. Each chunk has, allocated once:
+group and device, between ``split.CHUNK_NUMEL`` and ``split.FLAT_CHUNK_MAX`` elements each
+(``split.flat_chunk_numel``; a larger tensor is a chunk of its own). So a step costs a fixed
+number of ops up to about 0.5 G parameters (one chunk per group on the small models of the tests)
+and beyond that more chunks of ops far longer than a launch; the scratch costs at most about one
+byte per parameter and 512 MiB, during the step only. Each chunk has, allocated once:
 
 * a slot per master in two FP32 scratch buffers shared by all chunks of a device (the values
   ``W`` and the gradients ``G``; the largest chunk sets their size, so the transient memory stays
@@ -106,7 +107,7 @@ class Chunk:
     is its own master)."""
 
     def __init__(self, group: int, masters: list[Tensor], models: list[Tensor], kinds: list[str],
-                 los: list[Tensor | None], w: Tensor, g: Tensor, shifts: Tensor,
+                 los: list[Tensor | None], w: Tensor, g: Tensor, shifts: Tensor, flags: Tensor,
                  mv: tuple[Tensor, Tensor] | None = None) -> None:
         self.group = group
         self.masters, self.models, self.kinds = masters, models, kinds
@@ -139,9 +140,9 @@ class Chunk:
         self.full_w = [self.w_views[i] for i in full]
         self.bits_int = self.param.view(torch.int32)
         nbytes = (n + 7) // 8 if sp else 0
-        self.ties = torch.zeros(nbytes, dtype=torch.uint8, device=w.device)
-        self.flags = torch.zeros(nbytes * 8, dtype=torch.bool, device=w.device)
-        self.flags_head = self.flags[:n]
+        self.ties = torch.zeros(nbytes, dtype=torch.uint8, device=w.device)   # 1 bit per element, kept
+        self.flags = flags[:nbytes * 8]         # bool scratch (shared), its padding zeroed per use
+        self.flags_head, self.flags_tail = self.flags[:n], self.flags[n:]
         self.shifts = shifts
         # 8-bit moments: FP32 scratch slots the codes are decoded into and encoded from, and the
         # packing views of mixprec.optim.moments, made at the first step (reset with the state)
@@ -185,15 +186,34 @@ class FlatSteps:
                     need[dev] = max(need.get(dev, 0), sum(mem[1].numel() for mem in mems[a:b]))
         self.w = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
         self.g = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
+        flags = {dev: torch.zeros((n + 7) // 8 * 8, dtype=torch.bool, device=dev) for dev, n in need.items()}
         shifts = {dev: torch.arange(8, dtype=torch.uint8, device=dev) for dev in need}
         mv = {dev: (torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev))
               for dev, n in need.items()} if moments else {}
+        # Scratch lives only during a step: its storage is freed after it and allocated again
+        # before the next (the views made once stay valid: FSDP2 frees its buffers this way).
+        self._scratch = [*self.w.values(), *self.g.values(), *flags.values(), *(t for ts in mv.values() for t in ts)]
+        self.held = True
         self.chunks = [Chunk(gi, [m for m, _, _, _ in mems], [p for _, p, _, _ in mems],
-                             [k for _, _, k, _ in mems], [lo for _, _, _, lo in mems],
-                             self.w[dev], self.g[dev], shifts[dev], mv.get(dev))
+                           [k for _, _, k, _ in mems], [lo for _, _, _, lo in mems],
+                           self.w[dev], self.g[dev], shifts[dev], flags[dev], mv.get(dev))
                        for gi, dev, mems in plan]
         self.chunk_of = {id(m): c for c in self.chunks for m in c.masters}
         self.twin = make_twin([c.param for c in self.chunks])
+
+    def acquire(self) -> None:
+        """Give the scratch buffers their memory back (before the step's first use of them)."""
+        if not self.held:
+            for t in self._scratch + list(self.pool.values()):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+            self.held = True
+
+    def release(self) -> None:
+        """Free the scratch buffers' memory (after the step): no memory between steps."""
+        if self.held:
+            for t in self._scratch + list(self.pool.values()):
+                t.untyped_storage().resize_(0)
+            self.held = False
 
     # ------------------------------------------------------------------ state: twin <-> inner
 
@@ -267,7 +287,7 @@ class FlatSteps:
             inner_state[m] = st
         chunk.viewed = True
 
-    def release(self, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+    def unshare(self, inner_state: dict[Tensor, dict[str, Any]]) -> None:
         """Before a per-master step: give each master its own step counter (the views share one)
         and make every chunk adopt the per-master state again at its next flat step."""
         for chunk in self.chunks:
@@ -391,6 +411,7 @@ class FlatSteps:
             tied = torch.eq(chunk.low, -_TIE)                              # 0x8000: a tie either way
             even = chunk.high.bitwise_and(1).eq_(0)                        # ... that rounded down
             torch.logical_and(tied, even, out=chunk.flags_head)
+            chunk.flags_tail.zero_()
             pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
         if chunk.own_idx:
             torch._foreach_copy_(chunk.own_masters, chunk.own_w)

@@ -416,10 +416,11 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 return False
             coded = self._inner.moments if getattr(self._inner, "quantized", False) else None
             self._flat = FlatSteps(self._flat_members(), self._make_twin, self._inner, coded)
+        self._flat.acquire()
         for chunk in self._flat.chunks:
             if not chunk.synced and not self._flat.adopt(chunk, self.state):
                 self._flat_capable = False      # step counts differ: the per-master step from now on
-                self._flat.release(self.state)
+                self._flat.unshare(self.state)
                 return False
             if chunk.split_idx and not chunk.ties_packed:
                 self._pack_ties(chunk)
@@ -472,7 +473,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         """Before a per-master step: tie lists and per-master step counters back."""
         if self._flat is not None:
             self._unpack_ties()
-            self._flat.release(self.state)
+            self._flat.unshare(self.state)
 
     def _drop_flat(self) -> None:
         """Forget the chunks (param groups changed, or a load replaced the state and masters)."""
@@ -502,6 +503,8 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             hook(inner, (), {})
 
     def _end_step(self) -> None:
+        if self._flat is not None:
+            self._flat.release()              # the flat step's scratch holds no memory between steps
         self._grads_ready = False
         self._stepped = ([], [])
         self._pending = set()

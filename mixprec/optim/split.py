@@ -10,16 +10,18 @@ model's parameter anyway) and the distance between the two bit patterns:
 ``d`` needs 16 bits plus one value: ``+2**15`` happens only at an exact tie that rounded *down*
 to an even ``hi``, and ``-2**15`` at a tie that rounded *up* to an even ``hi``, so for an even
 ``hi`` there are 2**16 + 1 masters and no 16-bit code can tell them all apart. The remainder is
-stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the flat indices of the ties that rounded
-down are kept in a short ``int64`` list (about one element in 2**17 per step; finding them is one
-``nonzero``, a host sync per chunk on an accelerator). Modulo 2**16, ``d`` is just the low half of
-``w``'s bit pattern (``hi``'s low half is zero), so splitting is a rounding copy and a copy of
-half of ``w``'s bytes, with no integer arithmetic. ``join`` reverses it bit for bit, infinities
-included; a NaN master stays NaN (its payload may change).
+stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the ties that rounded down are marked:
+in the step's dense tie bitmap (mixprec.optim.flat: one bit per element, no data-dependent
+shape, no host sync), or, on the per-master paths here, in a short ``int64`` list of flat indices
+per tensor (about one element in 2**17 per step; finding them is one ``nonzero``). Modulo 2**16,
+``d`` is just the low half of ``w``'s bit pattern (``hi``'s low half is zero), so splitting is a
+rounding copy and a copy of half of ``w``'s bytes, with no integer arithmetic. ``join`` reverses it
+bit for bit, infinities included; a NaN master stays NaN (its payload may change).
 
-Cost: 2 bytes per parameter instead of 4 (plus 8 per tie). The optimizer step widens one bounded
-chunk of masters and gradients to FP32 at a time (``_CHUNK_NUMEL`` elements), steps it with the
-unchanged inner optimizer and splits it back, so the update is today's FP32 update bit for bit
+Cost: 2 bytes per parameter instead of 4 (plus a bit for the tie bitmap). The optimizer step
+widens one bounded chunk of masters and gradients to FP32 at a time (mixprec.optim.flat; the
+per-master fallback here uses ``CHUNK_NUMEL`` chunks), steps it with the inner optimizer's own
+math and splits it back, so the update is the FP32 update bit for bit
 (tests/optim/test_split_masters.py).
 
 ``DeferredGrads`` is the other half of the saving: the step reads the BF16 model gradients
@@ -41,20 +43,23 @@ from torch.autograd.profiler import record_function
 
 from mixprec.errors import ConfigError
 
-__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "flat_chunk_numel", "chunks", "chunk_exact",
+__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "FLAT_CHUNK_MAX", "flat_chunk_numel", "chunks", "chunk_exact",
            "SplitSteps", "resolve_split"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
 FLAT_CHUNKS = 8
-"""The flat step (mixprec.optim.flat) cuts a param group's masters on a device into about this many
-chunks, none under ``CHUNK_NUMEL`` elements: the number of ops stays bounded whatever the model's
-size, and the FP32 scratch (values and gradients of one chunk, 8 bytes per element) costs about
-one byte per parameter at most."""
+FLAT_CHUNK_MAX = 1 << 26
+"""The flat step (mixprec.optim.flat) cuts a param group's masters on a device into about
+``FLAT_CHUNKS`` chunks, none under ``CHUNK_NUMEL`` nor over ``FLAT_CHUNK_MAX`` (64 Mi) elements:
+up to about 0.5 G parameters a step costs a fixed number of ops; above, more chunks, each of whose
+ops moves 256 MiB or more (far longer than a kernel launch on any GPU). The FP32 scratch (values
+and gradients of one chunk, 8 bytes per element, held only during the step) costs at most about
+one byte per parameter and 512 MiB."""
 
 
 def flat_chunk_numel(total: int) -> int:
     """The element budget of one flat-step chunk of a list of ``total`` elements."""
-    return max(CHUNK_NUMEL, -(-total // FLAT_CHUNKS))
+    return min(max(CHUNK_NUMEL, -(-total // FLAT_CHUNKS)), FLAT_CHUNK_MAX)
 _TIE = 1 << 15
 _WRAP = 1 << 16
 
