@@ -35,8 +35,15 @@ coefficient are deferred into that widening (``deferred_grads()``, used by mixpr
 it widens everything for that step, as before. Gradient accumulation is unchanged: autograd sums
 the micro-batches into the BF16 ``.grad``, exactly as with full masters.
 
-Where the rest lives: the split-master step in :mod:`mixprec.optim.split` (``SplitSteps``), saving
-and loading in :mod:`mixprec.optim.master_state` (``MasterState``); both are mixins of
+The step itself is flat (:mod:`mixprec.optim.flat`): the masters of each param group and device
+are stepped as a few flat FP32 chunks by a twin of the inner optimizer, a fixed number of ops
+whatever the number of parameters, no host sync, and a non-finite step can be skipped on the device
+(``step(inputs=StepInputs(found_inf=...))``, :mod:`mixprec.optim.inputs`). The per-master step
+below (the inner optimizer over the masters, split masters widened chunk by chunk) is the
+fallback for what the flat step cannot do (see flat's docstring); both give the same bits.
+
+Where the rest lives: the per-master split step in :mod:`mixprec.optim.split` (``SplitSteps``),
+saving and loading in :mod:`mixprec.optim.master_state` (``MasterState``); both are mixins of
 :class:`MasterWeights`, which holds the bookkeeping they read.
 """
 from __future__ import annotations
