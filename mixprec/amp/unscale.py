@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
+
 __all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale"]
 
 
@@ -39,16 +41,16 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     masters) provides them; otherwise the ``.grad`` of its ``param_groups``. Sparse grads give their
     values (FP16 ones coalesced first, as torch does), DTensor grads their local shard.
     """
-    master_grads = getattr(optimizer, "master_grads", None)
-    if callable(master_grads):
-        raw = [g for g in master_grads() if g is not None]
+    masters = isinstance(optimizer, HasMasterGrads)
+    if masters:
+        raw = [g for g in optimizer.master_grads() if g is not None]
     else:
         raw = [g for group in optimizer.param_groups for p in group["params"]
                if (g := p.grad) is not None]
     # Fast path (the common case): plain dense tensors. map() keeps this check out of Python loops.
     if not raw or (set(map(type, raw)) <= {torch.Tensor} and set(map(_LAYOUT, raw)) == {torch.strided}):
         return raw
-    if not callable(master_grads):
+    if not masters:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
@@ -66,8 +68,7 @@ def deferred_grads(optimizer: torch.optim.Optimizer) -> Any:
     """The optimizer's :class:`mixprec.optim.split.DeferredGrads` (split FP32 masters: BF16
     gradients read by the step, unscale and clip factors applied inside it), or None: then use
     :func:`optimizer_grads`."""
-    get = getattr(optimizer, "deferred_grads", None)
-    return get() if callable(get) else None
+    return optimizer.deferred_grads() if isinstance(optimizer, HasDeferredGrads) else None
 
 
 _FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}

@@ -47,6 +47,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
+from mixprec.amp.grads import HasMasterGrads
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.integrations.common import Host, RunRecord, StepIfTaken, as_precision
@@ -196,7 +197,7 @@ class MixprecFabricPrecision(FabricPrecision):
             raise ConfigError("optimizer.step(closure) with mixprec's plugin: compute the loss, "
                               "fabric.backward(loss), then optimizer.step()")
         _refuse_lbfgs(optimizer)
-        if self.mixprec.keeps_masters and not hasattr(optimizer, "master_grads"):
+        if self.mixprec.keeps_masters and not isinstance(optimizer, HasMasterGrads):
             raise ConfigError(f"precision {self.mixprec.name} keeps FP32 master weights but this "
                               f"{type(optimizer).__name__} has none; set up through the plugin: "
                               "model, optimizer = fabric.setup(*plugin.setup(model, optimizer))")
