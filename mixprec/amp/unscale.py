@@ -92,10 +92,10 @@ def _fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _unscale_group(grads: list[Tensor], inv_scale: Tensor | None, found_inf: Tensor) -> None:
     """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and raise
-    ``found_inf`` to 1 if any element is inf/NaN. No host sync on either path."""
-    if _fused_supported(grads[0].device, grads[0].dtype):
-        one = inv_scale if inv_scale is not None else torch.ones_like(found_inf)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    ``found_inf`` to 1 if any element is inf/NaN. No host sync on either path. Without a scale
+    (BF16/FP32 modes) the grads are only read: multiplying them by 1 would write them all."""
+    if inv_scale is not None and _fused_supported(grads[0].device, grads[0].dtype):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         return
     if inv_scale is not None:
         torch._foreach_mul_(grads, inv_scale)

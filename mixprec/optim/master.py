@@ -411,6 +411,11 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         ``master_grads()``; prepares the chunks (state adopted, ties packed) when it does."""
         if not self._flat_capable or self._wide:
             return False
+        if not self._masters and any(p.device.type != "cpu" for p in self._all_model_params):
+            # Only FP32 params that are their own master (32-true, *-mixed): on an accelerator
+            # torch's foreach/fused AdamW already steps them in a fixed number of launches, in
+            # place; gathering them into flat chunks would only add three passes over memory.
+            return False
         for group in self.param_groups:
             for m in group["params"]:
                 p = self._model_of.get(id(m), m)
