@@ -158,6 +158,7 @@ class Chunk:
         self.plain: list[int] = []
         self.ties_packed = False   # False: the owner's per-master tie lists hold the truth
         self.viewed = False        # the inner optimizer's per-master state are views of the twin's
+        self.shared: dict[str, Tensor] = {}    # the twin's tensors those views were made of
         self.synced = False        # the twin's state is this chunk's state (adopted or created)
 
 
@@ -275,6 +276,7 @@ class FlatSteps:
         flat = self.twin.state.get(chunk.param)
         if not flat:
             return
+        chunk.shared = {k: v for k, v in flat.items() if isinstance(v, Tensor)}
         for m, p, a, n in zip(chunk.masters, chunk.models, chunk.starts, chunk.numels):
             st = {}
             for key, v in flat.items():
@@ -365,6 +367,11 @@ class FlatSteps:
                     out.append(v)
         return out
 
+    def stateless(self) -> bool:
+        """Whether some chunk has no optimizer state yet (its first step): a step skipped there
+        must leave no state, which ``torch.where`` cannot express."""
+        return not self.moments and any(not self.twin.state.get(c.param) for c in self.chunks)
+
     def reseed(self) -> None:
         """8-bit moments: start the inner optimizer's rounding noise of this step, as its own
         step does (once per step, from the step count before it: a CPU step counter read)."""
@@ -401,8 +408,8 @@ class FlatSteps:
         self.twin.step()
         if self.moments:
             self._encode(chunk, inner_state)
-        elif not chunk.viewed:
-            self.share(chunk, inner_state)
+        elif not chunk.viewed or any(self.twin.state[chunk.param].get(k) is not v for k, v in chunk.shared.items()):
+            self.share(chunk, inner_state)     # first step, or the optimizer replaced a state tensor
         if kept is not None:
             self._restore_where(chunk, inner_state, kept, skip)
         if chunk.split_idx:

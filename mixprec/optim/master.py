@@ -498,6 +498,12 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         flat = self._flat
         assert flat is not None
         skips: dict[torch.device, Tensor] = {}
+        if found_inf is not None and flat.stateless():
+            # The first step: a skipped one must create no state (torch's meaning of "not
+            # stepped"), so this once the host reads the flag first.
+            if bool(found_inf.item() > 0):
+                return
+            found_inf = None
         if found_inf is not None:
             for dev in {c.param.device for c in flat.chunks}:
                 skips[dev] = found_inf.to(dev, non_blocking=True) > 0     # stays on the device
