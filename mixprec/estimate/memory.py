@@ -434,7 +434,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     # mixprec's AdamW (one device, a mode that keeps masters or FP32 params) steps flat chunks
     # (mixprec.optim.flat): one chunk's FP32 values and gradients at a time, shared scratch.
     flat = shards == 1 and not policy.loses_small_updates
-    c = min(P, flat_chunk_numel(P) if flat else CHUNK_NUMEL)
+    c = min(P, flat_chunk_numel(P, "cpu" if device == "cpu" else "cuda") if flat else CHUNK_NUMEL)
     master_grads = 4 * min(low_p, c) if split else masters
     if optimizer != "adamw":
         moments = 4 * P                                          # SGD: momentum buffer

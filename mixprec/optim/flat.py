@@ -9,7 +9,9 @@ group and device, between ``split.CHUNK_NUMEL`` and ``split.FLAT_CHUNK_MAX`` ele
 (``split.flat_chunk_numel``; a larger tensor is a chunk of its own). So a step costs a fixed
 number of ops up to about 0.5 G parameters (one chunk per group on the small models of the tests)
 and beyond that more chunks of ops far longer than a launch; the scratch costs at most about one
-byte per parameter and 512 MiB, during the step only. Each chunk has, allocated once:
+byte per parameter and 512 MiB, during the step only. On a CPU, where a dispatch costs nothing
+but cache misses do, chunks are ``split.CPU_CHUNK_NUMEL`` (256 Ki) elements. Each chunk has,
+allocated once:
 
 * a slot per master in two FP32 scratch buffers shared by all chunks of a device (the values
   ``W`` and the gradients ``G``; the largest chunk sets their size, so the transient memory stays
@@ -41,7 +43,8 @@ value the per-master call gave (tests/optim/test_step_cost.py checks it against 
 tests/optim/test_split_masters.py checks split against full masters with tolerance 0). Rounding
 noise (BF16 moments, int8 codes) is drawn per chunk: split and full masters cut the same chunks
 and draw the same noise; the per-master step cuts ``CHUNK_NUMEL`` chunks, the same ones for a
-param group under ``FLAT_CHUNKS * CHUNK_NUMEL`` (32 Mi) elements, other noise above.
+param group under ``FLAT_CHUNKS * CHUNK_NUMEL`` (32 Mi) elements on an accelerator and under
+``CPU_CHUNK_NUMEL`` elements on a CPU, other (equally distributed) noise above.
 
 What falls back to the per-master step (mixprec.optim.master, unchanged): an optimizer that is not
 elementwise, 8-bit moments (their blocks follow each matrix's rows), a step issued in parts (the
@@ -182,7 +185,7 @@ class FlatSteps:
                 by_device.setdefault(mem[1].device, []).append(mem)
             for dev, mems in by_device.items():
                 numels = [mem[1].numel() for mem in mems]
-                for a, b in _split.chunks(numels, _split.flat_chunk_numel(sum(numels))):
+                for a, b in _split.chunks(numels, _split.flat_chunk_numel(sum(numels), dev.type)):
                     plan.append((gi, dev, mems[a:b]))
                     need[dev] = max(need.get(dev, 0), sum(mem[1].numel() for mem in mems[a:b]))
         self.w = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}

@@ -81,14 +81,12 @@ def test_adamw_scratch_is_one_flat_chunk_and_torchs_temporaries_over_it():
     from mixprec.optim.split import flat_chunk_numel
     shape = ModelShape.from_config(get_model_config("gpt-ref"))
     P = shape.num_parameters()
-    c = min(P, flat_chunk_numel(P))
     cpu = estimate_memory(shape, "32-true", batch=1, seq=16, device="cpu")
     gpu = estimate_memory(shape, "32-true", batch=1, seq=16)
-    assert cpu.optimizer_scratch == (8 + 8) * c
-    assert gpu.optimizer_scratch == (8 + 4) * c
-    lean = estimate_memory(shape, "bf16-true", batch=1, seq=16, device="cpu", moments_dtype="int8")
-    assert lean.optimizer_scratch == estimate_memory(shape, "bf16-true", batch=1, seq=16,
-                                                     moments_dtype="int8").optimizer_scratch  # own AdamW
+    assert cpu.optimizer_scratch == (8 + 8) * min(P, flat_chunk_numel(P, "cpu"))      # cache-sized
+    assert gpu.optimizer_scratch == (8 + 4) * min(P, flat_chunk_numel(P))
+    lean = estimate_memory(shape, "bf16-true", batch=1, seq=16, moments_dtype="int8")
+    assert lean.optimizer_scratch == (4 + 12 + 8 + 16) * min(P, flat_chunk_numel(P))  # own AdamW, 8-bit
 
 
 @pytest.mark.parametrize("mode", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
