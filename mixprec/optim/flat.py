@@ -49,9 +49,11 @@ param group under ``FLAT_CHUNKS * CHUNK_NUMEL`` (32 Mi) elements on an accelerat
 What falls back to the per-master step (mixprec.optim.master, unchanged): an optimizer that is not
 elementwise, 8-bit moments (their blocks follow each matrix's rows), a step issued in parts (the
 overlap engine), masters whose grads were widened by ``master_grads()`` for torch's scaler, and any
-step in which some master of a flat group has no gradient (torch then skips only that master; the
-flat state would advance it too). After such a step the chunk adopts the per-master state again
-(a one-time concatenation) or, if the masters' step counts differ, keeps the per-master step.
+step in which some trainable master has no gradient (torch then skips only that master; the flat
+state would advance it too). Frozen parameters (``requires_grad=False``) are left out of the
+chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
+unfrozen, a chunk adopts the per-master state again (a one-time concatenation) or, if its
+masters' step counts differ (a param unfrozen after others stepped), the per-master step stays.
 """
 from __future__ import annotations
 
@@ -175,6 +177,7 @@ class FlatSteps:
                  make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],
                  inner: torch.optim.Optimizer, moments: str | None = None) -> None:
         self.inner = inner
+        self.key: tuple[int, ...] = ()   # the owner's trainable masters these chunks were made for
         self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
         self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
         plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]]] = []

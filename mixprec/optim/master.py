@@ -385,12 +385,15 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the flat step
     def _flat_members(self) -> list[list[tuple[Tensor, Tensor, str, Tensor | None]]]:
-        """Per param group: (master, model param, kind, remainder) of every master, in order."""
+        """Per param group: (master, model param, kind, remainder) of every trainable master, in
+        order (frozen params have no grad: torch skips them, and so do the chunks)."""
         out = []
         for group in self.param_groups:
             mems = []
             for m in group["params"]:
                 p = self._model_of.get(id(m), m)
+                if not p.requires_grad:
+                    continue
                 kind = "split" if self._is_split(m) else ("self" if p is m else "full")
                 mems.append((m, p, kind, self._lo.get(id(m))))
             out.append(mems)
@@ -416,18 +419,28 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             # torch's foreach/fused AdamW already steps them in a fixed number of launches, in
             # place; gathering them into flat chunks would only add three passes over memory.
             return False
+        members = []
         for group in self.param_groups:
             for m in group["params"]:
                 p = self._model_of.get(id(m), m)
                 g = p.grad if self._is_split(m) else m.grad
+                if not p.requires_grad:          # frozen: outside the chunks, unless given a grad
+                    if g is not None:
+                        return False
+                    continue
                 if g is None or p.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
                         or (p is m and p.dtype != torch.float32) or _sharded.is_dtensor(p):
                     return False
+                members.append(id(m))
+        key = tuple(members)
+        if self._flat is not None and self._flat.key != key:
+            self._drop_flat()                    # params frozen or unfrozen: chunks made again
         if self._flat is None:
-            if not any(g["params"] for g in self.param_groups):
+            if not key:
                 return False
             coded = self._inner.moments if getattr(self._inner, "quantized", False) else None
             self._flat = FlatSteps(self._flat_members(), self._make_twin, self._inner, coded)
+            self._flat.key = key
         self._flat.acquire()
         for chunk in self._flat.chunks:
             if not chunk.synced and not self._flat.adopt(chunk, self.state):

@@ -167,6 +167,36 @@ def test_a_step_skipped_on_the_device_leaves_what_a_step_not_taken_leaves(layout
             assert t.dtype == u.dtype and torch.equal(t.reshape(-1).view(torch.uint8), u.reshape(-1).view(torch.uint8)), key
 
 
+def test_frozen_parameters_keep_the_flat_step_and_unfreezing_rebuilds_it():
+    # Fine-tuning freezes params: they have no grad, torch skips them, the chunks leave them out.
+    def run(flat: bool):
+        model = _model(2)
+        frozen = [model.wte.weight, model.blocks[0].attn.qkv.weight]
+        for p in frozen:
+            p.requires_grad_(False)
+        opt = AdamW(model.parameters(), lr=1e-2)
+        opt._flat_capable = flat
+        counts = []
+        for i in range(5):
+            if i == 3:
+                for p in frozen:
+                    p.requires_grad_(True)
+            _backward(model, i)
+            with OpCounter() as counter:
+                opt.step()
+            counts.append(counter.total)
+            opt.zero_grad()
+        return model, opt, counts
+
+    (ma, oa, ca), (mb, ob, cb) = run(True), run(False)
+    for pa, pb in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(_bits(pa), _bits(pb))
+    assert ca[2] < cb[2] / 3                    # flat while frozen (one chunk, not per parameter)
+    # Unfrozen params start at step 0 while the others are at 3: one chunk cannot share their
+    # step counter, so the per-master step takes over from there (mixprec/optim/flat.py).
+    assert not oa._flat_capable
+
+
 def _precision_step(mode: str, blocks: int, clip: float | None) -> tuple[OpCounter, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Transformer(num_layers=blocks, d_model=32, num_heads=2, vocab_size=64, max_seq_len=16)
