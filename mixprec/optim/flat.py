@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec.optim import split as _split
+from mixprec.optim import moments as _moments, split as _split
 
 __all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_"]
 
@@ -171,7 +171,7 @@ class FlatSteps:
     """The flat step of a :class:`mixprec.optim.MasterWeights` (its chunks, scratch and twin).
 
     Built from the owner's param groups once (again after ``add_param_group``); the owner decides
-    each step whether the flat step applies (:meth:`MasterWeights._flat_eligible`)."""
+    each step whether the flat step applies (``MasterWeights._flat_ready``)."""
 
     def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None]]],
                  make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],
@@ -205,7 +205,6 @@ class FlatSteps:
                            [k for _, _, k, _ in mems], [lo for _, _, _, lo in mems],
                            self.w[dev], self.g[dev], shifts[dev], flags[dev], mv.get(dev))
                        for gi, dev, mems in plan]
-        self.chunk_of = {id(m): c for c in self.chunks for m in c.masters}
         self.twin = make_twin([c.param for c in self.chunks])
 
     def acquire(self) -> None:
@@ -316,7 +315,6 @@ class FlatSteps:
 
     def _decode(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
         """The masters' 8-bit (or FP32 vector) moments into the chunk's FP32 moment scratch."""
-        from mixprec.optim import moments as _moments
         sts, plain = self._coded_lists(chunk, inner_state)
         for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
             if sts:
@@ -327,7 +325,6 @@ class FlatSteps:
     def _encode(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
         """The updated FP32 moments back into the masters' codes (the inner optimizer's rounding
         noise, drawn in the order of its own per-master step) and FP32 vector moments."""
-        from mixprec.optim import moments as _moments
         sts, plain = self._coded_lists(chunk, inner_state)
         gen = self.inner._generator(chunk.param.device)           # type: ignore[attr-defined]
         for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
