@@ -52,8 +52,9 @@ overlap engine), masters whose grads were widened by ``master_grads()`` for torc
 step in which some trainable master has no gradient (torch then skips only that master; the flat
 state would advance it too). Frozen parameters (``requires_grad=False``) are left out of the
 chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
-unfrozen, a chunk adopts the per-master state again (a one-time concatenation) or, if its
-masters' step counts differ (a param unfrozen after others stepped), the per-master step stays.
+unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
+masters' step counts now differ (a param unfrozen after others stepped, a step that skipped a
+master) the chunks are made again, grouped by step count, since a chunk shares one counter.
 """
 from __future__ import annotations
 
@@ -173,20 +174,21 @@ class FlatSteps:
     Built from the owner's param groups once (again after ``add_param_group``); the owner decides
     each step whether the flat step applies (``MasterWeights._flat_ready``)."""
 
-    def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None]]],
+    def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]],
                  make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],
                  inner: torch.optim.Optimizer, moments: str | None = None) -> None:
         self.inner = inner
         self.key: tuple[int, ...] = ()   # the owner's trainable masters these chunks were made for
         self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
         self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
-        plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]]] = []
+        plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]] = []
         need: dict[torch.device, int] = {}
         for gi, members in enumerate(groups):
-            by_device: dict[torch.device, list[tuple[Tensor, Tensor, str, Tensor | None]]] = {}
+            # per device, and per step count (one counter per chunk): one cohort in a normal run
+            by_device: dict[tuple[torch.device, float | None], list] = {}
             for mem in members:
-                by_device.setdefault(mem[1].device, []).append(mem)
-            for dev, mems in by_device.items():
+                by_device.setdefault((mem[1].device, mem[4]), []).append(mem)
+            for (dev, _), mems in by_device.items():
                 numels = [mem[1].numel() for mem in mems]
                 for a, b in _split.chunks(numels, _split.flat_chunk_numel(sum(numels), dev.type)):
                     plan.append((gi, dev, mems[a:b]))
@@ -201,8 +203,8 @@ class FlatSteps:
         # before the next (the views made once stay valid: FSDP2 frees its buffers this way).
         self._scratch = [*self.w.values(), *self.g.values(), *flags.values(), *(t for ts in mv.values() for t in ts)]
         self.held = True
-        self.chunks = [Chunk(gi, [m for m, _, _, _ in mems], [p for _, p, _, _ in mems],
-                           [k for _, _, k, _ in mems], [lo for _, _, _, lo in mems],
+        self.chunks = [Chunk(gi, [mem[0] for mem in mems], [mem[1] for mem in mems],
+                           [mem[2] for mem in mems], [mem[3] for mem in mems],
                            self.w[dev], self.g[dev], shifts[dev], flags[dev], mv.get(dev))
                        for gi, dev, mems in plan]
         self.twin = make_twin([c.param for c in self.chunks])

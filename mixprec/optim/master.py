@@ -384,9 +384,11 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         return loss
 
     # ------------------------------------------------------------------ the flat step
-    def _flat_members(self) -> list[list[tuple[Tensor, Tensor, str, Tensor | None]]]:
-        """Per param group: (master, model param, kind, remainder) of every trainable master, in
-        order (frozen params have no grad: torch skips them, and so do the chunks)."""
+    def _flat_members(self) -> list[list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]:
+        """Per param group: (master, model param, kind, remainder, step count) of every trainable
+        master, in order (frozen params have no grad: torch skips them, and so do the chunks).
+        The step count (None: no state yet) keeps masters that stepped differently apart: a
+        chunk shares one counter (read once here, when the chunks are made)."""
         out = []
         for group in self.param_groups:
             mems = []
@@ -395,7 +397,9 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 if not p.requires_grad:
                     continue
                 kind = "split" if self._is_split(m) else ("self" if p is m else "full")
-                mems.append((m, p, kind, self._lo.get(id(m))))
+                st = self.state.get(m)
+                step = float(st["step"]) if st and isinstance(st.get("step"), Tensor) else None
+                mems.append((m, p, kind, self._lo.get(id(m)), step))
             out.append(mems)
         return out
 
@@ -435,18 +439,24 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         key = tuple(members)
         if self._flat is not None and self._flat.key != key:
             self._drop_flat()                    # params frozen or unfrozen: chunks made again
-        if self._flat is None:
-            if not key:
+        for fresh in (self._flat is None, True):
+            if self._flat is None:
+                if not key:
+                    return False
+                coded = self._inner.moments if getattr(self._inner, "quantized", False) else None
+                self._flat = FlatSteps(self._flat_members(), self._make_twin, self._inner, coded)
+                self._flat.key = key
+            self._flat.acquire()
+            if all(chunk.synced or self._flat.adopt(chunk, self.state) for chunk in self._flat.chunks):
+                break
+            # Step counts diverged inside a chunk (a per-master step skipped some masters):
+            # make the chunks again, grouped by step count; if even that fails, stay per master.
+            self._drop_flat()
+            if fresh:
+                self._flat_capable = False
                 return False
-            coded = self._inner.moments if getattr(self._inner, "quantized", False) else None
-            self._flat = FlatSteps(self._flat_members(), self._make_twin, self._inner, coded)
-            self._flat.key = key
-        self._flat.acquire()
+        assert self._flat is not None
         for chunk in self._flat.chunks:
-            if not chunk.synced and not self._flat.adopt(chunk, self.state):
-                self._flat_capable = False      # step counts differ: the per-master step from now on
-                self._flat.unshare(self.state)
-                return False
             if chunk.split_idx and not chunk.ties_packed:
                 self._pack_ties(chunk)
         return True

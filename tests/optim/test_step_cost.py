@@ -192,9 +192,10 @@ def test_frozen_parameters_keep_the_flat_step_and_unfreezing_rebuilds_it():
     for pa, pb in zip(ma.parameters(), mb.parameters()):
         assert torch.equal(_bits(pa), _bits(pb))
     assert ca[2] < cb[2] / 3                    # flat while frozen (one chunk, not per parameter)
-    # Unfrozen params start at step 0 while the others are at 3: one chunk cannot share their
-    # step counter, so the per-master step takes over from there (mixprec/optim/flat.py).
-    assert not oa._flat_capable
+    # Unfrozen params start at step 0 while the others are at 3: they get chunks of their own
+    # (a chunk shares one step counter), and the step stays flat.
+    assert oa._flat_capable and ca[4] < cb[4] / 2
+    assert len({c.group for c in oa._flat.chunks}) < len(oa._flat.chunks)
 
 
 def _precision_step(mode: str, blocks: int, clip: float | None) -> tuple[OpCounter, torch.optim.Optimizer]:
@@ -271,6 +272,7 @@ def test_channels_last_conv_net_steps_split_masters_bit_identical_to_full_master
     assert torch.equal(opt.master_of(model[0].weight), exact)        # every element is a tie
     for drop in (None, 1):
         (ma, oa), (mb, ob) = _train_conv(True, drop_grad_at=drop), _train_conv(False, drop_grad_at=drop)
+        assert oa._flat_capable and ob._flat_capable   # flat again after the per-master step
         for pa, pb in zip(ma.parameters(), mb.parameters()):
             assert torch.equal(_bits(pa), _bits(pb))
         for qa, qb in zip(oa.masters, ob.masters):
