@@ -57,7 +57,7 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mixprec.optim import registry, sharded as _sharded, split as _split
-from mixprec.optim.flat import FlatSteps, unpack_ties
+from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
 from mixprec.optim.inputs import StepInputs
 from mixprec.optim.master_state import MasterState
 from mixprec.optim.split import SplitSteps, resolve_split
@@ -165,8 +165,8 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
 
         master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
-        # The flat step needs an elementwise inner optimizer on FP32 (mixprec.optim.flat); 8-bit
-        # moments are blocked along each matrix's rows, so they keep the per-master step.
+        # The flat step (mixprec.optim.flat) needs an elementwise inner optimizer on FP32 masters:
+        # one call over a concatenation must give each element what the per-master call gave.
         self._flat_capable = _split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
         self._constructing = True
         super().__init__(self._inner.param_groups, self._inner.defaults)
@@ -339,8 +339,9 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         ``inputs``: the precision side's device tensors (:class:`mixprec.optim.inputs.StepInputs`).
         With ``found_inf`` the step is skipped *on the device* where the flag is raised: the flat
         step (mixprec.optim.flat) issues its whole update and keeps the old values, bit for bit,
-        without a host sync; the per-master step (a step in parts, 8-bit... see flat's docstring)
-        reads the flag on the host first.
+        without a host sync (after its first step: a skipped first step must create no state, so
+        the flag is read on the host once); the per-master step (a step in parts and the other
+        cases listed in flat's docstring) reads the flag on the host first.
 
         ``parts``: disjoint lists of *model* params; the step is then issued part by part (the
         inner optimizer over only that part's masters, then that part's copy-back), each inside
@@ -414,8 +415,9 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
 
     def _flat_ready(self) -> bool:
         """Whether this step runs flat (mixprec.optim.flat): an elementwise FP32 inner optimizer,
-        every master of every group with a gradient, plain tensors, no FP32 copies widened by
-        ``master_grads()``; prepares the chunks (state adopted, ties packed) when it does."""
+        every trainable master with a gradient (frozen ones without), plain tensors, no FP32
+        copies widened by ``master_grads()``; prepares the chunks (made or made again, state
+        adopted, ties packed) when it does."""
         if not self._flat_capable or self._wide:
             return False
         if not self._masters and any(p.device.type != "cpu" for p in self._all_model_params):
@@ -486,7 +488,6 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             ties = self._ties[id(chunk.masters[i])]
             if ties.numel():
                 chunk.flags[chunk.starts[i] + ties] = True
-        from mixprec.optim.flat import pack_ties_
         pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
         chunk.ties_packed = True
 
