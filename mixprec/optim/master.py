@@ -297,6 +297,9 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 buf = self._grad_of.get(id(m))
                 if buf is None or buf.shape != m.shape:    # once, not per step: no per-master op
                     buf = self._grad_of[id(m)] = torch.empty_like(m)
+                storage = buf.untyped_storage()
+                if storage.nbytes() == 0:                  # freed by zero_grad(set_to_none=True)
+                    storage.resize_(buf.numel() * buf.element_size())
                 m.grad = buf
             src.append(p.grad)
             dst.append(m.grad)
@@ -581,6 +584,8 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         if set_to_none:
             for t in tensors:
                 t.grad = None
+            for buf in self._grad_of.values():   # FP32 master grads hold no memory between steps
+                buf.untyped_storage().resize_(0)
             return
         grads = [t.grad for t in tensors if t.grad is not None]
         for t in tensors:

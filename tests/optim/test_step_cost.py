@@ -198,6 +198,21 @@ def test_frozen_parameters_keep_the_flat_step_and_unfreezing_rebuilds_it():
     assert len({c.group for c in oa._flat.chunks}) < len(oa._flat.chunks)
 
 
+@pytest.mark.parametrize("layout", ["full", "split", "int8"], ids=str)
+def test_the_step_holds_no_scratch_memory_between_steps(layout):
+    # The flat chunks' FP32 scratch and full masters' FP32 grads live only around the step, as
+    # the per-master step's did (the estimator counts them in the step phase only).
+    model = _model(2)
+    opt = AdamW(model.parameters(), lr=1e-3, **LAYOUTS[layout])
+    for i in range(2):
+        _backward(model, i)
+        opt.step()
+        opt.zero_grad()
+    flat = opt._flat
+    held = [t for t in flat._scratch + list(flat.pool.values()) + list(opt._grad_of.values())]
+    assert held and all(t.untyped_storage().nbytes() == 0 for t in held)
+
+
 def _precision_step(mode: str, blocks: int, clip: float | None) -> tuple[OpCounter, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Transformer(num_layers=blocks, d_model=32, num_heads=2, vocab_size=64, max_seq_len=16)
