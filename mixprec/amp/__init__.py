@@ -3,6 +3,7 @@
 :mod:`mixprec.precision`, where it lives) ``autocast``."""
 from mixprec.amp.clip import clip_grad_norm_
 from mixprec.amp.grad_scaler import GradScaler
+from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
 from mixprec.amp.unscale import optimizer_grads
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, Transition, transition
 
@@ -10,7 +11,7 @@ __all__ = [
     # scaling
     "GradScaler", "DynamicLossScaler", "LossScaleConfig", "LossScaleState", "Transition", "transition",
     # gradients
-    "clip_grad_norm_", "optimizer_grads",
+    "clip_grad_norm_", "optimizer_grads", "HasMasterGrads", "HasDeferredGrads",
     # forward
     "autocast",
 ]

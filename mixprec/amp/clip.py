@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from mixprec.amp.grad_scaler import GradScaler, _Stage
+from mixprec.amp.grads import HasMasterGrads
 from mixprec.amp.unscale import deferred_grads
 from mixprec.errors import ConfigError
 
@@ -88,9 +89,8 @@ def clip_grad_norm_(scaler: GradScaler | torch.amp.GradScaler, optimizer: torch.
 
 def _grads_for_clipping(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """Like :func:`optimizer_grads` but keeps DTensor grads whole, so the norm spans all shards."""
-    master_grads = getattr(optimizer, "master_grads", None)
-    if callable(master_grads):
-        return [g for g in master_grads() if g is not None]
+    if isinstance(optimizer, HasMasterGrads):
+        return [g for g in optimizer.master_grads() if g is not None]
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if any(g.is_sparse for g in grads):
         raise ConfigError("clip_grad_norm_ does not clip sparse gradients; clip their values yourself")

@@ -295,6 +295,18 @@ class GradScaler:
             return None
         return optimizer.step(*args, **kwargs)
 
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> Tensor | None:
+        """The agreed non-finite flag of ``optimizer``'s gradients this iteration, as a 0-dim
+        float32 device tensor (unscaling first if not done yet), **not** read: for an optimizer
+        that skips on the device (``mixprec.optim.inputs.StepInputs``). Call :meth:`decide`
+        afterwards for the counters. None when the scaler is inactive (nothing to check)."""
+        if not self._active:
+            return None
+        st = self._state(optimizer)
+        if st.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        return st.found_inf
+
     def decide(self, optimizer: torch.optim.Optimizer) -> bool:
         """What :meth:`step` does, except calling ``optimizer.step()``: unscale (if not done yet),
         read the agreed non-finite flag (the one host sync), count a skip; True when the caller

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
+
 __all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale"]
 
 
@@ -39,16 +41,16 @@ def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     masters) provides them; otherwise the ``.grad`` of its ``param_groups``. Sparse grads give their
     values (FP16 ones coalesced first, as torch does), DTensor grads their local shard.
     """
-    master_grads = getattr(optimizer, "master_grads", None)
-    if callable(master_grads):
-        raw = [g for g in master_grads() if g is not None]
+    masters = isinstance(optimizer, HasMasterGrads)
+    if masters:
+        raw = [g for g in optimizer.master_grads() if g is not None]
     else:
         raw = [g for group in optimizer.param_groups for p in group["params"]
                if (g := p.grad) is not None]
     # Fast path (the common case): plain dense tensors. map() keeps this check out of Python loops.
     if not raw or (set(map(type, raw)) <= {torch.Tensor} and set(map(_LAYOUT, raw)) == {torch.strided}):
         return raw
-    if not callable(master_grads):
+    if not masters:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 g = p.grad
@@ -66,8 +68,7 @@ def deferred_grads(optimizer: torch.optim.Optimizer) -> Any:
     """The optimizer's :class:`mixprec.optim.split.DeferredGrads` (split FP32 masters: BF16
     gradients read by the step, unscale and clip factors applied inside it), or None: then use
     :func:`optimizer_grads`."""
-    get = getattr(optimizer, "deferred_grads", None)
-    return get() if callable(get) else None
+    return optimizer.deferred_grads() if isinstance(optimizer, HasDeferredGrads) else None
 
 
 _FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -91,10 +92,10 @@ def _fused_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _unscale_group(grads: list[Tensor], inv_scale: Tensor | None, found_inf: Tensor) -> None:
     """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and raise
-    ``found_inf`` to 1 if any element is inf/NaN. No host sync on either path."""
-    if _fused_supported(grads[0].device, grads[0].dtype):
-        one = inv_scale if inv_scale is not None else torch.ones_like(found_inf)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    ``found_inf`` to 1 if any element is inf/NaN. No host sync on either path. Without a scale
+    (BF16/FP32 modes) the grads are only read: multiplying them by 1 would write them all."""
+    if inv_scale is not None and _fused_supported(grads[0].device, grads[0].dtype):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         return
     if inv_scale is not None:
         torch._foreach_mul_(grads, inv_scale)

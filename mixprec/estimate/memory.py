@@ -375,10 +375,12 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     known only by its parameter count.
 
     ``split_masters`` (mixprec's default): the FP32 master of a BF16 parameter is stored as the
-    parameter plus a 16-bit remainder (2 bytes) and the step widens one chunk of at most
-    ``mixprec.optim.split.CHUNK_NUMEL`` elements at a time (FP32 master, FP32 gradient and the
-    optimizer's FP32 temporary: 12 bytes per chunk element) instead of holding FP32 master
-    gradients and a whole-model temporary.
+    parameter plus a 16-bit remainder (2 bytes) and the step widens one chunk at a time (FP32
+    master, FP32 gradient and the optimizer's FP32 temporary: 12 bytes per chunk element) instead
+    of holding FP32 master gradients and a whole-model temporary. On one device mixprec's AdamW
+    steps flat chunks of ``mixprec.optim.split.flat_chunk_numel(P)`` elements (mixprec.optim.flat:
+    about an eighth of the parameters, at least ``CHUNK_NUMEL``); under FSDP2 torch's AdamW or the
+    sharded one steps each shard.
 
     ``device="cpu"``: the estimate for this machine's CPU, where short sequences' 16-bit attention
     runs in FP32 (``mixprec.nn.attention.upcasts_short_attention``) and saves ``10d`` bytes more
@@ -426,10 +428,14 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     low_p = P - norm_params
     params = low_p * pb + norm_params * 4
     grads = params
-    from mixprec.optim.split import CHUNK_NUMEL, splits
+    from mixprec.optim.split import CHUNK_NUMEL, flat_chunk_numel, splits
     split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
     masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
-    master_grads = 4 * min(low_p, CHUNK_NUMEL) if split else masters
+    # mixprec's AdamW (one device, a mode that keeps masters or FP32 params) steps flat chunks
+    # (mixprec.optim.flat): one chunk's FP32 values and gradients at a time, shared scratch.
+    flat = shards == 1 and not policy.loses_small_updates
+    c = min(P, flat_chunk_numel(P, "cpu" if device == "cpu" else "cuda") if flat else CHUNK_NUMEL)
+    master_grads = 4 * min(low_p, c) if split else masters
     if optimizer != "adamw":
         moments = 4 * P                                          # SGD: momentum buffer
     elif shape is not None and is_quantized(moments_dtype):
@@ -444,9 +450,18 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     # step one chunk at a time: its widened FP32 masters and the temporary.
     # mixprec's own FP32-math AdamW (bf16 / 8-bit moments) widens both moments of a chunk and
     # keeps one temporary (12 bytes per chunk element); 8-bit codes add their packing buffers.
-    c = min(P, CHUNK_NUMEL)
     if optimizer != "adamw":
         scratch = 0.0
+    elif flat:
+        # The chunk's FP32 values (and its gradients, unless split masters count them above),
+        # then the inner math's temporaries over one flat chunk: torch's AdamW sqrt(v) and, on a
+        # CPU, its quotient; mixprec's FP32-math AdamW widens both moments and keeps one
+        # temporary, 8-bit codes add their decoded moments and packing buffers.
+        scratch = 4 * c + (0 if split else 4 * c)
+        if moments_dtype == "fp32":
+            scratch += (8 if device == "cpu" else 4) * c
+        else:
+            scratch += (12 + (8 + 16 if is_quantized(moments_dtype) else 0)) * c
     elif moments_dtype == "fp32" and device == "cpu" and shape is not None:
         # torch's AdamW runs its per-tensor loop on a CPU (foreach kernels are for accelerators):
         # two temporaries the size of the largest tensor (sqrt(v), then its division).
@@ -455,7 +470,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         scratch = 4 * (c if split else P)
     else:
         scratch = (12 + (16 if is_quantized(moments_dtype) else 0)) * c
-    if split:
+    if split and not flat:
         scratch += 4 * min(low_p, CHUNK_NUMEL)
     if shape is None:
         copies = low_p * cb if mixed_copies else 0

@@ -47,6 +47,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import nn
 
+from mixprec.amp.grads import HasMasterGrads
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.integrations.common import (Host, RunRecord, StepIfTaken, as_precision, copy_hyperparameters,
@@ -198,7 +199,7 @@ class MixprecFabricPrecision(FabricPrecision):
     def _masters(self, optimizer: Any) -> Any:
         """What ``Precision.step`` steps for ``optimizer``: itself when it has masters or the mode
         keeps none, else its FP32-master optimizer, made now on its first step."""
-        if not self.mixprec.keeps_masters or hasattr(optimizer, "master_grads"):
+        if not self.mixprec.keeps_masters or isinstance(optimizer, HasMasterGrads):
             return optimizer
         masters = getattr(optimizer, "_mixprec_masters", None)
         if masters is not None:

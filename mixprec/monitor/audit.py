@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec.amp.grads import HasMasterGrads
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.policy.dtypes import dtype_name, format_info
@@ -126,7 +127,7 @@ def _check_params(model: nn.Module, precision: Precision, optimizer, findings: l
             if p.dtype in _LOW and not precision.stores_low_precision and precision.autocasts:
                 hand_cast.append(name)
     if low:
-        if optimizer is not None and not hasattr(optimizer, "master_grads"):
+        if optimizer is not None and not isinstance(optimizer, HasMasterGrads):
             in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
             hit = [n for n, p in model.named_parameters() if id(p) in low_ids and id(p) in in_opt]
             if hit:

@@ -206,6 +206,17 @@ class _AdamWFP32Math(torch.optim.Optimizer):
                                   f"optimizer's moments={self.moments}; build the optimizer with the "
                                   "moments format the checkpoint was saved with")
 
+    def new_state(self, like: Tensor) -> dict[str, Tensor]:
+        """The fresh state of a parameter shaped like ``like`` (what the first step makes): 8-bit
+        codes and block scales for a matrix when the moments are quantized, else zeros."""
+        st: dict[str, Tensor] = {"step": torch.tensor(0.0)}
+        if _moments.quantizes(like.shape, self.moments):
+            st.update(_moments.new_state(like, self.moments))
+        else:
+            st["exp_avg"] = torch.zeros_like(like, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(like, dtype=self.moments_dtype, memory_format=torch.preserve_format)
+        return st
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None

@@ -35,8 +35,15 @@ coefficient are deferred into that widening (``deferred_grads()``, used by mixpr
 it widens everything for that step, as before. Gradient accumulation is unchanged: autograd sums
 the micro-batches into the BF16 ``.grad``, exactly as with full masters.
 
-Where the rest lives: the split-master step in :mod:`mixprec.optim.split` (``SplitSteps``), saving
-and loading in :mod:`mixprec.optim.master_state` (``MasterState``); both are mixins of
+The step itself is flat (:mod:`mixprec.optim.flat`): the masters of each param group and device
+are stepped as a few flat FP32 chunks by a twin of the inner optimizer, a fixed number of ops
+whatever the number of parameters, no host sync, and a non-finite step can be skipped on the device
+(``step(inputs=StepInputs(found_inf=...))``, :mod:`mixprec.optim.inputs`). The per-master step
+below (the inner optimizer over the masters, split masters widened chunk by chunk) is the
+fallback for what the flat step cannot do (see flat's docstring); both give the same bits.
+
+Where the rest lives: the per-master split step in :mod:`mixprec.optim.split` (``SplitSteps``),
+saving and loading in :mod:`mixprec.optim.master_state` (``MasterState``); both are mixins of
 :class:`MasterWeights`, which holds the bookkeeping they read.
 """
 from __future__ import annotations
@@ -49,7 +56,9 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from mixprec.optim import registry, split as _split
+from mixprec.optim import registry, sharded as _sharded, split as _split
+from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
+from mixprec.optim.inputs import StepInputs
 from mixprec.optim.master_state import MasterState
 from mixprec.optim.split import SplitSteps, resolve_split
 from mixprec.errors import ConfigError
@@ -150,9 +159,15 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         self._pending: set[int] = set()   # split masters with a grad, not yet widened this step
         self._wide: set[int] = set()      # split masters holding FP32 values right now
         self._wanted: set[int] | None = None if master_params is None else {id(p) for p in master_params}
+        self._grad_of: dict[int, Tensor] = {}    # id(separate master) -> its FP32 grad, allocated once
+        self._twin_args = (optimizer_cls, dict(optimizer_kwargs))
+        self._flat: FlatSteps | None = None     # built at the first flat step (mixprec.optim.flat)
 
         master_groups = [self._make_master_group(g) for g in _normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
+        # The flat step (mixprec.optim.flat) needs an elementwise inner optimizer on FP32 masters:
+        # one call over a concatenation must give each element what the per-master call gave.
+        self._flat_capable = _split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
         self._constructing = True
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self._constructing = False
@@ -213,6 +228,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         (group,) = _normalise_groups([param_group])
         self._inner.add_param_group(self._make_master_group(group))
         self._alias_inner()
+        self._drop_flat()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -240,6 +256,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         except KeyError:
             raise ConfigError("this tensor is not one of the optimizer's parameters") from None
         if self._is_split(m) and id(m) not in self._wide:
+            self._unpack_ties()
             return self._join(param, m)
         return m
 
@@ -277,7 +294,13 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                     pending.append(m)
                 continue
             if m.grad is None or m.grad.shape != m.shape:
-                m.grad = torch.empty_like(m)
+                buf = self._grad_of.get(id(m))
+                if buf is None or buf.shape != m.shape:    # once, not per step: no per-master op
+                    buf = self._grad_of[id(m)] = torch.empty_like(m)
+                storage = buf.untyped_storage()
+                if storage.nbytes() == 0:                  # freed by zero_grad(set_to_none=True)
+                    storage.resize_(buf.numel() * buf.element_size())
+                m.grad = buf
             src.append(p.grad)
             dst.append(m.grad)
         if dst:
@@ -310,10 +333,18 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
              parts: Sequence[Sequence[Tensor]] | None = None,
-             around: Callable[[int], contextlib.AbstractContextManager] | None = None) -> Any:
+             around: Callable[[int], contextlib.AbstractContextManager] | None = None,
+             inputs: StepInputs | None = None) -> Any:
         """Step the masters and round them back into the model params.
 
         A ``closure`` is evaluated once (with grad enabled) before the grads are moved.
+
+        ``inputs``: the precision side's device tensors (:class:`mixprec.optim.inputs.StepInputs`).
+        With ``found_inf`` the step is skipped *on the device* where the flag is raised: the flat
+        step (mixprec.optim.flat) issues its whole update and keeps the old values, bit for bit,
+        without a host sync (after its first step: a skipped first step must create no state, so
+        the flag is read on the host once); the per-master step (a step in parts and the other
+        cases listed in flat's docstring) reads the flag on the host first.
 
         ``parts``: disjoint lists of *model* params; the step is then issued part by part (the
         inner optimizer over only that part's masters, then that part's copy-back), each inside
@@ -329,6 +360,18 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._grads_ready = False
         self._prepare_grads()
         params, masters = self._stepped
+        found = inputs.found_inf if inputs is not None else None
+        if parts is None and self._flat_ready():
+            try:
+                self._step_flat(found)
+            finally:
+                self._end_step()
+            return loss
+        self._leave_flat()
+        if found is not None and bool(found.item() > 0):    # the per-master step: a host read
+            self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
+            self._end_step()
+            return loss
         try:
             if self._lo:
                 self._step_split(parts, around)
@@ -344,7 +387,169 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._end_step()
         return loss
 
+    # ------------------------------------------------------------------ the flat step
+    def _flat_members(self) -> list[list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]:
+        """Per param group: (master, model param, kind, remainder, step count) of every trainable
+        master, in order (frozen params have no grad: torch skips them, and so do the chunks).
+        The step count (None: no state yet) keeps masters that stepped differently apart: a
+        chunk shares one counter (read once here, when the chunks are made)."""
+        out = []
+        for group in self.param_groups:
+            mems = []
+            for m in group["params"]:
+                p = self._model_of.get(id(m), m)
+                if not p.requires_grad:
+                    continue
+                kind = "split" if self._is_split(m) else ("self" if p is m else "full")
+                st = self.state.get(m)
+                step = float(st["step"]) if st and isinstance(st.get("step"), Tensor) else None
+                mems.append((m, p, kind, self._lo.get(id(m)), step))
+            out.append(mems)
+        return out
+
+    def _make_twin(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        cls, kwargs = self._twin_args
+        if getattr(self._inner, "quantized", False):   # FP32 moment scratch: the codes stay the inner's
+            return cls(params, **{**kwargs, "moments": None, "moments_dtype": torch.float32,
+                                  "stochastic_rounding": False, "seed": None})
+        if "seed" in kwargs and getattr(self._inner, "_seed", None) is not None:
+            kwargs = {**kwargs, "seed": self._inner._seed}   # the same rounding noise stream
+        return cls(params, **kwargs)
+
+    def _flat_ready(self) -> bool:
+        """Whether this step runs flat (mixprec.optim.flat): an elementwise FP32 inner optimizer,
+        every trainable master with a gradient (frozen ones without), plain tensors, no FP32
+        copies widened by ``master_grads()``; prepares the chunks (made or made again, state
+        adopted, ties packed) when it does."""
+        if not self._flat_capable or self._wide:
+            return False
+        if not self._masters and any(p.device.type != "cpu" for p in self._all_model_params):
+            # Only FP32 params that are their own master (32-true, *-mixed): on an accelerator
+            # torch's foreach/fused AdamW already steps them in a fixed number of launches, in
+            # place; gathering them into flat chunks would only add three passes over memory.
+            return False
+        members = []
+        for group in self.param_groups:
+            for m in group["params"]:
+                p = self._model_of.get(id(m), m)
+                g = p.grad if self._is_split(m) else m.grad
+                if not p.requires_grad:          # frozen: outside the chunks, unless given a grad
+                    if g is not None:
+                        return False
+                    continue
+                if g is None or p.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+                        or (p is m and p.dtype != torch.float32) or _sharded.is_dtensor(p):
+                    return False
+                members.append(id(m))
+        key = tuple(members)
+        if self._flat is not None and self._flat.key != key:
+            self._drop_flat()                    # params frozen or unfrozen: chunks made again
+        for fresh in (self._flat is None, True):
+            if self._flat is None:
+                if not key:
+                    return False
+                coded = self._inner.moments if getattr(self._inner, "quantized", False) else None
+                self._flat = FlatSteps(self._flat_members(), self._make_twin, self._inner, coded)
+                self._flat.key = key
+            self._flat.acquire()
+            if all(chunk.synced or self._flat.adopt(chunk, self.state) for chunk in self._flat.chunks):
+                break
+            # Step counts diverged inside a chunk (a per-master step skipped some masters):
+            # make the chunks again, grouped by step count; if even that fails, stay per master.
+            self._drop_flat()
+            if fresh:
+                self._flat_capable = False
+                return False
+        assert self._flat is not None
+        for chunk in self._flat.chunks:
+            if chunk.split_idx and not chunk.ties_packed:
+                self._pack_ties(chunk)
+        return True
+
+    def _flat_batches(self, low: list[Tensor]) -> list[tuple[list[int], list[Tensor]]] | None:
+        """For the norms of deferred gradients (``split.DeferredGrads``): per chunk, positions of
+        its split grads in ``low`` and their FP32 scratch views; None when this step is not flat."""
+        if not self._flat_ready():
+            return None
+        assert self._flat is not None
+        pos = {id(g): i for i, g in enumerate(low)}
+        out = []
+        for chunk in self._flat.chunks:
+            if chunk.split_idx:
+                idx = [pos.get(id(p.grad)) for p in chunk.split_models]
+                if any(i is None for i in idx):
+                    return None
+                out.append((idx, chunk.split_g))
+        return out
+
+    @torch.no_grad()
+    def _pack_ties(self, chunk: Any) -> None:
+        """The per-master tie lists of ``chunk`` into its bitmap (once after a load or a
+        per-master step: the lists are host-sized, the bitmap is not)."""
+        chunk.flags.zero_()
+        for i in chunk.split_idx:
+            ties = self._ties[id(chunk.masters[i])]
+            if ties.numel():
+                chunk.flags[chunk.starts[i] + ties] = True
+        pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+        chunk.ties_packed = True
+
+    @torch.no_grad()
+    def _unpack_ties(self) -> None:
+        """Bitmaps back into per-master tie lists, for the per-master paths (slow paths only)."""
+        if self._flat is None:
+            return
+        for chunk in self._flat.chunks:
+            if not chunk.ties_packed:
+                continue
+            flags = unpack_ties(chunk.ties, chunk.numel, chunk.shifts)
+            for i in chunk.split_idx:
+                a, n = chunk.starts[i], chunk.numels[i]
+                self._ties[id(chunk.masters[i])] = flags[a:a + n].nonzero().squeeze(1)
+            chunk.ties_packed = False
+
+    def _leave_flat(self) -> None:
+        """Before a per-master step: tie lists and per-master step counters back."""
+        if self._flat is not None:
+            self._unpack_ties()
+            self._flat.unshare(self.state)
+
+    def _drop_flat(self) -> None:
+        """Forget the chunks (param groups changed, or a load replaced the state and masters)."""
+        if self._flat is not None:
+            self._leave_flat()
+            self._flat = None
+
+    def _step_flat(self, found_inf: Tensor | None = None) -> None:
+        factors = self._deferred.factors if self._deferred is not None else []
+        flat = self._flat
+        assert flat is not None
+        skips: dict[torch.device, Tensor] = {}
+        if found_inf is not None and flat.stateless():
+            # The first step: a skipped one must create no state (torch's meaning of "not
+            # stepped"), so this once the host reads the flag first.
+            if bool(found_inf.item() > 0):
+                return
+            found_inf = None
+        if found_inf is not None:
+            for dev in {c.param.device for c in flat.chunks}:
+                skips[dev] = found_inf.to(dev, non_blocking=True) > 0     # stays on the device
+        groups, inner = self.param_groups, self._inner
+        # The inner optimizer's own step hooks still see one step (register_step_pre_hook on
+        # ``optimizer.inner``), although its math now runs on the twin's flat tensors.
+        for hook in list(inner._optimizer_step_pre_hooks.values()):
+            hook(inner, (), {})
+        flat.reseed()
+        with record_function("mixprec.flat_step"):
+            for chunk in flat.chunks:
+                hyper = {k: v for k, v in groups[chunk.group].items() if k != "params"}
+                flat.step_chunk(chunk, hyper, factors, self.state, skips.get(chunk.param.device))
+        for hook in list(inner._optimizer_step_post_hooks.values()):
+            hook(inner, (), {})
+
     def _end_step(self) -> None:
+        if self._flat is not None:
+            self._flat.release()              # the flat step's scratch holds no memory between steps
         self._grads_ready = False
         self._stepped = ([], [])
         self._pending = set()
@@ -379,6 +584,8 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         if set_to_none:
             for t in tensors:
                 t.grad = None
+            for buf in self._grad_of.values():   # FP32 master grads hold no memory between steps
+                buf.untyped_storage().resize_(0)
             return
         grads = [t.grad for t in tensors if t.grad is not None]
         for t in tensors:

@@ -27,6 +27,7 @@ class MasterState:
     @torch.no_grad()
     def sync_masters_from_model(self) -> None:
         """Overwrite the masters with the model params (after loading model weights only)."""
+        self._drop_flat()        # the tie lists below are the truth again (mixprec.optim.flat)
         full = [(m, p) for p, m in zip(self._model_params, self._masters) if not self._is_split(m)]
         if full:
             torch._foreach_copy_([m for m, _ in full], [p for _, p in full])
@@ -43,6 +44,10 @@ class MasterState:
         in it loads with ``torch.load(..., weights_only=True)``.
         """
         sd = self._inner.state_dict()
+        # The flat step's per-master state views share one step counter per chunk
+        # (mixprec.optim.flat): save each its own, as torch's optimizers do.
+        sd["state"] = {i: {k: (v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+                           for k, v in st.items()} for i, st in sd["state"].items()}
         index = {id(p): i for i, p in enumerate(self._all_model_params)}
         sd[STATE_KEY] = {
             "dtype": str(self.master_dtype).removeprefix("torch."),
@@ -60,6 +65,7 @@ class MasterState:
         sd = dict(state_dict)
         saved = sd.pop(STATE_KEY, None)
         self.zero_grad()
+        self._drop_flat()        # new state and masters: the chunks adopt them at the next step
         try:
             self._inner.load_state_dict(sd)
         except (ValueError, KeyError) as exc:

@@ -247,19 +247,64 @@ def _flat_scales(states: list[dict[str, Tensor]], key: str, lay: Layout) -> Tens
     return torch.cat([st[key + "_scale"].reshape((-1,) + tail) for st in states]).float()
 
 
+class _Packing:
+    """Everything :func:`_decode` / :func:`_encode` need for one list of tensors of one block
+    length, made once: the padded ``(blocks, block)`` FP32 buffer, each tensor's window of it, the
+    tensors' ``(rows, values per row)`` views and the flat views of their scales. Kept in the
+    ``cache`` a caller passes (the flat step's chunk, mixprec.optim.flat), so a step with a cache
+    dispatches no per-tensor view op."""
+
+    def __init__(self, codes: list[Tensor], others: list[Tensor], scales: list[Tensor], lay: Layout,
+                 pool: dict | None = None) -> None:
+        total, slots = _slots(codes, lay)
+        block = _row_blocks(lay, tuple(codes[0].shape))[1]
+        device = codes[0].device
+        if pool is None:
+            self.buf = torch.zeros(total, block, dtype=torch.float32, device=device)
+        else:   # one buffer per device and block length, shared by every chunk (they run in turn)
+            have = pool.get((device, block))
+            if have is None or have.numel() < total * block:
+                have = pool[(device, block)] = torch.zeros(max(total * block, 2 * (have.numel() if have is not None else 0)),
+                                                           dtype=torch.float32, device=device)
+            self.buf = have[:total * block].view(total, block)
+        self.windows = _views(self.buf, codes, lay)
+        self.codes = [c.view(sl[1], sl[3]) for c, sl in zip(codes, slots)]
+        self.others = [o.view(sl[1], sl[3]) for o, sl in zip(others, slots)]
+        tail = () if lay.scales == 1 else (lay.scales,)
+        self.scales = [sc.view((-1,) + tail) for sc in scales]
+        self.scale_rows = [f.shape[0] for f in self.scales]
+
+
+def _packing(cache: dict | None, codes: list[Tensor], others: list[Tensor], scales: list[Tensor],
+             lay: Layout) -> _Packing:
+    if cache is None:
+        return _Packing(codes, others, scales, lay)
+    k = (lay, tuple(map(id, codes)), tuple(map(id, others)), tuple(map(id, scales)))
+    hit = cache.get(k)
+    if hit is None:
+        hit = cache[k] = _Packing(codes, others, scales, lay, cache.get("pool"))
+    return hit
+
+
 @torch.no_grad()
 def decode_(states: list[dict[str, Tensor]], key: str, outs: list[Tensor], moments: str,
-            layout: Layout | None = None) -> None:
+            layout: Layout | None = None, cache: dict | None = None) -> None:
     """Write the FP32 values of moment ``key`` of every state into ``outs`` (FP32, the params'
-    shapes): one set of vectorised ops per block length."""
+    shapes): one set of vectorised ops per block length. ``cache``: a dict kept by the caller
+    while the tensors stay the same (see :class:`_Packing`)."""
     lay = layout or LAYOUTS[moments]
-    for idx in _groups(outs, lay):
-        _decode([states[i] for i in idx], key, [outs[i] for i in idx], moments, lay)
+    groups = _groups(outs, lay) if cache is None else cache.setdefault(("groups", tuple(map(id, outs))),
+                                                                        _groups(outs, lay))
+    for idx in groups:
+        _decode([states[i] for i in idx], key, [outs[i] for i in idx], moments, lay, cache)
 
 
-def _decode(states: list[dict[str, Tensor]], key: str, outs: list[Tensor], moments: str, lay: Layout) -> None:
-    q = _pack([st[key] for st in states], lay)
-    scale = _flat_scales(states, key, lay)
+def _decode(states: list[dict[str, Tensor]], key: str, outs: list[Tensor], moments: str, lay: Layout,
+            cache: dict | None = None) -> None:
+    pk = _packing(cache, [st[key] for st in states], outs, [st[key + "_scale"] for st in states], lay)
+    q = pk.buf.zero_()
+    torch._foreach_copy_(pk.windows, pk.codes)
+    scale = torch.cat(pk.scales).float()
     if moments == "int8":
         top = 127.0 if key == "exp_avg" else 255.0
         vals = q.mul_((scale / top).unsqueeze(1))
@@ -270,26 +315,30 @@ def _decode(states: list[dict[str, Tensor]], key: str, outs: list[Tensor], momen
         vals = y.abs().pow_(1.0 / k.clamp_min(1e-6)).mul_(mx).mul_(y.sign())
     if key == "exp_avg_sq":
         vals.square_()
-    _, slots = _slots(outs, lay)
-    torch._foreach_copy_([o.view(s[1], s[3]) for o, s in zip(outs, slots)], _views(vals, outs, lay))
+    if vals is not q:
+        q.copy_(vals)
+    torch._foreach_copy_(pk.others, pk.windows)
 
 
 @torch.no_grad()
 def encode_(states: list[dict[str, Tensor]], key: str, xs: list[Tensor], moments: str,
-            generator: torch.Generator | None) -> None:
+            generator: torch.Generator | None, cache: dict | None = None) -> None:
     """Store FP32 ``xs`` as moment ``key`` of each state (stochastic rounding for int8, nearest
-    for fp8); the rounding noise is drawn once per block length."""
+    for fp8); the rounding noise is drawn once per block length. ``cache``: see :func:`decode_`."""
     lay = LAYOUTS[moments]
-    for idx in _groups(xs, lay):
-        _encode([states[i] for i in idx], key, [xs[i] for i in idx], moments, lay, generator)
+    groups = _groups(xs, lay) if cache is None else cache.setdefault(("groups", tuple(map(id, xs))),
+                                                                      _groups(xs, lay))
+    for idx in groups:
+        _encode([states[i] for i in idx], key, [xs[i] for i in idx], moments, lay, generator, cache)
 
 
 def _encode(states: list[dict[str, Tensor]], key: str, xs: list[Tensor], moments: str, lay: Layout,
-            generator: torch.Generator | None) -> None:
-    vals = _pack(xs, lay)
+            generator: torch.Generator | None, cache: dict | None = None) -> None:
+    pk = _packing(cache, [st[key] for st in states], xs, [st[key + "_scale"] for st in states], lay)
+    vals = pk.buf.zero_()
+    torch._foreach_copy_(pk.windows, pk.others)
     if key == "exp_avg_sq":
         vals = vals.clamp_min_(0).sqrt_()
-    codes = [st[key] for st in states]
     if moments == "int8":
         signed = key == "exp_avg"
         mx = _store_scale(vals.abs().amax(dim=1), lay, up=True)         # (blocks,), >= every |x|
@@ -316,11 +365,9 @@ def _encode(states: list[dict[str, Tensor]], key: str, xs: list[Tensor], moments
             y = torch.where(mag > 0, y.clamp_min(fmin), y)                           # zero excluded
         q = y.mul_(vals.sign())
         new_scales = torch.cat([mx, k], dim=1)
-    _, slots = _slots(codes, lay)
-    torch._foreach_copy_([c.view(s[1], s[3]) for c, s in zip(codes, slots)], _views(q, codes, lay))  # casts
-    tail = () if lay.scales == 1 else (lay.scales,)
-    flat = [st[key + "_scale"].view((-1,) + tail) for st in states]
-    torch._foreach_copy_(flat, list(new_scales.split([f.shape[0] for f in flat])))
+    pk.buf.copy_(q)                      # the windows are views of the buffer, made once
+    torch._foreach_copy_(pk.codes, pk.windows)                                 # casts
+    torch._foreach_copy_(pk.scales, list(new_scales.split(pk.scale_rows)))
 
 
 @torch.no_grad()

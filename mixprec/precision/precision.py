@@ -49,6 +49,7 @@ from torch.autograd.profiler import record_function
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
+from mixprec.optim.inputs import StepInputs
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.policy.overrides import check_patterns, normalize_overrides
@@ -696,7 +697,12 @@ class Precision:
         ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
         measures their norm with ``measure_grad_norm``; either way :attr:`last_grad_norm`), then
         steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
-        updates the loss scale. One host sync: the skip decision.
+        updates the loss scale.
+
+        The skip: a mixprec master-weight optimizer gets the non-finite flag as a device tensor
+        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device; the host reads the
+        flag only after the whole update is issued (for the counters, the loss scale and the
+        return value). Any other optimizer: the host reads the flag first and steps or not.
 
         ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
         issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
@@ -708,14 +714,21 @@ class Precision:
             with record_function("mixprec.clip_grad_norm"):
                 self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
                                                       clip_grad_norm or math.inf)
-        with record_function("mixprec.found_inf_sync"):    # the one host sync: step or skip
-            take = self.scaler.decide(optimizer)
-        if take:
-            with record_function("mixprec.optimizer_step"):
-                if overlap is None:
-                    optimizer.step()                       # FP32 masters copied back inside
-                else:
-                    overlap.issue(optimizer)               # per module, side stream (optim/overlap.py)
+        found = self.scaler.found_inf(optimizer) if overlap is None and isinstance(optimizer, MasterWeights) else None
+        if found is not None:
+            with record_function("mixprec.optimizer_step"):  # skipped on the device when found > 0
+                optimizer.step(inputs=StepInputs(found_inf=found))
+            with record_function("mixprec.found_inf_sync"):  # the host read, the update queued already
+                take = self.scaler.decide(optimizer)
+        else:
+            with record_function("mixprec.found_inf_sync"):  # the one host sync: step or skip
+                take = self.scaler.decide(optimizer)
+            if take:
+                with record_function("mixprec.optimizer_step"):
+                    if overlap is None:
+                        optimizer.step()                   # FP32 masters copied back inside
+                    else:
+                        overlap.issue(optimizer)           # per module, side stream (optim/overlap.py)
         self.scaler.update()                               # back off at once, grow when clean
         return take
 

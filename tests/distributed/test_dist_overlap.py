@@ -51,7 +51,9 @@ def _run(rank: int, strategy_name: str, mode: str, overlap: bool) -> dict:
         params = [p.full_tensor().detach().clone() for p in trainer.model.parameters()]
     else:
         params = [p.detach().clone() for p in trainer.raw_model.parameters()]
+    from mixprec.optim import MasterWeights
     return {"params": params, "calls": calls, "skipped": skipped,
+            "masked": isinstance(trainer.optimizer, MasterWeights),
             "groups": sum(1 for gr in trainer.overlap.groups if gr) if trainer.overlap else 0}
 
 
@@ -73,7 +75,10 @@ def test_overlapped_step_is_bit_identical_under_data_parallelism(results, strate
             assert torch.equal(p, q)
         assert plain["skipped"] == over["skipped"]
         taken = STEPS - sum(over["skipped"])
-        assert len(plain["calls"]) == taken and len(over["calls"]) == taken * over["groups"]
+        # Without overlap a mixprec master-weight optimizer also issues a skipped step, masked on
+        # the device (StepInputs.found_inf); with overlap the host decides first.
+        assert len(plain["calls"]) == (STEPS if plain["masked"] else taken)
+        assert len(over["calls"]) == taken * over["groups"]
     for p, q in zip(results[0][(strategy, mode, True)]["params"], results[1][(strategy, mode, True)]["params"]):
         assert torch.equal(p, q)                     # the ranks stayed together
 

@@ -74,17 +74,19 @@ def test_split_masters_and_int8_moments_keep_8_00_bytes_per_parameter(capsys):
     assert kept.split("=")[-1].strip() == "8.004"
 
 
-def test_torch_adamw_scratch_on_a_cpu_is_two_copies_of_the_largest_tensor():
-    """On a CPU torch's AdamW loops over tensors (foreach kernels are for accelerators), so its
-    scratch is sqrt(v) and its quotient for one tensor at a time, not a copy of every moment."""
+def test_adamw_scratch_is_one_flat_chunk_and_torchs_temporaries_over_it():
+    """mixprec's AdamW steps flat chunks (mixprec.optim.flat): one chunk's FP32 values and
+    gradients, then torch's AdamW over that one tensor: sqrt(v), and on a CPU (torch's
+    single-tensor loop) its quotient too. Not a copy of every moment."""
+    from mixprec.optim.split import flat_chunk_numel
     shape = ModelShape.from_config(get_model_config("gpt-ref"))
+    P = shape.num_parameters()
     cpu = estimate_memory(shape, "32-true", batch=1, seq=16, device="cpu")
     gpu = estimate_memory(shape, "32-true", batch=1, seq=16)
-    assert cpu.optimizer_scratch == 8 * shape.vocab_size * shape.d_model      # the embedding
-    assert gpu.optimizer_scratch == 4 * shape.num_parameters()
-    lean = estimate_memory(shape, "bf16-true", batch=1, seq=16, device="cpu", moments_dtype="int8")
-    assert lean.optimizer_scratch == estimate_memory(shape, "bf16-true", batch=1, seq=16,
-                                                     moments_dtype="int8").optimizer_scratch  # own AdamW
+    assert cpu.optimizer_scratch == (8 + 8) * min(P, flat_chunk_numel(P, "cpu"))      # cache-sized
+    assert gpu.optimizer_scratch == (8 + 4) * min(P, flat_chunk_numel(P))
+    lean = estimate_memory(shape, "bf16-true", batch=1, seq=16, moments_dtype="int8")
+    assert lean.optimizer_scratch == (4 + 12 + 8 + 16) * min(P, flat_chunk_numel(P))  # own AdamW, 8-bit
 
 
 @pytest.mark.parametrize("mode", ["32-true", "bf16-mixed", "bf16-true", "16-true"])

@@ -16,7 +16,7 @@ from mixprec.optim import OverlappedUpdate
 from mixprec.optim.overlap import module_units
 from mixprec.errors import ConfigError
 from mixprec.models import Transformer
-from mixprec.optim import AdamW
+from mixprec.optim import AdamW, MasterWeights
 from mixprec.optim.parts import check_separable, step_in_parts
 from mixprec.train.config import FitConfig
 from mixprec.train.trainer import Trainer
@@ -96,9 +96,13 @@ def test_overlapped_step_is_bit_identical_to_the_plain_step(mode, accum):
     taken = STEPS - sum(over_skips)
     # One optimizer step per taken step, one partial step (at least) per module group; split FP32
     # masters issue the inner optimizer once per param group and chunk, so count distinct steps.
-    per_step = len(plain_calls) // taken
-    assert sorted(set(plain_calls)) == sorted(set(over_calls)) and len(set(plain_calls)) == taken
-    assert len(plain_calls) == taken * per_step
+    # Without overlap a mixprec master-weight optimizer also issues a skipped step, masked on the
+    # device (StepInputs.found_inf, no host read first); with overlap the host decides first.
+    masked = {i for i, s in enumerate(plain_skips) if s} if isinstance(plain.optimizer, MasterWeights) else set()
+    assert set(plain_calls) - set(over_calls) == masked and set(over_calls) <= set(plain_calls)
+    assert len(set(over_calls)) == taken
+    per_step = len(plain_calls) // len(set(plain_calls))
+    assert len(plain_calls) == len(set(plain_calls)) * per_step
     assert len(over_calls) >= taken * n_parts
     if overflow:
         assert OVERFLOW_AT not in over_calls          # the skipped step issued nothing

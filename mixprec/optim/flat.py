@@ -1,0 +1,431 @@
+"""The master-weight step as a fixed number of fused ops on flat buffers, whatever the model size.
+
+Why: a GPU pays per launch. Stepping a torch optimizer over a list of a few hundred masters,
+widening split masters param by param and finding their rounding ties with ``nonzero`` cost about
+1450 dispatched ops and a host sync per chunk on a 406M GPT (docs/performance.md, "The step's
+cost model"); torch's fused AdamW over one flat tensor costs about 14. So the step here works on
+*chunks*: consecutive masters of one param group on one device, about ``split.FLAT_CHUNKS`` per
+group and device, between ``split.CHUNK_NUMEL`` and ``split.FLAT_CHUNK_MAX`` elements each
+(``split.flat_chunk_numel``; a larger tensor is a chunk of its own). So a step costs a fixed
+number of ops up to about 0.5 G parameters (one chunk per group on the small models of the tests)
+and beyond that more chunks of ops far longer than a launch; the scratch costs at most about one
+byte per parameter and 512 MiB, during the step only. On a CPU, where a dispatch costs nothing
+but cache misses do, chunks are ``split.CPU_CHUNK_NUMEL`` (256 Ki) elements. Each chunk has,
+allocated once:
+
+* a slot per master in two FP32 scratch buffers shared by all chunks of a device (the values
+  ``W`` and the gradients ``G``; the largest chunk sets their size, so the transient memory stays
+  bounded as with the earlier chunked step), and every per-master view of them;
+* its optimizer state as flat tensors, owned by a private *twin* of the inner optimizer (the same
+  class and arguments) whose one parameter per chunk is the chunk's slice of ``W``. The inner
+  optimizer's per-master state (what ``state_dict()`` saves) holds views of those flat tensors, so
+  the checkpoint format is unchanged and nothing is copied between the two;
+* for split masters (mixprec.optim.split), a dense tie bitmap: one bit per element saying that
+  the element's remainder ``-2**15`` means ``+2**15`` (an exact tie that rounded down to an even
+  BF16 value). It replaces the sparse list of tie indices, whose length depended on the data and
+  whose construction needed ``nonzero`` and ``bincount(...).tolist()`` (host syncs).
+
+One chunk's step, each line one dispatched op over the whole chunk (``torch._foreach_*`` over its
+lists, or one op on its flat slice)::
+
+    W[split] <- bf16 params (exact), W[split].bits += remainder, W.bits += 2**16 * ties
+    W[own]   <- FP32 masters / FP32 params that are their own master
+    G[split] <- bf16 grads (exact), times each pending factor (1/scale, clip coefficient)
+    G[own]   <- FP32 master grads (unscaled and clipped in place by the scaler already)
+    twin.step()                     the inner optimizer's own math, on one flat tensor
+    bf16 params <- W[split] (round to nearest even), remainder <- low halves of W[split], ties
+    FP32 masters / own params <- W[own], 16-bit params of full masters <- W[full] (rounded)
+
+Bit-identity: an elementwise optimizer (``mixprec.optim.parts.SEPARABLE``, or a class declaring
+``mixprec_chunk_exact``) computes each element from that element's value, gradient and state and
+its group's hyper-parameters only, so one call over the concatenation gives every element the
+value the per-master call gave (tests/optim/test_step_cost.py checks it against per-tensor steps;
+tests/optim/test_split_masters.py checks split against full masters with tolerance 0). Rounding
+noise (BF16 moments, int8 codes) is drawn per chunk: split and full masters cut the same chunks
+and draw the same noise; the per-master step cuts ``CHUNK_NUMEL`` chunks, the same ones for a
+param group under ``FLAT_CHUNKS * CHUNK_NUMEL`` (32 Mi) elements on an accelerator and under
+``CPU_CHUNK_NUMEL`` elements on a CPU, other (equally distributed) noise above.
+
+What falls back to the per-master step (mixprec.optim.master, unchanged): an optimizer that is not
+elementwise, 8-bit moments (their blocks follow each matrix's rows), a step issued in parts (the
+overlap engine), masters whose grads were widened by ``master_grads()`` for torch's scaler, and any
+step in which some trainable master has no gradient (torch then skips only that master; the flat
+state would advance it too). Frozen parameters (``requires_grad=False``) are left out of the
+chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
+unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
+masters' step counts now differ (a param unfrozen after others stepped, a step that skipped a
+master) the chunks are made again, grouped by step count, since a chunk shares one counter.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixprec.optim import moments as _moments, split as _split
+
+__all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_"]
+
+_TIE = 1 << 15
+
+
+def unpack_ties(bits: Tensor, n: int, shifts: Tensor) -> Tensor:
+    """The first ``n`` tie flags of a packed bitmap (uint8, bit ``j`` of byte ``i`` is element
+    ``8 i + j``), as a uint8 tensor of 0/1."""
+    return bits.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).view(-1)[:n]
+
+
+def pack_ties_(bits: Tensor, flags: Tensor, shifts: Tensor) -> None:
+    """Pack bool ``flags`` (length ``8 * bits.numel()``) into ``bits`` in place."""
+    packed = flags.view(-1, 8).to(torch.uint8).bitwise_left_shift_(shifts).sum(1, dtype=torch.uint8)
+    bits.copy_(packed)
+
+
+class _Bytes:
+    """The bytes of a list of tensors (8-bit codes, their scales, FP32 vector moments) as views
+    made once, to keep and restore them with a fixed number of ops: one foreach copy into a flat
+    byte buffer, and ``torch.where`` over it."""
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.views = [t.view(-1).view(torch.uint8) for t in tensors]
+        self.sizes = [v.numel() for v in self.views]
+        self.device = tensors[0].device
+
+    def copy(self) -> Tensor:
+        """The bytes now, in a fresh flat buffer (transient: the step's lifetime)."""
+        out = torch.empty(sum(self.sizes), dtype=torch.uint8, device=self.device)
+        torch._foreach_copy_(list(out.split(self.sizes)), self.views)
+        return out
+
+    def restore_where(self, old: Tensor, skip: Tensor) -> None:
+        now = self.copy()
+        torch.where(skip, old, now, out=now)
+        torch._foreach_copy_(self.views, list(now.split(self.sizes)))
+
+
+class Chunk:
+    """Consecutive masters of one param group on one device, stepped as one flat tensor.
+
+    ``kinds[i]``: ``"split"`` (the BF16 model param + int16 remainder + tie bit), ``"full"`` (a
+    separate FP32 master, its 16-bit model param rounded from it) or ``"self"`` (an FP32 param that
+    is its own master)."""
+
+    def __init__(self, group: int, masters: list[Tensor], models: list[Tensor], kinds: list[str],
+                 los: list[Tensor | None], w: Tensor, g: Tensor, shifts: Tensor, flags: Tensor,
+                 mv: tuple[Tensor, Tensor] | None = None) -> None:
+        self.group = group
+        self.masters, self.models, self.kinds = masters, models, kinds
+        self.numels = [p.numel() for p in models]
+        self.numel = n = sum(self.numels)
+        self.starts = [0]
+        for k in self.numels[:-1]:
+            self.starts.append(self.starts[-1] + k)
+        self.param = w[:n]                 # the twin's parameter: this chunk's slice of W
+        self.param.grad = g[:n]
+        self.w_views = [self.param[a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+        self.g_views = [self.param.grad[a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+        sp = [i for i, k in enumerate(kinds) if k == "split"]
+        own = [i for i, k in enumerate(kinds) if k != "split"]
+        full = [i for i, k in enumerate(kinds) if k == "full"]
+        self.split_idx, self.own_idx, self.full_idx = sp, own, full
+        self.split_models = [models[i] for i in sp]
+        self.split_w = [self.w_views[i] for i in sp]
+        self.split_g = [self.g_views[i] for i in sp]
+        self.split_bits = [self.w_views[i].view(torch.int32) for i in sp]
+        self.split_lo = [los[i] for i in sp]
+        self.split_lo_flat = [los[i].view(-1) for i in sp]
+        low, high = _split._halves(self.param)            # flat int16 views of W's halves
+        self.low, self.high = low, high
+        self.split_low = [low[self.starts[i]:self.starts[i] + self.numels[i]] for i in sp]
+        self.own_masters = [masters[i] for i in own]
+        self.own_w = [self.w_views[i] for i in own]
+        self.own_g = [self.g_views[i] for i in own]
+        self.full_models = [models[i] for i in full]
+        self.full_w = [self.w_views[i] for i in full]
+        self.bits_int = self.param.view(torch.int32)
+        nbytes = (n + 7) // 8 if sp else 0
+        self.ties = torch.zeros(nbytes, dtype=torch.uint8, device=w.device)   # 1 bit per element, kept
+        self.flags = flags[:nbytes * 8]         # bool scratch (shared), its padding zeroed per use
+        self.flags_head, self.flags_tail = self.flags[:n], self.flags[n:]
+        self.shifts = shifts
+        # 8-bit moments: FP32 scratch slots the codes are decoded into and encoded from, and the
+        # packing views of mixprec.optim.moments, made at the first step (reset with the state)
+        self.m_views = self.v_views = None
+        self.moments: dict[str, Tensor] | None = None
+        if mv is not None:
+            self.moments = {"exp_avg": mv[0][:n], "exp_avg_sq": mv[1][:n]}
+            self.m_views = [mv[0][a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+            self.v_views = [mv[1][a:a + k].view(p.shape) for a, k, p in zip(self.starts, self.numels, models)]
+        self.cache: dict = {}
+        self.stored: _Bytes | None = None    # 8-bit state as bytes, for a step skipped on the device
+        self.coded: list[int] = []
+        self.plain: list[int] = []
+        self.ties_packed = False   # False: the owner's per-master tie lists hold the truth
+        self.viewed = False        # the inner optimizer's per-master state are views of the twin's
+        self.shared: dict[str, Tensor] = {}    # the twin's tensors those views were made of
+        self.synced = False        # the twin's state is this chunk's state (adopted or created)
+
+
+class FlatSteps:
+    """The flat step of a :class:`mixprec.optim.MasterWeights` (its chunks, scratch and twin).
+
+    Built from the owner's param groups once (again after ``add_param_group``); the owner decides
+    each step whether the flat step applies (``MasterWeights._flat_ready``)."""
+
+    def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]],
+                 make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],
+                 inner: torch.optim.Optimizer, moments: str | None = None) -> None:
+        self.inner = inner
+        self.key: tuple[int, ...] = ()   # the owner's trainable masters these chunks were made for
+        self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
+        self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
+        plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]] = []
+        need: dict[torch.device, int] = {}
+        for gi, members in enumerate(groups):
+            # per device, and per step count (one counter per chunk): one cohort in a normal run
+            by_device: dict[tuple[torch.device, float | None], list] = {}
+            for mem in members:
+                by_device.setdefault((mem[1].device, mem[4]), []).append(mem)
+            for (dev, _), mems in by_device.items():
+                numels = [mem[1].numel() for mem in mems]
+                for a, b in _split.chunks(numels, _split.flat_chunk_numel(sum(numels), dev.type)):
+                    plan.append((gi, dev, mems[a:b]))
+                    need[dev] = max(need.get(dev, 0), sum(mem[1].numel() for mem in mems[a:b]))
+        self.w = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
+        self.g = {dev: torch.empty(n, dtype=torch.float32, device=dev) for dev, n in need.items()}
+        flags = {dev: torch.zeros((n + 7) // 8 * 8, dtype=torch.bool, device=dev) for dev, n in need.items()}
+        shifts = {dev: torch.arange(8, dtype=torch.uint8, device=dev) for dev in need}
+        mv = {dev: (torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev))
+              for dev, n in need.items()} if moments else {}
+        # Scratch lives only during a step: its storage is freed after it and allocated again
+        # before the next (the views made once stay valid: FSDP2 frees its buffers this way).
+        self._scratch = [*self.w.values(), *self.g.values(), *flags.values(), *(t for ts in mv.values() for t in ts)]
+        self.held = True
+        self.chunks = [Chunk(gi, [mem[0] for mem in mems], [mem[1] for mem in mems],
+                           [mem[2] for mem in mems], [mem[3] for mem in mems],
+                           self.w[dev], self.g[dev], shifts[dev], flags[dev], mv.get(dev))
+                       for gi, dev, mems in plan]
+        self.twin = make_twin([c.param for c in self.chunks])
+
+    def acquire(self) -> None:
+        """Give the scratch buffers their memory back (before the step's first use of them)."""
+        if not self.held:
+            for t in self._scratch + list(self.pool.values()):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+            self.held = True
+
+    def release(self) -> None:
+        """Free the scratch buffers' memory (after the step): no memory between steps."""
+        if self.held:
+            for t in self._scratch + list(self.pool.values()):
+                t.untyped_storage().resize_(0)
+            self.held = False
+
+    # ------------------------------------------------------------------ state: twin <-> inner
+
+    def adopt(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> bool:
+        """Make the twin's state of ``chunk`` the concatenation of its masters' state (after a
+        load or a per-master step); False when they cannot share one (different step counts)."""
+        sts = [inner_state.get(m) for m in chunk.masters]
+        self.twin.state.pop(chunk.param, None)
+        chunk.viewed = False
+        chunk.cache = {"pool": self.pool}
+        chunk.stored = None
+        if self.moments:
+            return self._adopt_coded(chunk, inner_state)
+        if all(not st for st in sts):
+            chunk.synced = True
+            return True
+        if any(not st for st in sts) or any(st.keys() != sts[0].keys() for st in sts):
+            return False
+        flat: dict[str, Any] = {}
+        for key in sts[0]:
+            vals = [st[key] for st in sts]
+            if all(isinstance(v, Tensor) and v.shape == p.shape for v, p in zip(vals, chunk.models)) \
+                    and key != "step":
+                flat[key] = torch.cat([v.reshape(-1) for v in vals])
+            elif all(isinstance(v, Tensor) and v.dim() == 0 for v in vals):
+                if len({float(v) for v in vals}) != 1:       # a host read of CPU step counters
+                    return False
+                flat[key] = vals[0].clone()
+            elif all(not isinstance(v, Tensor) and v == vals[0] for v in vals):
+                flat[key] = vals[0]
+            else:
+                return False
+        self.twin.state[chunk.param] = flat
+        self.share(chunk, inner_state)
+        chunk.synced = True
+        return True
+
+    def _adopt_coded(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> bool:
+        """8-bit moments stay per master (codes and scales, or FP32 moments of vectors); only the
+        step counter is shared: the twin's ``step`` with views of it in every master's state."""
+        sts = [inner_state.get(m) for m in chunk.masters]
+        if all(not st for st in sts):
+            for i, m in enumerate(chunk.masters):
+                inner_state[m] = self.inner.new_state(chunk.w_views[i])      # type: ignore[attr-defined]
+            sts = [inner_state[m] for m in chunk.masters]
+        if any(not st or "step" not in st for st in sts) or len({float(st["step"]) for st in sts}) != 1:
+            return False
+        step = sts[0]["step"].clone()
+        self.twin.state[chunk.param] = {"step": step, **chunk.moments}
+        for st in sts:
+            st["step"] = step.view(())
+        chunk.coded = [i for i, st in enumerate(sts) if "exp_avg_scale" in st]
+        chunk.plain = [i for i, st in enumerate(sts) if "exp_avg_scale" not in st]
+        chunk.viewed = chunk.synced = True
+        return True
+
+    def share(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """Point every master's state at views of the twin's flat state of ``chunk`` (once)."""
+        flat = self.twin.state.get(chunk.param)
+        if not flat:
+            return
+        chunk.shared = {k: v for k, v in flat.items() if isinstance(v, Tensor)}
+        for m, p, a, n in zip(chunk.masters, chunk.models, chunk.starts, chunk.numels):
+            st = {}
+            for key, v in flat.items():
+                if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == chunk.numel and key != "step":
+                    st[key] = v[a:a + n].view(p.shape)
+                elif isinstance(v, Tensor) and v.dim() == 0:
+                    st[key] = v.view(())       # shared: one step counter for the chunk
+                else:
+                    st[key] = v
+            inner_state[m] = st
+        chunk.viewed = True
+
+    def unshare(self, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """Before a per-master step: give each master its own step counter (the views share one)
+        and make every chunk adopt the per-master state again at its next flat step."""
+        for chunk in self.chunks:
+            if chunk.viewed:
+                for m in chunk.masters:
+                    st = inner_state.get(m)
+                    if st:
+                        inner_state[m] = {k: (v.clone() if isinstance(v, Tensor) and v.dim() == 0 else v)
+                                          for k, v in st.items()}
+            chunk.viewed = chunk.synced = False
+
+    # ------------------------------------------------------------------ the step
+
+    def _coded_lists(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]):
+        sts = [inner_state[chunk.masters[i]] for i in chunk.coded]
+        plain = [inner_state[chunk.masters[i]] for i in chunk.plain]
+        return sts, plain
+
+    def _decode(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """The masters' 8-bit (or FP32 vector) moments into the chunk's FP32 moment scratch."""
+        sts, plain = self._coded_lists(chunk, inner_state)
+        for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
+            if sts:
+                _moments.decode_(sts, key, [views[i] for i in chunk.coded], self.moments, cache=chunk.cache)
+            if plain:
+                torch._foreach_copy_([views[i] for i in chunk.plain], [st[key] for st in plain])
+
+    def _encode(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> None:
+        """The updated FP32 moments back into the masters' codes (the inner optimizer's rounding
+        noise, drawn in the order of its own per-master step) and FP32 vector moments."""
+        sts, plain = self._coded_lists(chunk, inner_state)
+        gen = self.inner._generator(chunk.param.device)           # type: ignore[attr-defined]
+        for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
+            if sts:
+                _moments.encode_(sts, key, [views[i] for i in chunk.coded], self.moments, gen, cache=chunk.cache)
+        for key, views in (("exp_avg", chunk.m_views), ("exp_avg_sq", chunk.v_views)):
+            if plain:
+                torch._foreach_copy_([st[key] for st in plain], [views[i] for i in chunk.plain])
+
+    def _keep(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> dict[str, Any]:
+        """Copies of what the step is about to change (a masked step; fixed ops per chunk)."""
+        kept: dict[str, Any] = {"W": chunk.param.clone()}
+        st = self.twin.state.get(chunk.param)
+        if st and not self.moments:
+            kept.update({k: v.clone() for k, v in st.items()
+                         if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == chunk.numel})
+        if self.moments:
+            if chunk.stored is None:
+                chunk.stored = _Bytes(self._stored_tensors(chunk, inner_state))
+            kept["bytes"] = chunk.stored.copy()
+        return kept
+
+    def _restore_where(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]], kept: dict[str, Any],
+                       skip: Tensor) -> None:
+        torch.where(skip, kept["W"], chunk.param, out=chunk.param)
+        st = self.twin.state[chunk.param]
+        for k, old in kept.items():
+            if k in st:
+                torch.where(skip, old, st[k], out=st[k])
+        if "bytes" in kept:
+            assert chunk.stored is not None
+            chunk.stored.restore_where(kept["bytes"], skip)
+        step = st.get("step")
+        if isinstance(step, Tensor):
+            step.sub_(skip.to(device=step.device, dtype=step.dtype))
+
+    @staticmethod
+    def _stored_tensors(chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> list[Tensor]:
+        out = []
+        for m in chunk.masters:
+            for k, v in inner_state[m].items():
+                if k != "step" and isinstance(v, Tensor):
+                    out.append(v)
+        return out
+
+    def stateless(self) -> bool:
+        """Whether some chunk has no optimizer state yet (its first step): a step skipped there
+        must leave no state, which ``torch.where`` cannot express."""
+        return not self.moments and any(not self.twin.state.get(c.param) for c in self.chunks)
+
+    def reseed(self) -> None:
+        """8-bit moments: start the inner optimizer's rounding noise of this step, as its own
+        step does (once per step, from the step count before it: a CPU step counter read)."""
+        for opt in (self.inner, self.twin):    # a step skipped on the device drew noise: draw it again
+            if hasattr(opt, "_seeded_at"):
+                opt._seeded_at = None                                                   # type: ignore[attr-defined]
+        if self.moments and self.chunks:
+            first = self.twin.state[self.chunks[0].param]["step"]
+            self.inner._reseed(int(float(first)), {c.param.device for c in self.chunks})  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def step_chunk(self, chunk: Chunk, hyper: dict[str, Any], factors: list[Tensor],
+                   inner_state: dict[Tensor, dict[str, Any]], skip: Tensor | None = None) -> None:
+        """One chunk: gather into ``W``/``G``, the twin's step, scatter back (module docstring).
+
+        ``skip``: a 0-dim bool on the chunk's device; where True, everything the step writes
+        keeps its old value (``torch.where`` over the flat buffers, no host sync): the masters
+        through ``W`` (the scatter then writes back what was gathered, bit for bit), the twin's
+        flat state, 8-bit codes and scales through a byte copy, and the step counter."""
+        if chunk.split_idx:
+            torch._foreach_copy_(chunk.split_w, chunk.split_models)        # exact BF16 -> FP32
+            torch._foreach_add_(chunk.split_bits, chunk.split_lo)           # + remainder (int16 -> int32)
+            chunk.bits_int.add_(unpack_ties(chunk.ties, chunk.numel, chunk.shifts), alpha=1 << 16)
+            torch._foreach_copy_(chunk.split_g, [p.grad for p in chunk.split_models])
+            for f in factors:                                              # unscale, then clip
+                torch._foreach_mul_(chunk.split_g, f.to(chunk.param.device))
+        if chunk.own_idx:       # after the tie add: it touched the own slots too
+            torch._foreach_copy_(chunk.own_w, chunk.own_masters)
+            torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
+        if self.moments:
+            self._decode(chunk, inner_state)
+        kept = self._keep(chunk, inner_state) if skip is not None else None
+        self.twin.param_groups = [{**hyper, "params": [chunk.param]}]
+        self.twin.step()
+        if self.moments:
+            self._encode(chunk, inner_state)
+        elif not chunk.viewed or any(self.twin.state[chunk.param].get(k) is not v for k, v in chunk.shared.items()):
+            self.share(chunk, inner_state)     # first step, or the optimizer replaced a state tensor
+        if kept is not None:
+            self._restore_where(chunk, inner_state, kept, skip)
+        if chunk.split_idx:
+            torch._foreach_copy_(chunk.split_models, chunk.split_w)        # round to nearest even
+            torch._foreach_copy_(chunk.split_lo_flat, chunk.split_low)     # remainder = low half
+            tied = torch.eq(chunk.low, -_TIE)                              # 0x8000: a tie either way
+            even = chunk.high.bitwise_and(1).eq_(0)                        # ... that rounded down
+            torch.logical_and(tied, even, out=chunk.flags_head)
+            chunk.flags_tail.zero_()
+            pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+        if chunk.own_idx:
+            torch._foreach_copy_(chunk.own_masters, chunk.own_w)
+        if chunk.full_idx:
+            torch._foreach_copy_(chunk.full_models, chunk.full_w)          # round into the model dtype
