@@ -20,7 +20,7 @@ amount of transient memory.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -86,6 +86,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
                  moments: str | None = None) -> None:
         self.moments = moments or {torch.float32: "fp32", torch.bfloat16: "bf16"}[moments_dtype]
         self.quantized = _moments.is_quantized(self.moments)
+        self.shape_of: Callable[[Tensor], torch.Size] = lambda p: p.shape
+        """The shape ``p`` is stepped with: what decides whether a loaded state is a matrix's (8-bit)
+        or a vector's (FP32). Split masters are held empty between steps; :class:`AdamW` tells
+        their parameter's shape."""
         self.moments_dtype = moments_dtype
         # int8 moments are always rounded stochastically; fp8 ones to nearest (see optim.moments).
         self.stochastic_rounding = (stochastic_rounding and moments_dtype == torch.bfloat16
@@ -182,7 +186,7 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             _moments.from_bytes_(st, self.moments)
         loc = _moments.from_bytes_({k: _sharded.local(v) for k, v in st.items() if k != "step"}, self.moments)
         keys = ("exp_avg", "exp_avg_sq")
-        if not _moments.quantizes(p.shape, self.moments):
+        if not _moments.quantizes(self.shape_of(p), self.moments):
             if "exp_avg_scale" in loc:
                 _moments.widen_(loc, self.moments)
                 for k in ("exp_avg_scale", "exp_avg_sq_scale"):
@@ -396,6 +400,7 @@ class AdamW(MasterWeights):
             super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
                              split=split_masters, master_params=master_params, moments_dtype=torch.float32, moments=moments,
                              stochastic_rounding=stochastic_rounding, seed=seed, **common)
+            self._tell_shapes()
             return
         if moments_dtype == torch.float32:
             super().__init__(torch.optim.AdamW, params, param_dtype=param_dtype if fp16_params else None,
@@ -406,6 +411,11 @@ class AdamW(MasterWeights):
                               "leave fused unset (the BF16-moment path always uses foreach ops)")
         super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
                          split=split_masters, master_params=master_params, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+        self._tell_shapes()
+
+    def _tell_shapes(self) -> None:
+        # A split master's tensor is empty between steps: its state's layout follows its parameter.
+        self._inner.shape_of = lambda m: self._model_of.get(id(m), m).shape
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if self._unmarked_vectors is not None:

@@ -302,3 +302,43 @@ def test_int8_moments_resume_bit_exact_when_the_optimizer_is_built_after_another
     kept = opt_c.state_dict()["param_groups"][0]["sr_seed"]
     opt_c.load_state_dict(old)
     assert opt_c.state_dict()["param_groups"][0]["sr_seed"] == kept
+
+
+@pytest.mark.parametrize("moments", ["int8", "fp8"])
+def test_8bit_moments_of_split_masters_stay_8bit_through_a_resume_and_continue_bit_exact(moments):
+    """Before: under bf16-true (split masters, held empty between steps) the loaded state was
+    taken for a vector's and widened to FP32, so a hand-loop or ``mixprec train --resume`` run
+    continued with FP32 moments and 3 + 3 steps differed from 6."""
+    def build():
+        torch.manual_seed(0)
+        model = mp.Precision("bf16-true").setup_module(
+            mp.models.Transformer(num_layers=1, d_model=64, num_heads=2, max_seq_len=16))
+        return model, AdamW(model.parameters(), lr=3e-3, moments=moments, seed=5)
+
+    data = torch.randint(0, 64, (6, 4, 17), generator=torch.Generator().manual_seed(3))
+
+    def train(model, opt, steps):
+        for x in steps:
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    straight, opt = build()
+    train(straight, opt, data)
+    first, opt_a = build()
+    train(first, opt_a, data[:3])
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": opt_a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed, opt_b = build()
+    resumed.load_state_dict(saved["model"])
+    opt_b.load_state_dict(saved["opt"])
+    states = list(opt_b.state_dict()["state"].values())
+    matrices = [st for st in states if "exp_avg_scale" in st]          # 8-bit codes and scales
+    assert matrices and all(st["exp_avg"].dtype != torch.float32 for st in matrices)
+    assert len(matrices) == sum("exp_avg_scale" in st for st in opt_a.state_dict()["state"].values())
+    train(resumed, opt_b, data[3:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
