@@ -189,7 +189,8 @@ def test_the_printed_resume_line_pastes_whole_into_a_shell_for_a_folder_with_spa
     that as a subshell: pasted whole, it ended in a syntax error."""
     from mixprec.cli import main
     run = tmp_path / "my run (1)"
-    assert main(["train", *TINY, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
+    tiny = [s for s in TINY if not s.startswith("eval_batches=")]          # each setting given once
+    assert main(["train", *tiny, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
     line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[mixprec] resume:"))
     pasted = line.split(":", 1)[1]                                   # everything after the label
     proc = subprocess.run(["bash", "-c", 'mixprec() { printf "%s\\n" "$@"; }\n' + pasted],

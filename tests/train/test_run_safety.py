@@ -114,7 +114,8 @@ def test_default_run_folders_started_in_the_same_second_do_not_collide(tmp_path)
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_a_diverged_run_fails_with_a_clear_message_and_reports_its_skips(tmp_path, text_corpus, precision):
-    proc = mixprec("train", *TINY, f"data={text_corpus}", "max_steps=40", "lr=1e6", "clip_grad_norm=0",
+    tiny = [s for s in TINY if not s.startswith(("lr=", "log_interval="))]   # each given once
+    proc = mixprec("train", *tiny, f"data={text_corpus}", "max_steps=40", "lr=1e6", "clip_grad_norm=0",
                    "log_interval=10", f"precision={precision}", f"run_dir={tmp_path / 'r'}", check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "mixprec: error: training diverged at step" in proc.stderr
