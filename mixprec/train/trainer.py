@@ -37,7 +37,7 @@ from mixprec.precision import Policy, Precision
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger, is_finite_number, read_metrics
-from mixprec.runs.run_dir import claim_locked_run_dir
+from mixprec.runs.run_dir import claim_locked_run_dir, deleted_note
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
                                    refuse_changes_to_ready_precision, refuse_two_modes)
@@ -408,11 +408,14 @@ class Trainer:
         cfg = self.config
         claim: tuple[str | None, str | None] = (None, None)
         if self.strategy.is_main:
+            deleted: list[str] = []
             try:
                 path, self._lock = claim_locked_run_dir(
                     cfg.run_dir, precision=self.precision.label, resume=resume and not start_over,
-                    overwrite=cfg.overwrite or start_over)
+                    overwrite=cfg.overwrite or start_over, deleted=deleted)
                 claim = (str(path), None)
+                if not start_over and (said := deleted_note(path, deleted)):  # (a restart says its own)
+                    self._notes.append((said, "overwrite"))
             except ConfigError as e:
                 claim = (None, str(e))
         # Rank 0 picked (and made) the folder, or refused it: every rank learns which.
