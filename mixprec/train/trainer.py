@@ -556,6 +556,10 @@ class Trainer:
             if self.step > total:
                 raise ConfigError(f"the checkpoint is at step {self.step}, past max_steps={total}; "
                                   f"resume with max_steps={self.step} or more")
+            if self.step == total and main:     # a finished run resumed as it was: say so
+                self._notes.append((f"nothing to train: the run is already at step {self.step} of "
+                                    f"max_steps={total}; to train on, give a larger max_steps: "
+                                    f"{hints.resume(self.run_dir, max_steps=2 * self.step)}", "nothing"))
             if self._user_scheduler is None:
                 self._reschedule(total, peaks, restored.saved_lr)
         try:

@@ -44,3 +44,14 @@ def test_resuming_a_finished_run_prints_its_recorded_final_validation_loss(text_
     assert main(["train", "--resume", str(run)]) == 0
     again = capsys.readouterr().err
     assert f"final validation loss {recorded}," in again
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train_and_how_to_train_on(text_corpus, tmp_path,
+                                                                                   capsys):
+    """It printed the start and end of a run, and no word that nothing was trained."""
+    run = tmp_path / "r"
+    train(capsys, f"data={text_corpus}", "max_steps=2", "warmup_steps=1", f"run_dir={run}")
+    assert main(["train", "--resume", str(run)]) == 0
+    said = [l for l in capsys.readouterr().err.splitlines() if "nothing to train" in l]
+    assert said == [f"[mixprec] nothing to train: the run is already at step 2 of max_steps=2; to train "
+                    f"on, give a larger max_steps: mixprec train --resume {run} max_steps=4"]
