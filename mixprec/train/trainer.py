@@ -689,15 +689,22 @@ class Trainer:
         if self._user_scheduler is not None or cfg.warmup_steps <= 0 or self.step == 0:
             return None
         taken = int(getattr(self.scheduler, "last_epoch", cfg.warmup_steps))
-        if taken >= cfg.warmup_steps:
+        # warmup_steps=1 starts at the peak: there is no warm-up to stay in, even when every step
+        # was skipped (it said "never left warm-up ... reached 100 % of the peak").
+        if taken >= cfg.warmup_steps or cfg.warmup_steps == 1:
             return None
         skipped = self.precision.num_skipped_steps
         why = (f"{skipped} of its {self.step} steps were skipped, and a skipped step does not advance it"
                if skipped else f"the run ({self.step} steps) is shorter than warmup_steps={cfg.warmup_steps}")
         peak = self.scheduler.base_lrs[0]
-        lr = peak * self.scheduler.lr_lambdas[0](max(taken - 1, 0))    # the last taken step's (or the first)
+        if taken == 0:      # no step taken: the LR was never reached by a step, it waits at the first
+            lr = peak * self.scheduler.lr_lambdas[0](0)
+            where = f"no step was taken; it stays at its first warm-up LR {lr:.3g}"
+        else:
+            lr = peak * self.scheduler.lr_lambdas[0](taken - 1)     # the last taken step's
+            where = f"the LR reached {lr:.3g}"
         return (f"the LR never left warm-up: the schedule advanced {taken} of its {cfg.warmup_steps} "
-                f"warm-up steps ({why}); the LR reached {lr:.3g}, {100 * lr / peak:.0f} % of the peak {peak:g}")
+                f"warm-up steps ({why}); {where}, {100 * lr / peak:.0f} % of the peak {peak:g}")
 
     def _reschedule(self, total: int, peaks: list[float], saved_lr: list[float]) -> None:
         """After a restore, this run's settings set the learning rate, not the checkpoint's.
