@@ -98,7 +98,8 @@ def _launcher_argv() -> list[str] | None:
 
 def command(*words: str | os.PathLike, env: dict[str, str] | None = None) -> str:
     """``mixprec WORDS...`` as one pasteable shell command for this launch (several nodes: with
-    the job's rendezvous options, to run on every node)."""
+    the job's rendezvous options, to run on every node, said on a line of its own before the
+    command, so the command's line pastes whole into a shell)."""
     launch = launcher(env)
     if not any(w.startswith("--nnodes") for w in launch):
         return shlex.join([*launch, *map(str, words)])
@@ -106,10 +107,14 @@ def command(*words: str | os.PathLike, env: dict[str, str] | None = None) -> str
     options, node_rank = rendezvous_options(argv) if argv is not None else ([], False)
     at = launch.index("-m")
     text = shlex.join([*launch[:at], *options, *launch[at:], *map(str, words)])
+    # The note goes on its own line before the command: after it ("cmd  (on every node)"), a
+    # whole-line paste made bash read the parenthesis as a subshell and fail.
     if not options:
-        return text + ("  (on every node, adding this job's rendezvous options: --rdzv-backend and "
-                       "--rdzv-endpoint, or --master-addr and --master-port)")
-    return text + ("  (on every node, with its own --node-rank)" if node_rank else "  (on every node)")
+        note = ("on every node, adding this job's rendezvous options (--rdzv-backend and "
+                "--rdzv-endpoint, or --master-addr and --master-port)")
+    else:
+        note = "on every node, each with its own --node-rank" if node_rank else "on every node"
+    return f"{note}:\n{text}"
 
 
 def _python_value(value: Any) -> str:

@@ -4,7 +4,8 @@ Builds the model and data of ``mixprec train`` (same settings: ``--config``, ``k
 optionally loads the weights of a run (``--from RUN_DIR``: sensitivities of a trained model differ
 from those at initialisation), takes ``--batches`` calibration batches from the training data and
 runs :func:`mixprec.plan.plan_precision`. Writes the plan (``-o``, default ``plan.json``) and a PNG
-beside it; train with it via ``mixprec train --precision plan:plan.json``.
+beside it; train with it via ``mixprec train model=... --precision plan:plan.json`` (the plan
+records the model settings and Linear layers it was made for; another model is refused).
 """
 from __future__ import annotations
 
@@ -122,6 +123,15 @@ def model_and_batches(cfg, from_run: str | None, n: int) -> tuple[Any, list, Any
     return model, batches, strategy
 
 
+MODEL_SETTINGS = ("model", "vocab_size", "num_layers", "d_model", "num_heads", "num_experts")
+"""The settings that decide a model's Linear layers (a plan records them, its hint repeats them)."""
+
+
+def model_settings(cfg) -> str:
+    """``"model=tiny"`` (and any other of :data:`MODEL_SETTINGS` set): what a plan was made for."""
+    return " ".join(f"{k}={getattr(cfg, k)}" for k in MODEL_SETTINGS if getattr(cfg, k, None) is not None)
+
+
 def run(args: argparse.Namespace) -> int:
     from mixprec.plan.planner import plan_precision, split_heldout
     from mixprec.train.config import load_config, parse_overrides
@@ -143,11 +153,12 @@ def run(args: argparse.Namespace) -> int:
                           budget=args.budget / 100, base=base, target=args.target, seed=cfg.seed,
                           criterion=args.criterion, **limits,
                           progress=lambda s: print(f"[mixprec] measured {s}", file=sys.stderr))
+    plan.made_for = model_settings(cfg)
     print(plan.table())
     print(f"[mixprec] trade-off: {plan.tradeoff()}", file=sys.stderr)
     out = plan.write(args.output)
     png = plan.plot(args.png or Path(args.output).with_suffix(".png"))
     print(f"[mixprec] plan: {out}  plot: {png}", file=sys.stderr)
-    print(f"[mixprec] train with it: mixprec train --precision plan:{out}", file=sys.stderr)
+    print(f"[mixprec] train with it: mixprec train {plan.made_for} --precision plan:{out}", file=sys.stderr)
     strategy.teardown()
     return 0

@@ -62,7 +62,8 @@ def measure_config(cfg, source: dict[str, str]):
 
 def run(args: argparse.Namespace) -> int:
     from mixprec.plan.whatif import what_if
-    from mixprec.cli.plan import limit_args, model_and_batches, say_untrained, settings_file
+    from mixprec.cli.plan import limit_args, model_and_batches, model_settings, say_untrained, settings_file
+    from torch import nn
     from mixprec.policy.overrides import write_plan
     from mixprec.train.config import load_config, parse_overrides
     if args.batches < 1:
@@ -87,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     png = report.heatmap(args.png or Path(args.output).with_suffix(".png"))
     print(f"[mixprec] csv: {out}  heat-map: {png}", file=sys.stderr)
     if args.plan:
-        plan = write_plan(args.plan, "32-true", report.overrides)
-        print(f"[mixprec] plan: {plan} (train with it: mixprec train --precision plan:{plan})",
+        made_for = model_settings(cfg)
+        plan = write_plan(args.plan, "32-true", report.overrides, made_for=made_for,
+                          linears=[n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        print(f"[mixprec] plan: {plan} (train with it: mixprec train {made_for} --precision plan:{plan})",
               file=sys.stderr)
     strategy.teardown()
     return 0

@@ -20,7 +20,7 @@ from mixprec.monitor import NonFiniteEvent, audit, locate_nonfinite
 from mixprec.monitor.trace import RngState, gather_origins
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
-from mixprec.runs.run_dir import claim_run_dir, holds_a_run
+from mixprec.runs.run_dir import claim_run_dir, deleted_note, holds_a_run
 from mixprec.train.step import StepOutput
 from mixprec.train.schedules import move_scheduler, replace_step
 
@@ -147,8 +147,9 @@ class RunRecord:
             self.earlier_run = Path(run_dir)
             run_dir = next(p for n in range(2, 100_000)
                            if not (p := Path(f"{run_dir}-{n}")).exists() or (p.is_dir() and not any(p.iterdir())))
+        deleted: list[str] = []
         if run_dir is not None and host.is_main:
-            self.run_dir = claim_run_dir(run_dir, precision=precision.label,
+            self.run_dir = claim_run_dir(run_dir, precision=precision.label, deleted=deleted,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
                                          overwrite=overwrite,
                                          ways_out="resume it from your framework's own checkpoint "
@@ -160,6 +161,8 @@ class RunRecord:
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,
                                     resume_step=resume_step)
         self.events = RunEvents(host, precision, self.logger, progress=False)
+        if deleted:
+            print(f"[mixprec] {deleted_note(self.run_dir, deleted)}", file=sys.stderr)
         if self.earlier_run is not None:
             print(f"[mixprec] {self.earlier_run} holds an earlier run (left as it was); this run's folder is "
                   f"{self.run_dir}" + (f" ({overwrite_hint} writes over the earlier one instead)"

@@ -255,11 +255,21 @@ def _check_hardware(precision: Precision, device: torch.device, findings: list[F
     fp8_layers = sorted({f for f in asked if f.startswith("fp8-")})
     if (precision.fp8_recipe or fp8_layers) and not (on_gpu and cuda_supports_fp8()):
         what = precision.fp8_recipe or ", ".join(fp8_layers)   # a uniform mode, or per-layer FP8
+        here = "this GPU" if on_gpu else f"this CPU{cpu}"
+        if precision.fp8_recipe:
+            fix = f"use '{'bf16-mixed' if on_gpu else cpu_fast}' on {here}"
+        else:
+            # Per-layer FP8 (a plan, overrides) on a base mode: the base is not what to change (it
+            # may already be the mode that would be advised); the FP8 layers are.
+            other = "bf16" if on_gpu or cpu_fast == "bf16-mixed" else "fp32"
+            fix = (f"take those layers out of FP8 on {here}: plan again without FP8 candidates "
+                   f"(mixprec plan --candidates fp32,bf16) or override them to {other}; the base "
+                   f"'{precision.name}' stays")
         findings.append(Finding(
             code="fp8-unsupported", severity="warning",
             message=f"precision {precision} uses FP8 ({what}) but {device} has no FP8 tensor "
                     "cores (compute capability 8.9+): FP8 is emulated, correct but slower than bf16",
-            fix="use 'bf16-mixed' on this GPU" if on_gpu else f"use '{cpu_fast}' on this CPU{cpu}"))
+            fix=fix))
     micro = sorted({f for f in asked if is_micro(f)} | ({precision.policy.micro_format} - {None}))
     if micro:
         findings.append(Finding(

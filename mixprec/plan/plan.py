@@ -121,6 +121,11 @@ class PrecisionPlan:
     seconds: float = 0.0
     """Wall time the planner took."""
     notes: list[str] = field(default_factory=list)
+    linears: list[str] | None = None
+    """Every Linear layer of the model planned for (the plan file's ``linears``: a model whose
+    Linear layers differ is refused, :class:`mixprec.policy.overrides.PlanOrigin`)."""
+    made_for: str = ""
+    """The model settings planned with (``"model=tiny"``; ``mixprec plan`` sets it)."""
 
     @property
     def formats(self) -> dict[str, str]:
@@ -137,7 +142,8 @@ class PrecisionPlan:
 
     def write(self, path: str | Path) -> Path:
         """The plan file (JSON with the measurements, or TOML with the formats only)."""
-        return write_plan(path, self.base, self.overrides, target=self.target, budget=self.budget,
+        return write_plan(path, self.base, self.overrides, made_for=self.made_for,
+                          linears=self.linears, target=self.target, budget=self.budget,
                           criterion=self.criterion,
                           loss=self.loss, step_time=self.step_time, step_time_fp32=self.step_time_fp32,
                           step_time_base=self.step_time_base, speedup=self.speedup(),

@@ -198,7 +198,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     if base_precision.policy.overrides:
         notes.append(f"the base's {len(base_precision.policy.overrides)} per-layer overrides are "
                      f"replaced by this plan's")
-    planned = planned_layers(Precision(base_precision.policy.replace(overrides=()), device=device),
+    planned = planned_layers(Precision(base_precision.policy.replace(overrides=(), plan=None), device=device),
                              model, layers)
     names = planned.names
     if not names:
@@ -244,7 +244,8 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     plan = PrecisionPlan(base=base_name, layers=measures, throughput=throughput, target=target,
                          budget=budget, criterion=criterion, loss=ref_loss, notes=notes,
                          base_format=base_precision.base_format, min_sqnr_db=min_sqnr_db,
-                         max_flush=max_flush, max_sqnr_drop_db=max_sqnr_drop_db)
+                         max_flush=max_flush, max_sqnr_drop_db=max_sqnr_drop_db,
+                         linears=[n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)])
     choose(plan, cands)
     # The estimate only ranks: the promise is the whole plan's measured loss change.
     ref_held = forward_losses(ref_model, held, objective, seed) if held else []

@@ -32,6 +32,11 @@ or TOML::
 
 (TOML tables keep their order, so first-match-wins holds there too.) ``precision="plan:PATH"``
 loads one (:func:`mixprec.get_policy`).
+
+A plan written by ``mixprec plan`` / ``mixprec whatif --plan`` also records what it was made for:
+``made_for`` (the model settings, ``"model=tiny"``) and ``linears`` (every Linear layer's name in
+that model). A model whose Linear layers are not those is refused when the plan is applied
+(:meth:`PlanOrigin.check`); a plan file without them (older, or written by hand) is not checked.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ import fnmatch
 import json
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +58,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["LAYER_FORMATS", "MICRO_FORMATS", "is_micro", "Overrides", "parse_format", "normalize_overrides", "match_override",
-           "check_patterns", "format_dtype", "load_plan", "write_plan", "PLAN_PREFIX"]
+           "check_patterns", "format_dtype", "load_plan", "load_plan_origin", "write_plan", "PLAN_PREFIX",
+           "PlanOrigin"]
 
 MICRO_FORMATS: tuple[str, ...] = ("mxfp8", "nvfp4", "mxfp4")
 """The block-scaled formats (:mod:`mixprec.formats`): MXFP8, NVFP4, MXFP4."""
@@ -156,8 +163,37 @@ def check_patterns(overrides: Overrides, layer_names: Iterable[str]) -> None:
                               "names (parents count: 'blocks.0' covers blocks.0.*)")
 
 
-def load_plan(path: str | Path) -> tuple[str, Overrides]:
-    """(base precision, overrides) of a plan file (JSON or TOML, see the module docstring)."""
+@dataclass(frozen=True, kw_only=True)
+class PlanOrigin:
+    """What a plan file was made for (module docstring)."""
+
+    path: str
+    """The plan file, as given."""
+    made_for: str
+    """The model settings it was planned with (``"model=tiny"``; empty when not recorded)."""
+    linears: tuple[str, ...]
+    """Every Linear layer of the model it was planned for."""
+
+    def check(self, layer_names: Iterable[str]) -> None:
+        """Refuse, in one line, a model whose Linear layers are not the ones planned for."""
+        have = list(layer_names)
+        extra = [n for n in have if n not in set(self.linears)]
+        missing = [n for n in self.linears if n not in set(have)]
+        if not extra and not missing:
+            return
+
+        def some(names: list[str]) -> str:
+            return ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        differs = "; ".join(d for d in (
+            f"this model has {len(extra)} Linear layers the plan does not know ({some(extra)})" if extra else "",
+            f"{len(missing)} planned ones are not in it ({some(missing)})" if missing else "") if d)
+        made = f" (made for {self.made_for}, {len(self.linears)} Linear layers)" if self.made_for else ""
+        train = f", or train the model it was made for ({self.made_for})" if self.made_for else ""
+        raise ConfigError(f"plan {self.path} was made for another model{made}: {differs}; make a "
+                          f"plan for this model (mixprec plan with this run's model settings){train}")
+
+
+def _read_plan(path: str | Path) -> dict:
     p = Path(path)
     try:
         raw = p.read_bytes()
@@ -174,19 +210,43 @@ def load_plan(path: str | Path) -> tuple[str, Overrides]:
     base = data["precision"]
     if not isinstance(base, str) or base.strip().lower().startswith(PLAN_PREFIX):
         raise ConfigError(f"plan file {p}: 'precision' must name a mode such as 'fp8-blockwise'")
-    return base, normalize_overrides(data.get("overrides", ()))
+    return data
 
 
-def write_plan(path: str | Path, base: str, overrides: Overrides, **extra: Any) -> Path:
-    """Write a plan file (JSON, or TOML when ``path`` ends in ``.toml``); ``extra`` entries (the
-    planner's measurements) go into the JSON form only."""
+def load_plan(path: str | Path) -> tuple[str, Overrides]:
+    """(base precision, overrides) of a plan file (JSON or TOML, see the module docstring)."""
+    data = _read_plan(path)
+    return data["precision"], normalize_overrides(data.get("overrides", ()))
+
+
+def load_plan_origin(path: str | Path) -> PlanOrigin | None:
+    """What a plan file was made for; None when it does not say (an older or hand-written one)."""
+    data = _read_plan(path)
+    linears = data.get("linears")
+    if not isinstance(linears, list) or not all(isinstance(n, str) for n in linears):
+        return None
+    made_for = data.get("made_for", "")
+    return PlanOrigin(path=str(path), made_for=made_for if isinstance(made_for, str) else "",
+                      linears=tuple(linears))
+
+
+def write_plan(path: str | Path, base: str, overrides: Overrides, *, made_for: str = "",
+               linears: Iterable[str] | None = None, **extra: Any) -> Path:
+    """Write a plan file (JSON, or TOML when ``path`` ends in ``.toml``). ``made_for`` (the model
+    settings) and ``linears`` (the model's Linear layer names) record what it was made for, in both
+    forms; ``extra`` entries (the planner's measurements) go into the JSON form only."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    origin: dict[str, Any] = {}
+    if linears is not None:
+        origin = {"made_for": made_for, "linears": list(linears)}
     if p.suffix.lower() == ".toml":
-        lines = [f"precision = {json.dumps(base)}", "", "[overrides]"]
+        lines = [f"precision = {json.dumps(base)}"]
+        lines += [f"{k} = {json.dumps(v)}" for k, v in origin.items()]
+        lines += ["", "[overrides]"]
         lines += [f"{json.dumps(pat)} = {json.dumps(fmt)}" for pat, fmt in overrides]
         p.write_text("\n".join(lines) + "\n")
     else:
-        p.write_text(json.dumps({"precision": base, "overrides": [list(o) for o in overrides],
+        p.write_text(json.dumps({"precision": base, **origin, "overrides": [list(o) for o in overrides],
                                  **extra}, indent=1) + "\n")
     return p

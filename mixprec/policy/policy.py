@@ -19,7 +19,7 @@ that turns it into decisions: casting, masters, loss scaling, FP8, what strategi
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,8 @@ from torch import nn
 from mixprec.errors import ConfigError, closest
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import dtype_name, parse_dtype
-from mixprec.policy.overrides import (MICRO_FORMATS, PLAN_PREFIX, Overrides, load_plan, match_override,
+from mixprec.policy.overrides import (MICRO_FORMATS, PLAN_PREFIX, Overrides, PlanOrigin, load_plan,
+                                      load_plan_origin, match_override,
                                       normalize_overrides)
 
 __all__ = ["Policy", "get_policy", "PRESETS", "ALIASES", "FP8_RECIPES", "MICRO_FORMATS"]
@@ -81,6 +82,9 @@ class Policy:
     """Per-module compute formats, ordered ``((pattern, format), ...)``; the first pattern matching
     a layer's name (or a parent's) wins. Formats: ``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``
     (see :mod:`mixprec.policy.overrides`). Also accepts a dict (its order is kept)."""
+    plan: PlanOrigin | None = field(default=None, compare=False)
+    """What the plan file these overrides came from was made for (``plan:PATH``; None otherwise):
+    :class:`mixprec.Precision` refuses a model whose Linear layers are not the planned ones."""
 
     def __post_init__(self) -> None:
         for f in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
@@ -269,9 +273,10 @@ def get_policy(name: str | Policy | bool | None = True, *,
         raise ConfigError(f"precision must be a name, a Policy or a bool, not {type(name).__name__}")
     key = name.strip().lower()
     if key.startswith(PLAN_PREFIX):
-        base, overrides = load_plan(name.strip()[len(PLAN_PREFIX):])
+        path = name.strip()[len(PLAN_PREFIX):]
+        base, overrides = load_plan(path)
         policy = get_policy(base, device=device)
-        return policy.replace(name=policy.name, overrides=overrides)
+        return policy.replace(name=policy.name, overrides=overrides, plan=load_plan_origin(path))
     if key in ("true", "auto", "best"):
         return _best_safe(torch.device(device) if device is not None else None)
     if "=" in key:

@@ -540,7 +540,8 @@ class Precision:
                 f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
                 f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
                 f"precision '{wanted}', or build the optimizer without fp16_params")
-        self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides)
+        self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides,
+                                                  plan=self.policy.plan)
         self._scaler = None   # the new mode's
         self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
                           f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
@@ -557,8 +558,10 @@ class Precision:
                 raise ConfigError(f"this model was already set up for precision {done}; build a "
                                   f"new model to train it in {self._identity()}")
             return model
-        check_patterns(self.policy.overrides,
-                       [n for n, m in model.named_modules() if isinstance(m, nn.Linear)])
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if self.policy.plan is not None:        # a plan file made for another model: refused
+            self.policy.plan.check(linears)
+        check_patterns(self.policy.overrides, linears)
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device

@@ -21,7 +21,7 @@ from mixprec import hints
 from mixprec.errors import ConfigError
 from mixprec.runs.lock import LOCK_FILE, RunLock
 
-__all__ = ["claim_run_dir", "claim_locked_run_dir", "default_run_dir_name", "holds_a_run",
+__all__ = ["claim_run_dir", "claim_locked_run_dir", "deleted_note", "default_run_dir_name", "holds_a_run",
            "RUN_ENTRIES", "RUN_MARKERS"]
 
 RUN_MARKERS = frozenset({"config.toml", "metrics.csv", "events.jsonl", "checkpoints"})
@@ -66,22 +66,27 @@ def _listing(names: list[str], limit: int = 4) -> str:
 
 
 def claim_run_dir(run_dir: str | Path | None, *, precision: str, resume: bool,
-                  overwrite: bool, root: Path = Path("runs"), ways_out: str | None = None) -> Path:
+                  overwrite: bool, root: Path = Path("runs"), ways_out: str | None = None,
+                  deleted: list[str] | None = None) -> Path:
     """:func:`claim_locked_run_dir` for a caller that does not keep the lock."""
     path, lock = claim_locked_run_dir(run_dir, precision=precision, resume=resume,
-                                      overwrite=overwrite, root=root, ways_out=ways_out)
+                                      overwrite=overwrite, root=root, ways_out=ways_out,
+                                      deleted=deleted)
     lock.release()
     return path
 
 
 def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: bool,
                          overwrite: bool, root: Path = Path("runs"),
-                         ways_out: str | None = None) -> tuple[Path, RunLock]:
+                         ways_out: str | None = None,
+                         deleted: list[str] | None = None) -> tuple[Path, RunLock]:
     """Create (or check) the run folder for a run and take its lock; called on the main rank only.
 
     The lock comes before anything is deleted (``overwrite``) or continued (``resume``): a live
     run's folder is refused, naming the process that writes it. ``ways_out``: what a caller that
-    is neither ``fit()`` nor the command line (a framework's callback) tells its user instead."""
+    is neither ``fit()`` nor the command line (a framework's callback) tells its user instead.
+    ``deleted``: a list that gets the names of the old run's entries ``overwrite`` removed, for the
+    caller to say (:func:`deleted_note`)."""
     if run_dir is None:
         root = _writable(root)
         base = default_run_dir_name(precision)
@@ -121,4 +126,13 @@ def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: 
                 shutil.rmtree(child)
             else:
                 child.unlink()
+            if deleted is not None:
+                deleted.append(child.name)
     return path, lock
+
+
+def deleted_note(path: str | Path, deleted: list[str]) -> str:
+    """The line that says what ``overwrite`` removed (empty when nothing was)."""
+    if not deleted:
+        return ""
+    return f"overwrite: deleted the old run in {path} ({_listing(sorted(deleted), limit=6)})"

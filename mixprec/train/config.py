@@ -413,14 +413,20 @@ def _flatten(table: dict[str, Any], prefix: str = "",
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
-    """``["lr=3e-4", "max_steps=100"]`` -> ``{"lr": "3e-4", "max_steps": "100"}``."""
+    """``["lr=3e-4", "max_steps=100"]`` -> ``{"lr": "3e-4", "max_steps": "100"}``. A setting given
+    twice with different values is refused (the last would win silently); the same value twice is
+    kept once."""
     out: dict[str, str] = {}
+    given: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"cannot read '{item}': settings on the command line are key=value, "
                               "e.g. lr=3e-4")
-        out[key.strip().replace("-", "_")] = value
+        name = key.strip().replace("-", "_")
+        if name in out and out[name].strip() != value.strip():
+            raise ConfigError(f"{name} given twice: {given[name]} and {item}; pass one")
+        out[name], given[name] = value, item
     return out
 
 

@@ -37,7 +37,7 @@ from mixprec.precision import Policy, Precision
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger, is_finite_number, read_metrics
-from mixprec.runs.run_dir import claim_locked_run_dir
+from mixprec.runs.run_dir import claim_locked_run_dir, deleted_note
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
                                    refuse_changes_to_ready_precision, refuse_two_modes)
@@ -408,11 +408,14 @@ class Trainer:
         cfg = self.config
         claim: tuple[str | None, str | None] = (None, None)
         if self.strategy.is_main:
+            deleted: list[str] = []
             try:
                 path, self._lock = claim_locked_run_dir(
                     cfg.run_dir, precision=self.precision.label, resume=resume and not start_over,
-                    overwrite=cfg.overwrite or start_over)
+                    overwrite=cfg.overwrite or start_over, deleted=deleted)
                 claim = (str(path), None)
+                if not start_over and (said := deleted_note(path, deleted)):  # (a restart says its own)
+                    self._notes.append((said, "overwrite"))
             except ConfigError as e:
                 claim = (None, str(e))
         # Rank 0 picked (and made) the folder, or refused it: every rank learns which.
@@ -553,6 +556,10 @@ class Trainer:
             if self.step > total:
                 raise ConfigError(f"the checkpoint is at step {self.step}, past max_steps={total}; "
                                   f"resume with max_steps={self.step} or more")
+            if self.step == total and main:     # a finished run resumed as it was: say so
+                self._notes.append((f"nothing to train: the run is already at step {self.step} of "
+                                    f"max_steps={total}; to train on, give a larger max_steps: "
+                                    f"{hints.resume(self.run_dir, max_steps=2 * self.step)}", "nothing"))
             if self._user_scheduler is None:
                 self._reschedule(total, peaks, restored.saved_lr)
         try:
@@ -682,15 +689,22 @@ class Trainer:
         if self._user_scheduler is not None or cfg.warmup_steps <= 0 or self.step == 0:
             return None
         taken = int(getattr(self.scheduler, "last_epoch", cfg.warmup_steps))
-        if taken >= cfg.warmup_steps:
+        # warmup_steps=1 starts at the peak: there is no warm-up to stay in, even when every step
+        # was skipped (it said "never left warm-up ... reached 100 % of the peak").
+        if taken >= cfg.warmup_steps or cfg.warmup_steps == 1:
             return None
         skipped = self.precision.num_skipped_steps
         why = (f"{skipped} of its {self.step} steps were skipped, and a skipped step does not advance it"
                if skipped else f"the run ({self.step} steps) is shorter than warmup_steps={cfg.warmup_steps}")
         peak = self.scheduler.base_lrs[0]
-        lr = peak * self.scheduler.lr_lambdas[0](max(taken - 1, 0))    # the last taken step's (or the first)
+        if taken == 0:      # no step taken: the LR was never reached by a step, it waits at the first
+            lr = peak * self.scheduler.lr_lambdas[0](0)
+            where = f"no step was taken; it stays at its first warm-up LR {lr:.3g}"
+        else:
+            lr = peak * self.scheduler.lr_lambdas[0](taken - 1)     # the last taken step's
+            where = f"the LR reached {lr:.3g}"
         return (f"the LR never left warm-up: the schedule advanced {taken} of its {cfg.warmup_steps} "
-                f"warm-up steps ({why}); the LR reached {lr:.3g}, {100 * lr / peak:.0f} % of the peak {peak:g}")
+                f"warm-up steps ({why}); {where}, {100 * lr / peak:.0f} % of the peak {peak:g}")
 
     def _reschedule(self, total: int, peaks: list[float], saved_lr: list[float]) -> None:
         """After a restore, this run's settings set the learning rate, not the checkpoint's.

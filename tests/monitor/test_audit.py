@@ -247,3 +247,18 @@ def test_per_layer_fp8_without_capable_gpu_warns_as_a_uniform_fp8_mode_does(monk
     plain = mp.Precision("bf16-mixed")
     assert "fp8-unsupported" not in _codes(audit(plain.setup(nn.Linear(32, 32))[0], precision=plain,
                                                  device="cpu"))
+
+
+@pytest.mark.parametrize("cpu_bf16", [True, False])
+def test_per_layer_fp8_advice_never_suggests_the_base_mode_already_in_use(monkeypatch, cpu_bf16):
+    """A plan on a bf16-mixed base was told "fix: use 'bf16-mixed' on this CPU": already the base."""
+    import mixprec as mp
+    monkeypatch.setattr(audit_mod, "cuda_supports_fp8", lambda: False)
+    monkeypatch.setattr(audit_mod, "cpu_has_native_bf16", lambda: cpu_bf16)
+    for base in ("bf16-mixed", "32-true"):
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+        precision = mp.Precision(base, overrides={"0": "fp8-tensorwise"}, device="cpu")
+        model, _ = precision.setup(model)
+        f = next(f for f in audit(model, precision=precision, device="cpu") if f.code == "fp8-unsupported")
+        assert f"use '{base}'" not in f.fix and "take those layers out of FP8" in f.fix
+        assert f"override them to {'bf16' if cpu_bf16 else 'fp32'}" in f.fix

@@ -127,3 +127,22 @@ def test_a_plan_run_resumes_with_the_command_it_printed(tmp_path, capsys):
     assert main(["train", "--resume", str(run), "--precision", f"plan:{plan}", "max_steps=5",
                  "progress=false"]) == 0
     assert tomllib.loads((run / "config.toml").read_text())["overrides"] == saved["overrides"]
+
+
+def test_a_plan_records_its_model_and_its_hint_repeats_it_and_another_model_is_refused(tmp_path, capsys):
+    """The hint `mixprec train --precision plan:plan.json` left out model=tiny: pasted as printed it
+    trained the default (small) model with the tiny plan's overrides, without a word."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "model=tiny", "batch_size=2", "seq_len=32", "--batches", "1",
+                 "--candidates", "bf16", "--target", "H100", "-o", str(plan)]) == 0
+    err = capsys.readouterr().err
+    assert f"train with it: mixprec train model=tiny --precision plan:{plan}" in err
+    data = json.loads(plan.read_text())
+    assert data["made_for"] == "model=tiny" and "blocks.0.attn.qkv" in data["linears"]
+    # As pasted without model=tiny: the default model's Linear layers are not the plan's.
+    assert main(["train", "--precision", f"plan:{plan}", "batch_size=2", "seq_len=32", "max_steps=1",
+                 "eval_interval=0", f"run_dir={tmp_path / 'run'}", "progress=false"]) == 2
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "was made for another model" in x)
+    assert f"plan {plan} was made for another model (made for model=tiny" in line
+    assert "make a plan for this model" in line and "Traceback" not in err

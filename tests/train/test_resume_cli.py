@@ -149,16 +149,35 @@ def test_a_multi_node_hint_carries_the_rendezvous_options_the_job_was_launched_w
              "--local-addr=10.0.0.1", "-m", "mixprec", "train", "data=a.tokens"]
     monkeypatch.setattr(hints, "_launcher_argv", lambda: agent)
     text = hints.command("train", "--resume", "runs/r", env=two_nodes)
-    assert text == ("torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
-                    "--rdzv-id=job7 -m mixprec train --resume runs/r  (on every node, with its own "
-                    "--node-rank)")
+    assert text == ("on every node, each with its own --node-rank:\n"
+                    "torchrun --nnodes=2 --nproc_per_node=1 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
+                    "--rdzv-id=job7 -m mixprec train --resume runs/r")
     static = ["torchrun", "--nnodes", "2", "--master_addr", "10.0.0.1", "--master-port=29500", "-m", "mixprec"]
     monkeypatch.setattr(hints, "_launcher_argv", lambda: static)
     assert "--nproc_per_node=1 --master-addr=10.0.0.1 --master-port=29500 -m" in hints.command("x", env=two_nodes)
     monkeypatch.setattr(hints, "_launcher_argv", lambda: None)     # not readable: say what to add
-    assert hints.command("x", env=two_nodes).endswith(
-        "adding this job's rendezvous options: --rdzv-backend and --rdzv-endpoint, or --master-addr "
-        "and --master-port)")
+    assert hints.command("x", env=two_nodes).startswith(
+        "on every node, adding this job's rendezvous options (--rdzv-backend and --rdzv-endpoint, or "
+        "--master-addr and --master-port):\n")
+
+
+@pytest.mark.parametrize("agent", [
+    ["torchrun", "--nnodes=2", "--node-rank=0", "--rdzv-endpoint=10.0.0.1:29400", "-m", "mixprec"],
+    ["torchrun", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400", "-m", "mixprec"],
+    None])
+def test_a_multi_node_hint_pastes_whole_into_a_shell_with_its_note_on_the_line_before(monkeypatch, agent):
+    """Before: "torchrun ... --resume 'runs/my run'  (on every node)" on one line, and bash read the
+    parenthesis as a subshell: pasted whole, a syntax error."""
+    two_nodes = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2",
+                 "GROUP_WORLD_SIZE": "2"}
+    monkeypatch.setattr(hints, "_launcher_argv", lambda: agent)
+    lines = hints.command("train", "--resume", "runs/my run", env=two_nodes).splitlines()
+    line = next(x for x in lines if x.startswith("torchrun "))
+    proc = subprocess.run(["bash", "-c", 'torchrun() { printf "%s\\n" "$@"; }\n' + line],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-4:] == ["mixprec", "train", "--resume", "runs/my run"]
+    assert lines.index(line) == 1 and lines[0].startswith("on every node")     # the note before
 
 
 def test_hints_follow_the_launch_and_are_shell_quoted(tmp_path, monkeypatch):
@@ -189,7 +208,8 @@ def test_the_printed_resume_line_pastes_whole_into_a_shell_for_a_folder_with_spa
     that as a subshell: pasted whole, it ended in a syntax error."""
     from mixprec.cli import main
     run = tmp_path / "my run (1)"
-    assert main(["train", *TINY, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
+    tiny = [s for s in TINY if not s.startswith("eval_batches=")]          # each setting given once
+    assert main(["train", *tiny, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
     line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[mixprec] resume:"))
     pasted = line.split(":", 1)[1]                                   # everything after the label
     proc = subprocess.run(["bash", "-c", 'mixprec() { printf "%s\\n" "$@"; }\n' + pasted],

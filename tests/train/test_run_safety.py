@@ -46,6 +46,21 @@ def test_overwrite_true_starts_over_in_the_same_folder(tmp_path):
     assert [p.name for p in run.iterdir()] == [".lock"]      # the folder's lock file (runs/lock.py)
 
 
+def test_overwrite_true_says_at_start_in_one_line_what_it_deleted(tmp_path, capsys):
+    """overwrite=true deleted the old run without a word."""
+    from mixprec.cli import main
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "max_steps=1", f"run_dir={run}"]) == 0
+    capsys.readouterr()
+    assert main(["train", *TINY, "max_steps=1", f"run_dir={run}", "overwrite=true"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    said = [x for x in err if f"overwrite: deleted the old run in {run} (" in x]
+    assert len(said) == 1 and "checkpoints" in said[0] and "metrics.csv" in said[0]
+    assert err.index(said[0]) < next(i for i, x in enumerate(err) if "step" in x and "loss" in x)
+    assert main(["train", *TINY, "max_steps=1", f"run_dir={tmp_path / 'new'}", "overwrite=true"]) == 0
+    assert "deleted" not in capsys.readouterr().err                # nothing there: nothing said
+
+
 def _project_folder(root: Path) -> Path:
     """A user's project folder: a git repository with code, and no run."""
     project = root / "project"
@@ -114,7 +129,8 @@ def test_default_run_folders_started_in_the_same_second_do_not_collide(tmp_path)
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_a_diverged_run_fails_with_a_clear_message_and_reports_its_skips(tmp_path, text_corpus, precision):
-    proc = mixprec("train", *TINY, f"data={text_corpus}", "max_steps=40", "lr=1e6", "clip_grad_norm=0",
+    tiny = [s for s in TINY if not s.startswith(("lr=", "log_interval="))]   # each given once
+    proc = mixprec("train", *tiny, f"data={text_corpus}", "max_steps=40", "lr=1e6", "clip_grad_norm=0",
                    "log_interval=10", f"precision={precision}", f"run_dir={tmp_path / 'r'}", check=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "mixprec: error: training diverged at step" in proc.stderr

@@ -34,6 +34,17 @@ def test_a_run_whose_steps_were_all_skipped_says_its_lr_never_left_warm_up(text_
     line = next(l for l in err.splitlines() if "never left warm-up" in l)
     assert "advanced 0 of its 2 warm-up steps" in line and "3 of its 3 steps were skipped" in line
     assert err.index("never left warm-up") < err.index("done:")
+    assert "no step was taken; it stays at its first warm-up LR 0.0015, 50 % of the peak 0.003" in line
+
+
+def test_a_run_whose_steps_were_all_skipped_with_a_one_step_warm_up_claims_no_warm_up(text_corpus, tmp_path,
+                                                                                   capsys):
+    """It said "the LR never left warm-up ... the LR reached 0.003, 100 % of the peak": warmup_steps=1
+    starts at the peak, so there is no warm-up to stay in."""
+    err = train(capsys, f"data={text_corpus}", "max_steps=2", "warmup_steps=1", "precision=16-mixed",
+                "init_scale=1e30", "max_skipped_fraction=1", f"run_dir={tmp_path / 'r'}")
+    assert "done: 2 steps (2 skipped)" in err
+    assert "never left warm-up" not in err and "100 % of the peak" not in err
 
 
 def test_resuming_a_finished_run_prints_its_recorded_final_validation_loss(text_corpus, tmp_path, capsys):
@@ -44,3 +55,14 @@ def test_resuming_a_finished_run_prints_its_recorded_final_validation_loss(text_
     assert main(["train", "--resume", str(run)]) == 0
     again = capsys.readouterr().err
     assert f"final validation loss {recorded}," in again
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train_and_how_to_train_on(text_corpus, tmp_path,
+                                                                                   capsys):
+    """It printed the start and end of a run, and no word that nothing was trained."""
+    run = tmp_path / "r"
+    train(capsys, f"data={text_corpus}", "max_steps=2", "warmup_steps=1", f"run_dir={run}")
+    assert main(["train", "--resume", str(run)]) == 0
+    said = [l for l in capsys.readouterr().err.splitlines() if "nothing to train" in l]
+    assert said == [f"[mixprec] nothing to train: the run is already at step 2 of max_steps=2; to train "
+                    f"on, give a larger max_steps: mixprec train --resume {run} max_steps=4"]
