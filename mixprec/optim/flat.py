@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.profiler import record_function
 
 from mixprec.optim import moments as _moments, split as _split
 
@@ -396,16 +397,17 @@ class FlatSteps:
         keeps its old value (``torch.where`` over the flat buffers, no host sync): the masters
         through ``W`` (the scatter then writes back what was gathered, bit for bit), the twin's
         flat state, 8-bit codes and scales through a byte copy, and the step counter."""
-        if chunk.split_idx:
-            torch._foreach_copy_(chunk.split_w, chunk.split_models)        # exact BF16 -> FP32
-            torch._foreach_add_(chunk.split_bits, chunk.split_lo)           # + remainder (int16 -> int32)
-            chunk.bits_int.add_(unpack_ties(chunk.ties, chunk.numel, chunk.shifts), alpha=1 << 16)
-            torch._foreach_copy_(chunk.split_g, [p.grad for p in chunk.split_models])
-            for f in factors:                                              # unscale, then clip
-                torch._foreach_mul_(chunk.split_g, f.to(chunk.param.device))
-        if chunk.own_idx:       # after the tie add: it touched the own slots too
-            torch._foreach_copy_(chunk.own_w, chunk.own_masters)
-            torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
+        with record_function("mixprec.master_grad_copy"):      # the gather (profile: casts)
+            if chunk.split_idx:
+                torch._foreach_copy_(chunk.split_w, chunk.split_models)    # exact BF16 -> FP32
+                torch._foreach_add_(chunk.split_bits, chunk.split_lo)       # + remainder (int16 -> int32)
+                chunk.bits_int.add_(unpack_ties(chunk.ties, chunk.numel, chunk.shifts), alpha=1 << 16)
+                torch._foreach_copy_(chunk.split_g, [p.grad for p in chunk.split_models])
+                for f in factors:                                          # unscale, then clip
+                    torch._foreach_mul_(chunk.split_g, f.to(chunk.param.device))
+            if chunk.own_idx:   # after the tie add: it touched the own slots too
+                torch._foreach_copy_(chunk.own_w, chunk.own_masters)
+                torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
         if self.moments:
             self._decode(chunk, inner_state)
         kept = self._keep(chunk, inner_state) if skip is not None else None
@@ -417,15 +419,16 @@ class FlatSteps:
             self.share(chunk, inner_state)     # first step, or the optimizer replaced a state tensor
         if kept is not None:
             self._restore_where(chunk, inner_state, kept, skip)
-        if chunk.split_idx:
-            torch._foreach_copy_(chunk.split_models, chunk.split_w)        # round to nearest even
-            torch._foreach_copy_(chunk.split_lo_flat, chunk.split_low)     # remainder = low half
-            tied = torch.eq(chunk.low, -_TIE)                              # 0x8000: a tie either way
-            even = chunk.high.bitwise_and(1).eq_(0)                        # ... that rounded down
-            torch.logical_and(tied, even, out=chunk.flags_head)
-            chunk.flags_tail.zero_()
-            pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
-        if chunk.own_idx:
-            torch._foreach_copy_(chunk.own_masters, chunk.own_w)
-        if chunk.full_idx:
-            torch._foreach_copy_(chunk.full_models, chunk.full_w)          # round into the model dtype
+        with record_function("mixprec.master_copy_back"):      # the scatter (profile: casts)
+            if chunk.split_idx:
+                torch._foreach_copy_(chunk.split_models, chunk.split_w)    # round to nearest even
+                torch._foreach_copy_(chunk.split_lo_flat, chunk.split_low) # remainder = low half
+                tied = torch.eq(chunk.low, -_TIE)                          # 0x8000: a tie either way
+                even = chunk.high.bitwise_and(1).eq_(0)                    # ... that rounded down
+                torch.logical_and(tied, even, out=chunk.flags_head)
+                chunk.flags_tail.zero_()
+                pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+            if chunk.own_idx:
+                torch._foreach_copy_(chunk.own_masters, chunk.own_w)
+            if chunk.full_idx:
+                torch._foreach_copy_(chunk.full_models, chunk.full_w)      # round into the model dtype
