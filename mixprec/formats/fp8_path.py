@@ -53,15 +53,23 @@ class GemmPlan:
 
 
 @functools.cache
-def _rowwise_emits_fp32(device: str) -> bool:
+def _rowwise_support(device: str) -> str | None:
+    """What rowwise ``_scaled_mm`` emits on ``device`` with this torch: ``"fp32"``, ``"bf16"``
+    only, or None where it takes per-tensor scales only (torch 2.11's CPU kernel)."""
     dev = torch.device(device)
     a = torch.ones(16, 16, device=dev).to(torch.float8_e4m3fn)
     s = torch.ones(16, 1, device=dev)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.float32)
-        return True
-    except RuntimeError:
-        return False
+    for out in (torch.float32, torch.bfloat16):
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=out)
+            return "fp32" if out == torch.float32 else "bf16"
+        except RuntimeError:
+            continue
+    return None
+
+
+def _rowwise_emits_fp32(device: str) -> bool:
+    return _rowwise_support(device) == "fp32"
 
 
 @functools.cache
@@ -118,6 +126,13 @@ def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features
                                         "(dequantize, one FP32 GEMM)", compile_casts=compile_casts)
         return GemmPlan(path, f"{reason}; 1x128/128x128 blocks in torch's block-scaled scaled_mm "
                               "(one GEMM)", block_layout=layout, compile_casts=compile_casts)
+    if config.scaling == "rowwise" and _rowwise_support(str(dev)) is None:
+        if config.backend == "scaled-mm":
+            raise ConfigError(f"{owner} '{fqn or '<unnamed>'}': torch {torch.__version__}'s "
+                              f"{dev.type} _scaled_mm takes per-tensor scales only, not rowwise; use "
+                              "backend='auto' (emulated here) or a torch with rowwise scaled_mm")
+        return GemmPlan("emulated", f"torch {torch.__version__}'s {dev.type} _scaled_mm has no "
+                                    "rowwise scales: rowwise runs emulated", compile_casts=compile_casts)
     if config.scaling == "rowwise" and not _rowwise_emits_fp32(str(dev)):
         return GemmPlan(path, f"{reason}; rowwise scaled_mm emits BF16 only on this build: FP32 "
                               "results pass through BF16", rowwise_out_fp32=False,

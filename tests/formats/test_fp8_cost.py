@@ -236,3 +236,19 @@ def test_blocks_with_a_single_k_block_run_as_one_rowwise_scaled_gemm():
     emu = fp8_gemm(a, bt, path="emulated", config=cfg, out_dtype=torch.float32)
     smm = fp8_gemm(a, bt, path="cpu-scaled-mm", config=cfg, out_dtype=torch.float32)
     assert sqnr_db(emu, smm) >= 60.0
+
+
+def test_rowwise_on_a_torch_whose_cpu_scaled_mm_is_per_tensor_only_is_emulated_or_refused(monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only: rowwise ran into torch's internal
+    assert at the first forward. Now 'auto' plans the emulation and a forced scaled-mm is refused
+    in one line at conversion."""
+    from mixprec.errors import ConfigError
+    from mixprec.formats import fp8_path
+    from mixprec.formats.fp8_config import Fp8Config
+    monkeypatch.setattr(fp8_path, "_rowwise_support", lambda device: None)
+    plan = fp8_path.plan_gemms(Fp8Config(scaling="rowwise", backend="auto"), "cpu", 64, 64)
+    assert plan.path == "emulated"
+    forced = fp8_path.plan_gemms(Fp8Config(scaling="tensorwise", backend="scaled-mm"), "cpu", 64, 64)
+    assert forced.path == "cpu-scaled-mm"                  # per-tensor scales still run there
+    with pytest.raises(ConfigError, match="takes per-tensor scales only, not rowwise; use backend='auto'"):
+        fp8_path.plan_gemms(Fp8Config(scaling="rowwise", backend="scaled-mm"), "cpu", 64, 64)
