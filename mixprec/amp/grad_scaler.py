@@ -60,6 +60,7 @@ import dataclasses
 import enum
 import math
 import warnings
+import weakref
 from collections import abc
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -184,6 +185,7 @@ class GradScaler:
         self._dev_state: Tensor | None = None
         self._dev_scale: Tensor | None = None      # float32 scale and 1/scale, from _dev_state
         self._dev_inv: Tensor | None = None
+        self._waiting: list[tuple[Tensor, Any]] = []   # (flag, StepTaken) told at the next read
 
     @classmethod
     def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",
@@ -262,6 +264,10 @@ class GradScaler:
         """Iterations whose flags were not read on the host yet (0: the host state is current)."""
         return len(self._pending)
 
+    def tell_when_read(self, flag: Tensor, taken: Any) -> None:
+        """Set ``taken._value`` (not skipped) when :meth:`resolve` reads ``flag``."""
+        self._waiting.append((flag, weakref.ref(taken)))
+
     def resolve(self) -> None:
         """Bring the host state up to date: read every queued flag in one host read and replay
         the scale's pure transition over them (raising or warning on a stuck scale, as ``update()``
@@ -276,6 +282,13 @@ class GradScaler:
         tensors = [f for it in pending for f, _, _ in it if isinstance(f, Tensor)]
         tensors += [st.found_inf for st in open_states]
         read = _read_flags(tensors)
+        waiting, self._waiting = self._waiting, []
+        if waiting:
+            by_id = {id(t): v for t, v in zip(tensors, read)}
+            for flag, ref in waiting:
+                taken = ref()
+                if taken is not None and taken._value is None and id(flag) in by_id:
+                    taken._value = not by_id[id(flag)] > 0
         values = iter(read[:len(read) - len(open_states)])
         error: NumericsError | None = None
         try:

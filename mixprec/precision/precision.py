@@ -89,10 +89,13 @@ class StepTaken:
     step skipped on the device the truth is the non-finite flag, still on the device: it is read
     (one host read, remembered) the first time it is asked for, never by ``Precision.step``."""
 
-    __slots__ = ("_found", "_value")
+    __slots__ = ("_found", "_value", "_resolve", "__weakref__")
 
-    def __init__(self, found_inf: torch.Tensor | None, value: bool | None = None) -> None:
-        self._found, self._value = found_inf, value
+    def __init__(self, found_inf: torch.Tensor | None, value: bool | None = None,
+                 resolve: Callable[[], None] | None = None) -> None:
+        # ``resolve``: the scaler's, which reads this flag with everything queued in one read
+        # (and sets ``_value``), so that the counters and the scale asked for next cost nothing.
+        self._found, self._value, self._resolve = found_inf, value, resolve
 
     @property
     def known(self) -> bool:
@@ -105,6 +108,8 @@ class StepTaken:
         return self._found
 
     def __bool__(self) -> bool:
+        if self._value is None and self._resolve is not None:
+            self._resolve()
         if self._value is None:
             self._value = not bool(self._found.item() > 0)     # the one read, when asked
         return self._value
@@ -732,10 +737,11 @@ class Precision:
         self.scale_loss(loss, scale=scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
-             measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> StepTaken:
-        """Finish an optimizer step; return whether it was taken (a :class:`StepTaken`: true if
-        taken, false if skipped, as a ``bool`` is; for a step skipped on the device its truth is
-        read from the device only when asked, once).
+             measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool | StepTaken:
+        """Finish an optimizer step; return whether it was taken: a ``bool`` where the host
+        decided, a :class:`StepTaken` where the step was skipped (or not) on the device: truthy if
+        taken, falsy if skipped, equal to ``True``/``False``, its truth read from the device only
+        when asked, once (``is True`` does not hold for it: test its truth).
 
         Unscales once (fused with the inf/NaN check, agreed across ranks under
         ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
@@ -766,7 +772,9 @@ class Precision:
                 optimizer.step(inputs=StepInputs(found_inf=found))
             self.scaler.stepped_on_device(optimizer)       # no host read: the flag stays queued
             self.scaler.update()                           # the scale moves on the device
-            return StepTaken(found)                        # read only if the caller asks
+            taken = StepTaken(found, resolve=self.scaler.resolve)   # read only if the caller asks
+            self.scaler.tell_when_read(found, taken)
+            return taken
         else:
             with record_function("mixprec.found_inf_sync"):  # the one host sync: step or skip
                 take = self.scaler.decide(optimizer)
@@ -777,7 +785,7 @@ class Precision:
                     else:
                         overlap.issue(optimizer)           # per module, side stream (optim/overlap.py)
         self.scaler.update()                               # back off at once, grow when clean
-        return StepTaken(None, take)
+        return take                                        # decided on the host: a bool
 
     @property
     def last_step_skipped(self) -> bool:
