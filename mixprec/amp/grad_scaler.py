@@ -107,14 +107,49 @@ class NoGradientsError(ConfigError, AssertionError):
     """``step()`` found no gradient to check (torch raises AssertionError here; so do we)."""
 
 
-def _read_flags(flags: list[Tensor]) -> list[float]:
-    """All ``flags`` (0-dim tensors, any devices) in one host read per device."""
+class _HostCopy:
+    """A flag's copy to host memory, issued (non-blocking, pinned on CUDA) right when the flag is
+    final and *before* the optimizer update is queued; reading it waits for that copy only
+    (a CUDA event), not for the update behind it: no pipeline drain."""
+
+    __slots__ = ("flag", "host", "event")
+
+    def __init__(self, flag: Tensor) -> None:
+        self.flag, self.event = flag, None
+        if flag.device.type == "cuda":
+            self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self.host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flag.to("cpu", copy=True)
+
+    def ready(self) -> Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+def _read_host_copies(copies: list[_HostCopy]) -> list[float]:
+    """The values of host copies (waiting for each copy's event: no device sync)."""
+    return torch.stack([c.ready().float() for c in copies]).tolist()
+
+
+def _read_flags(flags: list[Tensor], copies: dict[int, _HostCopy] | None = None) -> list[float]:
+    """All ``flags`` (0-dim tensors, any devices) in one host read per device; a flag with a host
+    copy in ``copies`` (by ``id``) is read from it (no device sync)."""
     if not flags:
         return []
-    by_dev: dict[torch.device, list[int]] = {}
+    copies = copies or {}
+    by_dev: dict[torch.device | str, list[int]] = {}
     for i, f in enumerate(flags):
-        by_dev.setdefault(f.device, []).append(i)
+        c = copies.get(id(f))
+        by_dev.setdefault("host" if c is not None and c.flag is f else f.device, []).append(i)
     out = [0.0] * len(flags)
+    host = by_dev.pop("host", None)
+    if host:
+        for i, v in zip(host, _read_host_copies([copies[id(flags[i])] for i in host])):
+            out[i] = v
     for dev, idx in by_dev.items():
         for i, v in zip(idx, torch.stack([flags[i].float() for i in idx]).tolist()):
             out[i] = v
@@ -186,6 +221,7 @@ class GradScaler:
         self._dev_scale: Tensor | None = None      # float32 scale and 1/scale, from _dev_state
         self._dev_inv: Tensor | None = None
         self._waiting: list[tuple[Tensor, Any]] = []   # (flag, StepTaken) told at the next read
+        self._host_copies: dict[int, _HostCopy] = {}    # id(flag) -> its copy on the host
 
     @classmethod
     def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",
@@ -281,7 +317,8 @@ class GradScaler:
         pending, self._pending = self._pending, []
         tensors = [f for it in pending for f, _, _ in it if isinstance(f, Tensor)]
         tensors += [st.found_inf for st in open_states]
-        read = _read_flags(tensors)
+        copies, self._host_copies = self._host_copies, {}
+        read = _read_flags(tensors, copies)
         waiting, self._waiting = self._waiting, []
         if waiting:
             by_id = {id(t): v for t, v in zip(tensors, read)}
@@ -415,12 +452,17 @@ class GradScaler:
         """The agreed non-finite flag of ``optimizer``'s gradients this iteration, as a 0-dim
         float32 device tensor (unscaling first if not done yet), **not** read: for an optimizer
         that skips on the device (``mixprec.optim.inputs.StepInputs``). Call :meth:`decide`
-        afterwards for the counters. None when the scaler is inactive (nothing to check)."""
+        afterwards for the counters. None when the scaler is inactive (nothing to check).
+
+        The flag's copy to the host is issued here (non-blocking), before the caller queues the
+        update, so that the lazy read later waits for the flag only, not for the update."""
         if not self._active:
             return None
         st = self._state(optimizer)
         if st.stage is _Stage.READY:
             self.unscale_(optimizer)
+        if st.found_inf is not None and id(st.found_inf) not in self._host_copies:
+            self._host_copies[id(st.found_inf)] = _HostCopy(st.found_inf)
         return st.found_inf
 
     def decide(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -495,6 +537,8 @@ class GradScaler:
         if lazy:
             self._update_on_device(states)
             return
+        if not self._pending:
+            self._host_copies.clear()      # flags read eagerly: their host copies are not needed
         overflow = False
         for st in states.values():
             if st.found_inf_host is None and st.found_inf is not None:   # unscale_d, never stepped
