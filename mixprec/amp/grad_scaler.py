@@ -10,9 +10,10 @@ The loop users know works unchanged::
 
 Where this differs from torch's, on purpose:
 
-* The scale lives on the host as a Python float and its policy is :func:`loss_scale.transition`
-  (hysteresis, ``min_scale`` / ``max_scale``, a stuck-scale policy). ``update()`` and
-  ``get_scale()`` therefore never touch the device. With its defaults ``GradScaler()`` follows
+* The scale's policy is :func:`loss_scale.transition` (hysteresis, ``min_scale`` / ``max_scale``,
+  a stuck-scale policy), kept on the host as Python values; after an optimizer stepped on the
+  device the same rules run on the device too (see **Host syncs**), and the host values follow
+  lazily. With its defaults ``GradScaler()`` follows
   torch's trajectory exactly: the bounds are float32's own (``[2**-126, 2**126]``, the widest that
   keep the scale and its reciprocal normal numbers; torch's scale would go on to subnormals, 0 or
   inf), and only an overflow at ``2**-126`` raises NumericsError. The stricter options are opt-in:
@@ -67,6 +68,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
 from mixprec.amp.unscale import check_and_unscale, deferred_grads, optimizer_grads
@@ -318,7 +320,8 @@ class GradScaler:
         tensors = [f for it in pending for f, _, _ in it if isinstance(f, Tensor)]
         tensors += [st.found_inf for st in open_states]
         copies, self._host_copies = self._host_copies, {}
-        read = _read_flags(tensors, copies)
+        with record_function("mixprec.found_inf_sync"):   # the step's one read, now when asked
+            read = _read_flags(tensors, copies)
         waiting, self._waiting = self._waiting, []
         if waiting:
             by_id = {id(t): v for t, v in zip(tensors, read)}
