@@ -319,7 +319,9 @@ class GradScaler:
         pending, self._pending = self._pending, []
         tensors = [f for it in pending for f, _, _ in it if isinstance(f, Tensor)]
         tensors += [st.found_inf for st in open_states]
-        copies, self._host_copies = self._host_copies, {}
+        copies = self._host_copies
+        read_ids = {id(t) for t in tensors}       # copies of flags not read now stay (open iteration)
+        self._host_copies = {k: c for k, c in copies.items() if k not in read_ids}
         with record_function("mixprec.found_inf_sync"):   # the step's one read, now when asked
             read = _read_flags(tensors, copies)
         waiting, self._waiting = self._waiting, []
