@@ -10,19 +10,28 @@ The loop users know works unchanged::
 
 Where this differs from torch's, on purpose:
 
-* The scale lives on the host as a Python float and its policy is :func:`loss_scale.transition`
-  (hysteresis, ``min_scale`` / ``max_scale``, a stuck-scale policy). ``update()`` and
-  ``get_scale()`` therefore never touch the device. With its defaults ``GradScaler()`` follows
+* The scale's policy is :func:`loss_scale.transition` (hysteresis, ``min_scale`` / ``max_scale``,
+  a stuck-scale policy), kept on the host as Python values; after an optimizer stepped on the
+  device the same rules run on the device too (see **Host syncs**), and the host values follow
+  lazily. With its defaults ``GradScaler()`` follows
   torch's trajectory exactly: the bounds are float32's own (``[2**-126, 2**126]``, the widest that
   keep the scale and its reciprocal normal numbers; torch's scale would go on to subnormals, 0 or
   inf), and only an overflow at ``2**-126`` raises NumericsError. The stricter options are opt-in:
   ``min_scale`` / ``max_scale`` (e.g. ``[1, 2**24]``) and ``on_min_scale="raise"|"warn"`` when an
   overflow arrives with the scale already at ``min_scale``. ``GradScaler.from_policy`` (what
   ``fit()`` uses) turns them on: ``[1, 2**24]`` and ``"raise"`` unless told otherwise.
-* **Host syncs.** Exactly one per ``step(optimizer)``: reading the optimizer's ``found_inf`` flag to
-  decide whether to call ``optimizer.step()``. ``scale``, ``unscale_``, ``update`` and
-  ``get_scale`` add none (``update`` reads a flag only for an optimizer that was ``unscale_``d but
-  never stepped). Torch's scaler makes the same one sync per step plus a device-side update kernel.
+* **Host syncs.** ``step(optimizer)`` of any optimizer reads its ``found_inf`` flag to decide
+  whether to call ``optimizer.step()`` (as torch's does). An optimizer that skips on the device
+  (a mixprec master-weight optimizer, ``StepInputs(found_inf=...)``) is marked with
+  :meth:`stepped_on_device` instead: nothing is read. ``update()`` then moves the scale **on the
+  device** (a few elementwise ops on a 3-element state, the rules of :func:`loss_scale.transition`
+  in float64, rounded to float32 as the host does) and queues the iteration's flags; the host
+  state (``get_scale()``, ``num_skipped_steps``, ``num_overflows``, ``last_step_skipped``,
+  ``loss_scaler.state``, ``state_dict()``) is brought up to date lazily, when one of them is
+  asked for, by one read of all queued flags and a replay of the pure transition: the same values,
+  exactly. A stuck scale (``on_min_scale``) is raised or warned at that read, not at the step:
+  the device keeps skipping the non-finite steps meanwhile, so no weight is harmed; ``fit()``
+  reads at every log interval. The queue is read at the latest every 1024 iterations.
 * ``enabled=False`` turns *scaling* off; the non-finite check still runs and still skips the step
   unless ``check_finite=False`` (one inf in BF16 would poison Adam's moments for good).
   ``state_dict()`` of such a scaler is ``{}`` (as torch's); the skip counters are kept only when
@@ -52,16 +61,18 @@ import dataclasses
 import enum
 import math
 import warnings
+import weakref
 from collections import abc
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
 from mixprec.amp.unscale import check_and_unscale, deferred_grads, optimizer_grads
-from mixprec.errors import CheckpointError, ConfigError
+from mixprec.errors import CheckpointError, ConfigError, NumericsError
 from mixprec.policy.policy import Policy, get_policy
 
 __all__ = ["GradScaler"]
@@ -84,6 +95,7 @@ class _OptState:
     found_inf_host: bool | None = None   # the same, once read on the host (in step())
     skipped: bool = False
     no_grads: bool = False               # unscale_ found no gradient at all
+    counted: bool = False                # a skip of this step is in num_skipped_steps already
 
 
 # The widest bounds: the scale and 1/scale stay normal float32 numbers (torch's are unbounded).
@@ -95,6 +107,55 @@ _STRICT = {"min_scale": 1.0, "max_scale": 2.0 ** 24, "on_min_scale": "raise"}
 
 class NoGradientsError(ConfigError, AssertionError):
     """``step()`` found no gradient to check (torch raises AssertionError here; so do we)."""
+
+
+class _HostCopy:
+    """A flag's copy to host memory, issued (non-blocking, pinned on CUDA) right when the flag is
+    final and *before* the optimizer update is queued; reading it waits for that copy only
+    (a CUDA event), not for the update behind it: no pipeline drain."""
+
+    __slots__ = ("flag", "host", "event")
+
+    def __init__(self, flag: Tensor) -> None:
+        self.flag, self.event = flag, None
+        if flag.device.type == "cuda":
+            self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self.host.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = flag.to("cpu", copy=True)
+
+    def ready(self) -> Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+def _read_host_copies(copies: list[_HostCopy]) -> list[float]:
+    """The values of host copies (waiting for each copy's event: no device sync)."""
+    return torch.stack([c.ready().float() for c in copies]).tolist()
+
+
+def _read_flags(flags: list[Tensor], copies: dict[int, _HostCopy] | None = None) -> list[float]:
+    """All ``flags`` (0-dim tensors, any devices) in one host read per device; a flag with a host
+    copy in ``copies`` (by ``id``) is read from it (no device sync)."""
+    if not flags:
+        return []
+    copies = copies or {}
+    by_dev: dict[torch.device | str, list[int]] = {}
+    for i, f in enumerate(flags):
+        c = copies.get(id(f))
+        by_dev.setdefault("host" if c is not None and c.flag is f else f.device, []).append(i)
+    out = [0.0] * len(flags)
+    host = by_dev.pop("host", None)
+    if host:
+        for i, v in zip(host, _read_host_copies([copies[id(flags[i])] for i in host])):
+            out[i] = v
+    for dev, idx in by_dev.items():
+        for i, v in zip(idx, torch.stack([flags[i].float() for i in idx]).tolist()):
+            out[i] = v
+    return out
 
 
 def _apply_scale(outputs: _T, scale_for) -> _T:
@@ -116,6 +177,8 @@ class GradScaler:
     ``num_skipped_steps``, ``num_overflows``. ``device`` (first, like torch) is ``"auto"`` (the
     device of the first scaled loss), ``"cpu"``, ``"cuda"``, ...; see the module docstring.
     """
+
+    _MAX_PENDING = 1024     # iterations queued before a forced read (bounds the queue's memory)
 
     def __init__(self, device: str | torch.device = "auto", init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
@@ -152,6 +215,15 @@ class GradScaler:
         self._last_step_skipped = False
         self._num_skipped_steps = 0
         self._num_overflows = 0
+        # Lazy (device-side) bookkeeping: per iteration a list of (flag, stepped, counted) whose
+        # flags are 0-dim device tensors not read yet; the device state [scale, clean, hyst]
+        # (float64) is ahead of the host state by exactly these iterations.
+        self._pending: list[list[tuple[Tensor | bool, bool, bool]]] = []
+        self._dev_state: Tensor | None = None
+        self._dev_scale: Tensor | None = None      # float32 scale and 1/scale, from _dev_state
+        self._dev_inv: Tensor | None = None
+        self._waiting: list[tuple[Tensor, Any]] = []   # (flag, StepTaken) told at the next read
+        self._host_copies: dict[int, _HostCopy] = {}    # id(flag) -> its copy on the host
 
     @classmethod
     def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",
@@ -171,27 +243,32 @@ class GradScaler:
     @property
     def last_step_skipped(self) -> bool:
         """True when an optimizer step of the latest iteration was skipped (non-finite grads)."""
+        self.resolve()
         return self._last_step_skipped
 
     @property
     def num_skipped_steps(self) -> int:
         """``optimizer.step()`` calls skipped so far."""
+        self.resolve()
         return self._num_skipped_steps
 
     @property
     def num_overflows(self) -> int:
         """Iterations whose ``update()`` saw non-finite gradients."""
+        self.resolve()
         return self._num_overflows
 
     @property
     def counters(self) -> dict[str, int]:
         """``num_overflows`` and ``num_skipped_steps`` as a dict that :meth:`load_state_dict` reads
         (also with scaling off, whose ``state_dict()`` is torch's ``{}``)."""
+        self.resolve()
         return {"num_overflows": self._num_overflows, "num_skipped_steps": self._num_skipped_steps}
 
     @property
     def loss_scaler(self) -> DynamicLossScaler:
         """The scale state machine (read-only use: inspect ``.state`` and ``.config``)."""
+        self.resolve()
         return self._loss_scaler
 
     def is_enabled(self) -> bool:
@@ -205,8 +282,85 @@ class GradScaler:
         return self._loss_scaler.config
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when scaling is off). No host sync."""
-        return self._loss_scaler.scale if self._scaling else 1.0
+        """The current scale as a Python float (1.0 when scaling is off). A host read only when
+        steps skipped on the device are still queued (see :meth:`resolve`)."""
+        if not self._scaling:
+            return 1.0
+        self.resolve()
+        return self._loss_scaler.scale
+
+    def scale_tensor(self, device: torch.device | None = None) -> Tensor | None:
+        """The current scale as a 0-dim float32 tensor (a copy, not read: no host sync), or None
+        when scaling is off."""
+        if not self._scaling:
+            return None
+        dev = device or self._device or torch.device("cpu")
+        return self._tensors_for(torch.device(dev))[0].clone()
+
+    @property
+    def pending(self) -> int:
+        """Iterations whose flags were not read on the host yet (0: the host state is current)."""
+        return len(self._pending)
+
+    def tell_when_read(self, flag: Tensor, taken: Any) -> None:
+        """Set ``taken._value`` (not skipped) when :meth:`resolve` reads ``flag``."""
+        self._waiting.append((flag, weakref.ref(taken)))
+
+    def resolve(self) -> None:
+        """Bring the host state up to date: read every queued flag in one host read and replay
+        the scale's pure transition over them (raising or warning on a stuck scale, as ``update()``
+        does eagerly), then read the flags of optimizers stepped on the device in the iteration
+        still open. No-op (no read) when nothing is queued."""
+        open_states = [st for st in self._opt_states.values()
+                       if st.found_inf_host is None and st.found_inf is not None
+                       and st.stage is _Stage.STEPPED]
+        if not self._pending and not open_states:
+            return
+        pending, self._pending = self._pending, []
+        tensors = [f for it in pending for f, _, _ in it if isinstance(f, Tensor)]
+        tensors += [st.found_inf for st in open_states]
+        copies = self._host_copies
+        read_ids = {id(t) for t in tensors}       # copies of flags not read now stay (open iteration)
+        self._host_copies = {k: c for k, c in copies.items() if k not in read_ids}
+        with record_function("mixprec.found_inf_sync"):   # the step's one read, now when asked
+            read = _read_flags(tensors, copies)
+        waiting, self._waiting = self._waiting, []
+        if waiting:
+            by_id = {id(t): v for t, v in zip(tensors, read)}
+            for flag, ref in waiting:
+                taken = ref()
+                if taken is not None and taken._value is None and id(flag) in by_id:
+                    taken._value = not by_id[id(flag)] > 0
+        values = iter(read[:len(read) - len(open_states)])
+        error: NumericsError | None = None
+        try:
+            for it in pending:
+                overflow = skipped = False
+                for flag, stepped, counted in it:
+                    bad = bool(next(values) > 0) if isinstance(flag, Tensor) else bool(flag)
+                    overflow = overflow or bad
+                    if stepped and bad:
+                        skipped = True
+                        if not counted:
+                            self._num_skipped_steps += 1
+                self._num_overflows += overflow
+                self._last_step_skipped = skipped
+                if self._scaling:
+                    try:                               # raises/warns on a stuck scale
+                        self._loss_scaler.update_scale(overflow)
+                    except NumericsError as e:         # replay the rest, then raise the first
+                        error = error or e
+        finally:
+            for st, v in zip(open_states, read[len(read) - len(open_states):]):
+                st.found_inf_host = bool(v > 0)
+                st.skipped = st.found_inf_host
+                st.counted = True
+                self._iter_skipped = self._iter_skipped or st.skipped
+                self._num_skipped_steps += st.skipped
+            if any(st.stage is _Stage.STEPPED for st in self._opt_states.values()):
+                self._last_step_skipped = self._iter_skipped      # the open iteration's
+        if error is not None:
+            raise error
 
     @property
     def _active(self) -> bool:
@@ -215,6 +369,10 @@ class GradScaler:
     # --- the step ---------------------------------------------------------------------------
 
     def _tensors_for(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if self._dev_scale is not None:     # the device state leads (or equals) the host's
+            if self._dev_scale.device != device:
+                return self._dev_scale.to(device), self._dev_inv.to(device)
+            return self._dev_scale, self._dev_inv
         s = self._loss_scaler.scale
         if self._cached_for != s:
             self._scale_t.clear()
@@ -299,12 +457,17 @@ class GradScaler:
         """The agreed non-finite flag of ``optimizer``'s gradients this iteration, as a 0-dim
         float32 device tensor (unscaling first if not done yet), **not** read: for an optimizer
         that skips on the device (``mixprec.optim.inputs.StepInputs``). Call :meth:`decide`
-        afterwards for the counters. None when the scaler is inactive (nothing to check)."""
+        afterwards for the counters. None when the scaler is inactive (nothing to check).
+
+        The flag's copy to the host is issued here (non-blocking), before the caller queues the
+        update, so that the lazy read later waits for the flag only, not for the update."""
         if not self._active:
             return None
         st = self._state(optimizer)
         if st.stage is _Stage.READY:
             self.unscale_(optimizer)
+        if st.found_inf is not None and id(st.found_inf) not in self._host_copies:
+            self._host_copies[id(st.found_inf)] = _HostCopy(st.found_inf)
         return st.found_inf
 
     def decide(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -330,9 +493,31 @@ class GradScaler:
         st.skipped = st.found_inf_host
         self._iter_skipped = self._iter_skipped or st.skipped
         self._last_step_skipped = self._iter_skipped
+        st.counted = True
         if st.skipped:
             self._num_skipped_steps += 1
         return not st.skipped
+
+    def stepped_on_device(self, optimizer: torch.optim.Optimizer) -> Tensor | None:
+        """What :meth:`decide` does for an optimizer that took the skip decision itself, on the
+        device (``optimizer.step(inputs=StepInputs(found_inf=...))`` was called): mark it stepped,
+        **without** reading the flag. The flag is read later, lazily (:meth:`resolve`). Returns
+        the flag (None when the scaler is inactive: the step was always taken)."""
+        if not self._active:
+            return None
+        st = self._state(optimizer)
+        if st.stage is _Stage.STEPPED:
+            raise RuntimeError("step() was already called for this optimizer in this iteration; "
+                               "call scaler.update() once per iteration after stepping every optimizer")
+        if st.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        assert st.found_inf is not None
+        if st.no_grads and self._scaling:
+            raise NoGradientsError("No inf checks were recorded for this optimizer: it has no "
+                                   "gradients (was the scaled loss's backward() called, and do its "
+                                   "parameters require grad?)")
+        st.stage = _Stage.STEPPED
+        return st.found_inf
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """End the iteration: back the scale off if any optimizer saw inf/NaN, else count a clean
@@ -340,6 +525,13 @@ class GradScaler:
         May raise NumericsError when the scale is stuck at ``min_scale`` (``on_min_scale``)."""
         if not self._active:
             return
+        if not self._opt_states and new_scale is None:
+            raise RuntimeError("update() called without unscale_() or step() since the last "
+                               "update(); call scaler.step(optimizer) before scaler.update()")
+        lazy = any(st.found_inf_host is None and st.stage is _Stage.STEPPED
+                   for st in self._opt_states.values())
+        if new_scale is not None or not lazy:
+            self.resolve()           # the host state must be current before it moves on the host
         states, self._opt_states = self._opt_states, {}
         self._last_step_skipped = self._iter_skipped
         self._iter_skipped = False
@@ -347,9 +539,11 @@ class GradScaler:
             if self._scaling:
                 self._set_scale(new_scale)
             return
-        if not states:
-            raise RuntimeError("update() called without unscale_() or step() since the last "
-                               "update(); call scaler.step(optimizer) before scaler.update()")
+        if lazy:
+            self._update_on_device(states)
+            return
+        if not self._pending:
+            self._host_copies.clear()      # flags read eagerly: their host copies are not needed
         overflow = False
         for st in states.values():
             if st.found_inf_host is None and st.found_inf is not None:   # unscale_d, never stepped
@@ -357,7 +551,56 @@ class GradScaler:
             overflow = overflow or bool(st.found_inf_host)
         self._num_overflows += overflow
         if self._scaling:
+            self._drop_device_state()
             self._loss_scaler.update_scale(overflow)
+
+    # --- the scale on the device ----------------------------------------------------------
+
+    def _drop_device_state(self) -> None:
+        """The host state moved (or was set): the device copy is rebuilt from it when needed."""
+        assert not self._pending
+        self._dev_state = self._dev_scale = self._dev_inv = None
+
+    def _device_state(self, device: torch.device) -> Tensor:
+        if self._dev_state is None:
+            st = self._loss_scaler.state
+            self._dev_state = torch.tensor([st.scale, float(st.clean_steps),
+                                            float(st.hysteresis_left)], dtype=torch.float64,
+                                           device=device)
+        return self._dev_state
+
+    def _update_on_device(self, states: dict[int, _OptState]) -> None:
+        """``update()`` without a host read: queue the iteration's flags; move the scale on the
+        device by the rules of :func:`mixprec.amp.loss_scale.transition`."""
+        entries: list[tuple[Tensor | bool, bool, bool]] = []
+        flags: list[Tensor] = []
+        known_bad = False
+        for st in states.values():
+            stepped = st.stage is _Stage.STEPPED
+            if st.found_inf_host is not None:
+                entries.append((st.found_inf_host, stepped, st.counted))
+                known_bad = known_bad or st.found_inf_host
+            elif st.found_inf is not None:
+                entries.append((st.found_inf, stepped, st.counted))
+                flags.append(st.found_inf)
+        self._pending.append(entries)
+        if flags and flags[0].device.type not in ("cpu", "cuda", "xpu"):   # no float64 there
+            self.resolve()
+            if self._scaling:
+                self._drop_device_state()
+            return
+        if self._scaling and flags:
+            dev = flags[0].device
+            state = self._device_state(dev)
+            found = flags[0] if len(flags) == 1 else torch.stack([f.to(dev) for f in flags]).amax()
+            overflow = (found > 0) | known_bad
+            self._dev_state, self._dev_scale, self._dev_inv = _device_transition(
+                state, overflow, self._loss_scaler.config)
+        elif self._scaling and known_bad:    # only host-known flags: cannot happen via update()
+            self.resolve()
+            self._drop_device_state()
+        if len(self._pending) >= self._MAX_PENDING:
+            self.resolve()
 
     def _set_scale(self, new_scale: float | Tensor) -> None:
         if isinstance(new_scale, Tensor):
@@ -371,12 +614,14 @@ class GradScaler:
         if not (math.isfinite(new_scale) and cfg.min_scale <= new_scale <= cfg.max_scale):
             raise ConfigError(f"new scale {new_scale} must be finite and in [min_scale, max_scale] "
                               f"= [{cfg.min_scale}, {cfg.max_scale}]")
+        self._drop_device_state()
         self._loss_scaler.state = dataclasses.replace(self._loss_scaler.state,
                                                       scale=_to_f32(float(new_scale)))
 
     # --- torch.amp.GradScaler getters/setters -----------------------------------------------
 
     def _reconfigure(self, **changes: Any) -> None:
+        self.resolve()         # queued iterations were taken under the old settings
         self._loss_scaler.config = dataclasses.replace(self._loss_scaler.config, **changes)
 
     def get_growth_factor(self) -> float:
@@ -405,7 +650,7 @@ class GradScaler:
         With scaling off it is ``{}``, as torch's. Call it after ``update()``."""
         if not self._scaling:
             return {}      # as torch's disabled scaler; see ``counters`` for the skip counts
-        counters = self.counters
+        counters = self.counters      # reads what is queued (resolve)
         cfg, st = self._loss_scaler.config, self._loss_scaler.state
         return {"scale": st.scale, "growth_factor": cfg.scale_factor,
                 "backoff_factor": cfg.backoff_factor, "growth_interval": cfg.scale_window,
@@ -416,6 +661,9 @@ class GradScaler:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (also accepts a ``torch.amp.GradScaler`` state dict)."""
+        self.resolve()
+        if self._scaling:
+            self._drop_device_state()
         self._num_overflows = int(state_dict.get("num_overflows", self._num_overflows))
         self._num_skipped_steps = int(state_dict.get("num_skipped_steps", self._num_skipped_steps))
         if not self._scaling:
@@ -442,6 +690,31 @@ class GradScaler:
             num_overflows=int(state_dict.get("_scale_overflows", 0)))))
 
     def __repr__(self) -> str:
+        self.resolve()
         mode = f"scale={self.get_scale():g}" if self._scaling else "scaling off"
         return (f"GradScaler({mode}, check_finite={self._check_finite}, "
                 f"skipped={self._num_skipped_steps}, overflows={self._num_overflows})")
+
+
+def _device_transition(state: Tensor, overflow: Tensor, cfg: LossScaleConfig
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`mixprec.amp.loss_scale.transition` on the device, for ``state`` = float64
+    ``[scale, clean_steps, hysteresis_left]`` and a 0-dim bool ``overflow``: the same numbers
+    (products in float64 rounded to float32, clamped to the float32 bounds, as on the host).
+    Returns the new state and the float32 scale and 1/scale for the next iteration."""
+    from mixprec.amp.loss_scale import _f32_bounds
+    lo, hi = _f32_bounds(cfg)
+    scale, clean, hyst = state[0], state[1], state[2]
+    left = hyst - 1
+    backoff = overflow & (left <= 0)
+    at_floor = scale <= lo
+    down = torch.where(at_floor, scale, (scale * cfg.backoff_factor).float().clamp(lo, hi).double())
+    clean1 = torch.where(overflow, torch.zeros_like(clean), clean + 1)
+    grow = ~overflow & (clean1 >= cfg.scale_window)
+    up = (scale * cfg.scale_factor).float().clamp(lo, hi).double()
+    new_scale = torch.where(backoff, down, torch.where(grow, up, scale))
+    new_clean = torch.where(grow, torch.zeros_like(clean1), clean1)
+    new_hyst = torch.where(overflow, left.clamp(min=0),
+                           torch.where(grow, torch.full_like(hyst, float(cfg.hysteresis)), hyst))
+    new_state = torch.stack([new_scale, new_clean, new_hyst])
+    return new_state, new_scale.float(), (1.0 / new_scale).float()

@@ -236,7 +236,7 @@ class MixprecFabricPrecision(FabricPrecision):
         _refuse_lbfgs(optimizer)
         taken = self.mixprec.step(self._masters(optimizer), clip_grad_norm=self.clip_grad_norm)
         optimizer._opt_called = True           # a torch LR scheduler on it: the optimizer stepped
-        return taken
+        return bool(taken)                     # Fabric returns a bool: read here (one read)
 
     def unscale_gradients(self, optimizer: Any) -> None:
         raise ConfigError("fabric.clip_gradients with mixprec's plugin: mixprec clips the unscaled "

@@ -16,7 +16,7 @@ from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
 from mixprec.precision.cast import cast_module, mark_fp32_params
 from mixprec.precision.fp8_convert import Fp8ConversionReport, convert_to_fp8
-from mixprec.precision.precision import OptimizerSpec, Precision, prepare_fp8
+from mixprec.precision.precision import OptimizerSpec, Precision, StepTaken, prepare_fp8
 from mixprec.precision.rules import is_gate, is_norm, keep_fp32_reason
 from mixprec.precision.table import LayerRow, LayerTable
 
@@ -25,7 +25,7 @@ _compat.alias(__name__, dtypes=dtypes, exempt=rules, hardware=hardware, override
 
 __all__ = [
     # the decider
-    "Precision", "OptimizerSpec", "autocast", "LayerTable", "LayerRow",
+    "Precision", "OptimizerSpec", "StepTaken", "autocast", "LayerTable", "LayerRow",
     # the rule book and applying it
     "rules", "is_norm", "is_gate", "keep_fp32_reason", "cast_module", "mark_fp32_params",
     "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",

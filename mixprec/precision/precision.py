@@ -62,7 +62,7 @@ from mixprec.precision.table import LayerRow, LayerTable
 if TYPE_CHECKING:
     from mixprec.optim.overlap import OverlappedUpdate
 
-__all__ = ["Precision", "OptimizerSpec", "prepare_fp8"]
+__all__ = ["Precision", "OptimizerSpec", "StepTaken", "prepare_fp8"]
 
 _F32 = torch.float32
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,6 +81,50 @@ _FSDP2_NO_SPLIT = ("split masters: nothing to split under FSDP2, whose FP32 para
                    "masters (4 bytes per parameter / world, what split masters' BF16 parameter + 16-bit "
                    "remainder also cost) and whose BF16 copies exist only while a layer is gathered")
 """Why ``split_masters`` has no effect under FSDP2 (docs/lean.md), recorded in ``Precision.notes``."""
+
+
+class StepTaken:
+    """What :meth:`Precision.step` returns: whether the optimizer step was taken, usable as the
+    ``bool`` it used to be (``if precision.step(opt):``, ``not taken``, ``taken == True``). For a
+    step skipped on the device the truth is the non-finite flag, still on the device: it is read
+    (one host read, remembered) the first time it is asked for, never by ``Precision.step``."""
+
+    __slots__ = ("_found", "_value", "_resolve", "__weakref__")
+
+    def __init__(self, found_inf: torch.Tensor | None, value: bool | None = None,
+                 resolve: Callable[[], None] | None = None) -> None:
+        # ``resolve``: the scaler's, which reads this flag with everything queued in one read
+        # (and sets ``_value``), so that the counters and the scale asked for next cost nothing.
+        self._found, self._value, self._resolve = found_inf, value, resolve
+
+    @property
+    def known(self) -> bool:
+        """Whether the value is on the host already (asking for it costs no read)."""
+        return self._value is not None
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """The device flag (> 0: skipped), or None when the value was decided on the host."""
+        return self._found
+
+    def __bool__(self) -> bool:
+        if self._value is None and self._resolve is not None:
+            self._resolve()
+        if self._value is None:
+            self._value = not bool(self._found.item() > 0)     # the one read, when asked
+        return self._value
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (bool, StepTaken)):
+            return bool(self) == bool(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __repr__(self) -> str:
+        return repr(self._value) if self._value is not None else "StepTaken(<on the device>)"
+
 
 class Precision:
     """The precision mode of a run, and every decision it implies.
@@ -693,8 +737,11 @@ class Precision:
         self.scale_loss(loss, scale=scale).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
-             measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool:
-        """Finish an optimizer step; return True if it was taken, False if skipped.
+             measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool | StepTaken:
+        """Finish an optimizer step; return whether it was taken: a ``bool`` where the host
+        decided, a :class:`StepTaken` where the step was skipped (or not) on the device: truthy if
+        taken, falsy if skipped, equal to ``True``/``False``, its truth read from the device only
+        when asked, once (``is True`` does not hold for it: test its truth).
 
         Unscales once (fused with the inf/NaN check, agreed across ranks under
         ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
@@ -703,9 +750,11 @@ class Precision:
         updates the loss scale.
 
         The skip: a mixprec master-weight optimizer gets the non-finite flag as a device tensor
-        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device; the host reads the
-        flag only after the whole update is issued (for the counters, the loss scale and the
-        return value). Any other optimizer: the host reads the flag first and steps or not.
+        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device; the loss scale moves
+        on the device too, and the host reads nothing: the counters, the scale and the return
+        value's truth are read when asked for (``bool(taken)``, :attr:`num_skipped_steps`,
+        :attr:`scale`, ...; one read for everything queued). Any other optimizer (or ``overlap``):
+        the host reads the flag first and steps or not.
 
         ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
         issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
@@ -721,8 +770,11 @@ class Precision:
         if found is not None:
             with record_function("mixprec.optimizer_step"):  # skipped on the device when found > 0
                 optimizer.step(inputs=StepInputs(found_inf=found))
-            with record_function("mixprec.found_inf_sync"):  # the host read, the update queued already
-                take = self.scaler.decide(optimizer)
+            self.scaler.stepped_on_device(optimizer)       # no host read: the flag stays queued
+            self.scaler.update()                           # the scale moves on the device
+            taken = StepTaken(found, resolve=self.scaler.resolve)   # read only if the caller asks
+            self.scaler.tell_when_read(found, taken)
+            return taken
         else:
             with record_function("mixprec.found_inf_sync"):  # the one host sync: step or skip
                 take = self.scaler.decide(optimizer)
@@ -733,7 +785,7 @@ class Precision:
                     else:
                         overlap.issue(optimizer)           # per module, side stream (optim/overlap.py)
         self.scaler.update()                               # back off at once, grow when clean
-        return take
+        return take                                        # decided on the host: a bool
 
     @property
     def last_step_skipped(self) -> bool:

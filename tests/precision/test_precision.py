@@ -152,3 +152,25 @@ def test_fp8_mode_swaps_linears_and_reports():
     from mixprec.formats import Fp8Linear
     assert isinstance(model.blocks[0].mlp.fc, Fp8Linear)
     assert p.fp8_report is not None and p.fp8_report.converted
+
+
+def test_step_taken_reads_the_flag_only_when_asked_and_acts_as_a_bool():
+    import mixprec as mp
+    from mixprec.optim import AdamW
+    from mixprec.precision import StepTaken
+    model = nn.Linear(4, 4)
+    p = mp.Precision("bf16-true", device="cpu")
+    model, opt = p.setup(model, lambda ps: AdamW(ps, lr=1e-2))
+    results = []
+    for bad in (False, True):
+        with p.autocast():
+            out = model(torch.ones(2, 4))
+        p.backward(out.float().sum() * (float("inf") if bad else 1.0))
+        t = p.step(opt)
+        assert isinstance(t, StepTaken) and not t.known       # nothing read yet
+        results.append(t)
+        opt.zero_grad()
+    assert p.scaler.pending == 2
+    assert results[1] == False and not results[1] and results[0] == True and results[0]  # noqa: E712
+    assert results[0].known and p.scaler.pending == 0            # one read told both
+    assert p.num_skipped_steps == 1 and p.last_step_skipped
