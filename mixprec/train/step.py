@@ -23,3 +23,4 @@ class StepOutput:
     skipped: bool               # the optimizer step was skipped (non-finite gradients)
     scale_before: float         # loss scale used for this step
     tokens: torch.Tensor | int | None  # real (non-padding) tokens on this rank; None: not tokens
+    lr: Any = None              # the learning rate this step ran at (the first group's)

@@ -287,6 +287,7 @@ class Trainer:
         model, opt, precision = self.model, self.optimizer, self.precision
         n = len(micro_batches)
         scale_before = precision.scale
+        lr = opt.param_groups[0]["lr"]                   # what this step runs at (metrics' lr)
         loss_sum = torch.zeros((), device=self.device)
         tokens: torch.Tensor | int | None = 0
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
@@ -311,7 +312,7 @@ class Trainer:
                                        measure_grad_norm=logged, overlap=self.overlap)
         if taken:
             self.scheduler.step()  # a skipped step must not advance the LR schedule
-        return StepOutput(loss_sum, precision.last_grad_norm, not taken, scale_before, tokens)
+        return StepOutput(loss_sum, precision.last_grad_norm, not taken, scale_before, tokens, lr)
 
     def batch_loss(self, model: nn.Module, batch: Batch, n: int = 1) -> tuple[torch.Tensor, Any]:
         """One batch -> ``(FP32 loss / n, tokens)``: to the device, the objective (decided once
@@ -618,10 +619,11 @@ class Trainer:
 
         def log_row(out: StepOutput, val_loss: float | None) -> None:
             """One metrics row of the steps since the last one (the meter's mean), and its line."""
-            loss = meter.log(out, step=self.step, epoch=self.epoch,
-                             lr=self.scheduler.get_last_lr()[0], val_loss=val_loss)
+            # The LR the row's last step ran at (the scheduler has moved on to the next one's).
+            lr = float(out.lr) if out.lr is not None else self.scheduler.get_last_lr()[0]
+            loss = meter.log(out, step=self.step, epoch=self.epoch, lr=lr, val_loss=val_loss)
             events.interval(self.step, total, loss=loss, val_loss=val_loss,
-                            lr=self.scheduler.get_last_lr()[0], tokens_per_s=meter.last_tps,
+                            lr=lr, tokens_per_s=meter.last_tps,
                             samples_per_s=meter.last_sps,
                             steps=meter.last_steps, log_interval=cfg.log_interval)
         try:

@@ -43,8 +43,9 @@ def test_the_printed_resume_hint_works_in_a_shell_and_trains_at_the_lr_it_is_giv
     assert "resumed schedule: lr 0.0003 -> 0.01 at step 4" in proc.stderr
     with open(run / "metrics.csv", newline="") as f:
         lr = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
-    curve = WarmupCosine(5, 8, 0.1)          # lr after step s = the LR of step s + 1
-    assert [lr[s] for s in range(5, 9)] == pytest.approx([0.01 * curve(s) for s in range(5, 9)], rel=1e-12)
+    curve = WarmupCosine(5, 8, 0.1)          # lr at step s = the LR step s ran at: curve(s - 1)
+    assert [lr[s] for s in range(5, 9)] == pytest.approx([0.01 * curve(s - 1) for s in range(5, 9)],
+                                                         rel=1e-12)
     assert tomllib.loads((run / "config.toml").read_text())["lr"] == 0.01
 
 

@@ -55,9 +55,9 @@ def test_resume_with_a_new_lr_schedule_and_max_steps_trains_at_the_new_schedule(
     trainer = Trainer(Regressor(), max_steps=20, lr=0.01, warmup_steps=5, run_dir=str(run), **QUIET)
     trainer.fit(batches(), resume=True)
     curve = WarmupCosine(5, 20, 0.1)
-    # metrics.csv's lr after step s is the LR of step s+1: lr * curve(s) (no step was skipped).
+    # metrics.csv's lr at step s is the LR step s ran at: lr * curve(s - 1) (no step was skipped).
     logged = metrics_lr(run)
-    assert all(logged[s] == pytest.approx(0.01 * curve(s), rel=1e-12) for s in range(7, 21))
+    assert all(logged[s] == pytest.approx(0.01 * curve(s - 1), rel=1e-12) for s in range(7, 21))
     assert logged[7] > 5 * 0.01 * 0.1          # not the floor: the longer run's LR at step 7
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * curve(20), rel=1e-12)
     assert all(g["initial_lr"] == 0.01 for g in trainer.optimizer.param_groups)
@@ -194,7 +194,7 @@ def test_the_divergence_message_names_a_resume_with_a_lower_lr_that_takes_effect
     trainer = Trainer(InfAfter(good=10**6), mixed_precision="32-true", max_steps=12, warmup_steps=5,
                       lr=5e-4, log_interval=1, run_dir=str(run), progress=False, audit=False)
     trainer.fit(_regressor_batches(60), resume=str(ckpt))
-    assert metrics_lr(run)[11] == pytest.approx(5e-4 * WarmupCosine(5, 12, 0.1)(11), rel=1e-12)
+    assert metrics_lr(run)[11] == pytest.approx(5e-4 * WarmupCosine(5, 12, 0.1)(10), rel=1e-12)  # step 11 ran at curve(10)
 
 
 def test_a_resume_with_your_own_optimizer_keeps_its_learning_rates(tmp_path):
@@ -336,3 +336,12 @@ def test_a_resume_into_a_folder_of_another_models_run_names_that_run(tmp_path):
     assert message.endswith("._OtherModel; choose another run_dir, or pass overwrite=True without "
                             "resume to delete that run and start over")
     assert (run / "metrics.csv").read_text() == before               # nothing changed
+
+
+def test_metrics_lr_is_the_lr_each_logged_step_ran_at(tmp_path):
+    """Before: the row of step s showed the LR of step s + 1 (read after the scheduler moved on),
+    so a 20-step run's last line said lr 0.0014 while its own summary said the LR reached 0.00133."""
+    run = tmp_path / "run"
+    mp.fit(Regressor(), batches(), max_steps=4, lr=1e-3, warmup_steps=3, run_dir=str(run), **QUIET)
+    curve = WarmupCosine(3, 4, 0.1)
+    assert metrics_lr(run) == pytest.approx({s: 1e-3 * curve(s - 1) for s in range(1, 5)}, rel=1e-12)
