@@ -148,6 +148,12 @@ def check_correctness(report: dict) -> None:
     report["correctness"] = rows
 
 
+def throughput(tflops: float) -> str:
+    """TFLOP/s as the table prints it: whole TF on a GPU, GF below 1 TF (a CPU smoke run printed
+    "0 TF" for every kind, which told nothing)."""
+    return f"{tflops:.0f} TF" if tflops >= 1 else f"{tflops * 1e3:.3g} GF"
+
+
 def bench_linears(report: dict, args: argparse.Namespace) -> None:
     rows = []
     groups = (("square", SQUARE), ("llm", LLM)) if DEVICE == "cuda" else \
@@ -179,7 +185,7 @@ def bench_linears(report: dict, args: argparse.Namespace) -> None:
             row["paths"] = paths
             rows.append(row)
             print(f"{group:>6} M={M:>5} K={K:>5} N={N:>5}: " + "  ".join(
-                f"{k} {row[k]['tflops']:.0f} TF ({row[k]['speedup_vs_bf16']:.2f}x)" for k in kinds),
+                f"{k} {throughput(row[k]['tflops'])} ({row[k]['speedup_vs_bf16']:.2f}x)" for k in kinds),
                 flush=True)
             del layers, x, g
             if DEVICE == "cuda":

@@ -11,6 +11,7 @@ timed kernel launches and host syncs (0.4 TFLOP/s), which put 8192 x 8192 at min
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -48,18 +49,27 @@ def estimate_seconds(probe_flops: float, n: int, *, repeats: int, min_time: floa
 def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = None,
                  repeats: int = 3, min_time: float = 0.2, max_seconds: float | None = 60.0,
                  timer: Callable[[str, torch.dtype | None, torch.device, int, float], float] = time_matmul,
-                 on_size: Callable[[int, list[dict], list[str]], None] | None = None) -> list[dict]:
+                 on_size: Callable[[int, list[dict], list[str]], None] | None = None,
+                 on_start: Callable[[int, list[str], float | None, float | None], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> list[dict]:
     """Rows of {dtype, n, gflops_median, gflops_min, gflops_max, speedup_vs_fp32}.
 
     Dtypes are alternated inside each repeat so that machine noise hits all of them alike; sizes
-    run smallest first and ``on_size(n, rows, notes)`` is called as each size finishes. A dtype
-    that runs slowly here (an FP16 GEMM *emulated* on a CPU without native FP16 math can take
-    minutes per size) would stall the run, so each dtype is first timed on a probe
-    (:func:`probe_size`: ``128 x 128`` on a CPU, ``4096 x 4096`` on a GPU) and a size whose
-    estimated time exceeds ``max_seconds`` is skipped, with a note saying
-    so (``max_seconds=None``: no cap). ``timer(label, dtype, device, n, min_time)`` returns FLOP/s
-    (tests pass a fake one).
+    run smallest first, ``on_start(n, labels, estimated_s, left_s)`` is called before a size
+    starts (progress) and ``on_size(n, rows, notes)`` as each size finishes.
+
+    ``max_seconds`` caps the whole run (probes included; ``None``: no cap). A dtype that runs
+    slowly here (an FP16 GEMM *emulated* on a CPU without native FP16 math can take minutes per
+    size) would stall the run, so each dtype is first timed on a probe (:func:`probe_size`:
+    ``128 x 128`` on a CPU, ``4096 x 4096`` on a GPU) and each size's time is estimated from the
+    worse of the probe's rate and the rate measured at the previous size of that dtype (emulated
+    FP16 gets slower per FLOP as n grows: 2.4 GFLOP/s at 512, 0.94 at 1024 on the trial's CPU,
+    so the probe alone under-estimated 2048 and the run went past 5 minutes). A (dtype, size)
+    whose estimate does not fit in what is left of the budget is skipped with a one-line note.
+    ``timer(label, dtype, device, n, min_time)`` returns FLOP/s and ``clock()`` seconds (tests
+    pass fake ones).
     """
+    t0 = clock()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     plan = []
     for name in dtypes:
@@ -74,24 +84,30 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
         else:
             dt = parse_dtype(name)
             plan.append((dtype_name(dt), dt))
-    probe: dict[str, float] = {}
+    # label -> (FLOP/s, where it was measured): the worst rate seen so far for that dtype
+    rate: dict[str, tuple[float, str]] = {}
+    pn = probe_size(dev, sizes)
     if max_seconds is not None:
         for label, dt in plan:
-            probe[label] = timer(label, dt, dev, probe_size(dev, sizes), min(min_time, 0.05))
+            rate[label] = (timer(label, dt, dev, pn, min(min_time, 0.05)), f"the {pn}x{pn} probe")
     all_rows: list[dict] = []
     for n in sorted(sizes):
         notes, todo = [], []
+        planned = 0.0
+        left = None if max_seconds is None else max_seconds - (clock() - t0)
         for label, dt in plan:
-            if label in probe:
-                est = estimate_seconds(probe[label], n, repeats=repeats, min_time=min_time)
-                if est > max_seconds:
-                    pn = probe_size(dev, sizes)
-                    notes.append(f"{label} n={n} skipped: ~{est:.0f} s estimated at "
-                                 f"{probe[label] / 1e9:.2g} GFLOPS on a {pn}x{pn} probe "
-                                 f"(cap {max_seconds:g} s; likely emulated on this device; raise "
-                                 "--max-seconds to measure it anyway)")
+            if label in rate:
+                flops, where = rate[label]
+                est = estimate_seconds(flops, n, repeats=repeats, min_time=min_time)
+                if planned + est > left:
+                    notes.append(f"{label} {n}: skipped, ~{est:.0f} s estimated at the rate measured at "
+                                 f"{where} ({flops / 1e9:.3g} GFLOP/s), {max(left - planned, 0):.0f} s "
+                                 f"of the {max_seconds:g} s budget left; raise --max-seconds")
                     continue
+                planned += est
             todo.append((label, dt))
+        if on_start is not None and todo:
+            on_start(n, [label for label, _ in todo], planned if max_seconds is not None else None, left)
         results: dict[str, list[float]] = {}
         for _ in range(repeats):
             for label, dt in todo:
@@ -99,6 +115,8 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
         rows = []
         for label, vals in results.items():
             base = results.get("fp32")
+            if label in rate and min(vals) * 1e9 < rate[label][0]:
+                rate[label] = (min(vals) * 1e9, f"n={n}")
             rows.append({"dtype": label, "n": n, "gflops_median": statistics.median(vals),
                          "gflops_min": min(vals), "gflops_max": max(vals),
                          "speedup_vs_fp32": statistics.median(vals) / statistics.median(base) if base else None})

@@ -20,8 +20,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-time", type=float, default=0.2, help="seconds per measurement")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     parser.add_argument("--max-seconds", type=float, default=60.0,
-                        help="skip a (dtype, size) whose time, estimated from a probe GEMM (128x128 on CPU, 4096x4096 on CUDA), "
-                             "exceeds this (emulated dtypes on a CPU); 0: no cap")
+                        help="cap on the whole run's seconds: a (dtype, size) whose time, estimated from the worse "
+                             "of a probe GEMM's rate (128x128 on CPU, 4096x4096 on CUDA) and the rate measured at the "
+                             "previous size, does not fit in what is left is skipped (emulated dtypes on a CPU); 0: no cap")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +48,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"  note: {note}")
         sys.stdout.flush()   # each size as it finishes, also when piped to a file
 
+    def start(n: int, labels: list[str], est: float | None, left: float | None) -> None:
+        budget = "" if est is None else f" (~{est:.2g} s estimated, {left:.3g} s of the budget left)"
+        print(f"  measuring n={n}: {', '.join(labels)} x {args.repeats}{budget} ...", flush=True)
+
     bench_matmul(args.dtypes.split(","), sizes, device=args.device, repeats=args.repeats,
-                 min_time=args.min_time, max_seconds=args.max_seconds or None, on_size=show)
+                 min_time=args.min_time, max_seconds=args.max_seconds or None, on_size=show,
+                 on_start=start)
     return 0

@@ -162,8 +162,15 @@ class NonFiniteEvent:
         return json.dumps(self.to_dict(), allow_nan=False)
 
 
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+def format_scale(x: float) -> str:
+    """A loss scale as the skip lines and the progress lines both show it: exact below a million
+    (``65536``, ``0.5``), else 4 significant digits (``1e+12``, ``9.766e+08``). Skip lines used to
+    print every digit of an integer (``999999995904``) while progress lines said ``9.76562e+08``."""
+    x = float(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e6 else f"{x:.4g}"
+
+
+_num = format_scale
 
 
 # --- observation ----------------------------------------------------------------------------------

@@ -42,9 +42,10 @@ class Fp8ConversionReport:
     """What the skipped modules run in: the policy's compute dtype when a policy was given (BF16
     for the ``fp8-*`` presets), else "high precision"."""
     expected_path: str = "emulated"
-    """Path the converted layers take, as they decided it at conversion (``Fp8Linear.execution_path``;
-    a later move to another device decides again); with several recipes, each one's
-    (``fp8-tensorwise emulated, fp8-blockwise emulated``) when they differ."""
+    """Path the converted layers take, as each decided it at conversion (``Fp8Linear.execution_path``;
+    a later move to another device decides again); where layers differ, the count per path
+    (``emulated (4 layers), cpu-scaled-mm (2 layers)``, with the recipe where several were
+    converted). The start line says ``path: ...``: it was decided, not expected."""
     configs: dict[str, Fp8Config] = field(default_factory=dict)
     """The config of each recipe some layer was converted to, in first-use order."""
 
@@ -68,7 +69,7 @@ class Fp8ConversionReport:
 
     def __str__(self) -> str:
         lines = [f"{self.what_runs()}: {len(self.converted)} Linear layers converted, "
-                 f"{len(self.skipped)} modules kept in {self.high_precision}; expected path: "
+                 f"{len(self.skipped)} modules kept in {self.high_precision}; path: "
                  f"{self.expected_path}"]
         lines += [f"  fp8   {name}" + (f" ({self.recipes[name]})" if self.recipes.get(name, self.config.recipe)
                                             != self.config.recipe else "") for name in self.converted]
@@ -144,18 +145,18 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
 
 def _paths(model: nn.Module, report: Fp8ConversionReport, config: Fp8Config) -> str:
     """The converted layers' paths, as each layer decided them at conversion (one decider:
-    :func:`mixprec.formats.fp8_path.plan_gemms`); per recipe when recipes take different paths.
-    Nothing converted: the path the config would take on the model's device."""
-    found: dict[str, list[str]] = {}
+    :func:`mixprec.formats.fp8_path.plan_gemms`): one path, or each path with its count of layers
+    when they differ. Nothing converted: the path the config would take on the model's device."""
+    counts: dict[tuple[str, str], int] = {}
     for name in report.converted:
-        seen = found.setdefault(report.recipes[name], [])
-        path = model.get_submodule(name).execution_path
-        if path not in seen:
-            seen.append(path)
-    paths = {r: " / ".join(p) for r, p in found.items()}
-    if not paths:
+        key = (report.recipes[name], model.get_submodule(name).execution_path)
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
         device = next((p.device for p in model.parameters()), None)
-        paths[config.recipe] = plan_gemms(config, device, 16, 16).path
-    values = set(paths.values())
-    return next(iter(values)) if len(values) == 1 else \
-        ", ".join(f"fp8-{r} {p}" for r, p in paths.items())
+        return plan_gemms(config, device, 16, 16).path
+    if len({path for _, path in counts}) == 1:
+        return next(iter(counts))[1]
+    # layers differ: the count per path (and recipe, where several recipes were converted)
+    several = len({recipe for recipe, _ in counts}) > 1
+    return ", ".join(f"{path} ({n} {'fp8-' + recipe + ' ' if several else ''}layer{'s' if n != 1 else ''})"
+                     for (recipe, path), n in counts.items())

@@ -17,6 +17,7 @@ __all__ = ["figure", "save", "plot_series", "legend_below", "mark_events", "scal
 # Events drawn on the curves: kind -> (label, colour). A resume is a ``start`` event after step 0.
 _MARKED = {"resume": ("resumed", "tab:green"), "interrupted": ("stopped", "tab:purple"),
            "diverged": ("diverged", "tab:red"), "format": ("re-plan", "tab:orange"),
+           "loss_scale_stuck": ("stopped: loss scale stuck", "tab:pink"),
            "guard": ("guard", "tab:brown")}
 
 _CAPTIONS = {

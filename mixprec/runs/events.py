@@ -14,6 +14,7 @@ from torch import nn
 
 from mixprec.precision import Precision
 from mixprec.monitor import format_findings
+from mixprec.monitor.trace import format_scale
 from mixprec.policy.dtypes import dtype_name
 from mixprec.policy.peak import no_peak_reason
 from mixprec.strategies import Strategy
@@ -81,7 +82,7 @@ class RunEvents:
         rate = (f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else  # token ids
                 f"{samples_per_s:,.1f} samples/s" if samples_per_s is not None else None)
         # Only modes that scale the loss have a scale worth showing (bf16/fp32: always 1).
-        scale = f"scale {self.precision.scale:g}" if self.precision.scales_loss else None
+        scale = f"scale {format_scale(self.precision.scale)}" if self.precision.scales_loss else None
         skipped = self.precision.num_skipped_steps
         partial = steps and log_interval and steps != log_interval
         over = f" (mean of {steps} step{'s' if steps != 1 else ''})" if partial else ""
@@ -157,7 +158,7 @@ class RunEvents:
         else:
             msg = (f"step {step} skipped: non-finite gradients "
                    f"({dtype_name(self.precision.compute_dtype)}) — loss scale "
-                   f"{out.scale_before:g} -> {after:g}")
+                   f"{format_scale(out.scale_before)} -> {format_scale(after)}")
             record = {"kind": "skip", "step": step, "nonfinite": None, "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}
         self.logger.event(record)
@@ -169,6 +170,9 @@ class RunEvents:
             self._skip_lines += 1
             self._last_skip_line = step
             self._skips_unsaid = 0
+            if self._skip_lines == _SKIP_LINES_SHOWN:     # said once: the lines thin out from here
+                self._say(f"further skipped steps are recorded in events.jsonl only, apart from one "
+                          f"line here per {_SKIP_LINE_EVERY} steps")
         else:
             self._skips_unsaid += 1
 

@@ -111,10 +111,11 @@ def run_scales_loss(config: dict[str, Any]) -> bool | None:
 
 def run_progress(config: dict[str, Any], events: list[dict[str, Any]], last: int) -> str:
     """How far the run got, in words: ``60 of 60 (complete)``, ``320 of 2000 (stopped: ...)``,
-    ``(diverged)``, or ``(incomplete: still running, or killed)`` when nothing recorded an end.
+    ``(diverged)``, ``(stopped: loss scale stuck)`` (every step skipped while the loss was finite;
+    runs before it recorded that as ``diverged``), or ``(incomplete: still running, or killed)`` when nothing recorded an end.
     The planned total is ``config.toml``'s ``max_steps`` (an epochs run: the steps are shown alone)."""
     total = config.get("max_steps")
-    ends = [e for e in events if e.get("kind") in ("interrupted", "diverged")
+    ends = [e for e in events if e.get("kind") in ("interrupted", "diverged", "loss_scale_stuck")
             and isinstance(e.get("step"), int) and e["step"] >= last]
     # A stop between two logged rows records the step it reached: that, not the last row's step.
     reached = max([last, *(e["step"] for e in ends)])
@@ -123,7 +124,8 @@ def run_progress(config: dict[str, Any], events: list[dict[str, Any]], last: int
         return f"{head} (complete)"
     if ends:                  # an end recorded at the last step (a resume past it trains on)
         end = ends[-1]
-        return f"{head} ({'diverged' if end['kind'] == 'diverged' else 'stopped'})"
+        said = {"diverged": "diverged", "loss_scale_stuck": "stopped: loss scale stuck"}.get(end["kind"], "stopped")
+        return f"{head} ({said})"
     return f"{head} (incomplete: still running, or killed)" if isinstance(total, int) else head
 
 

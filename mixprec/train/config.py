@@ -204,8 +204,15 @@ class FitConfig:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{self.moments}'")
         if self.on_stuck_scale not in ("warn", "raise"):
             raise ConfigError(f"on_stuck_scale must be 'warn' or 'raise', got '{self.on_stuck_scale}'")
-        if not 0 < self.min_scale <= self.init_scale:
-            raise ConfigError(f"min_scale must be in (0, init_scale], got {self.min_scale}")
+        if not self.min_scale > 0:
+            raise ConfigError(f"min_scale must be > 0, got {self.min_scale:g}")
+        if not self.init_scale >= self.min_scale:
+            # the user may have set only init_scale: name it, and the min_scale it is checked against
+            default = " (the default)" if self.min_scale == type(self).min_scale else ""
+            raise ConfigError(f"init_scale={self.init_scale:g} is below min_scale={self.min_scale:g}{default}, "
+                              f"the floor the loss scale never goes under; lower min_scale too (e.g. "
+                              f"init_scale={self.init_scale:g} min_scale={self.init_scale:g}) or raise "
+                              f"init_scale to >= {self.min_scale:g}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")

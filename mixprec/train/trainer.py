@@ -768,7 +768,8 @@ class Trainer:
                                        loss_finite=loss_finite):
             message = (f"training stopped at step {self.step}: {problem}; " + RunHealth.backing_off_message(
                 init_scale=cfg.init_scale, scale=precision.scale, skipped=precision.num_skipped_steps))
-            self.events.note(message, self.step, "diverged", say=False)
+            # not divergence: recorded (and plotted) as what it is; the exit status stays 3
+            self.events.note(message, self.step, "loss_scale_stuck", say=False)
             raise TrainingDiverged(message)
         safer = "" if precision.compute_dtype == torch.float32 else ", or pick a safer precision"
         message = (f"training diverged at step {self.step}: {problem}; lower lr (now "

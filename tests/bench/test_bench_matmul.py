@@ -33,7 +33,8 @@ def test_sizes_whose_estimate_exceeds_the_cap_are_skipped_with_a_note():
     assert ("fp16", 2048) not in calls
     assert [n for n, _, _ in seen] == [512, 2048]          # reported size by size, smallest first
     (note,) = seen[1][2]
-    assert note.startswith("fp16 n=2048 skipped: ~") and "cap 60 s" in note and "0.4 GFLOPS" in note
+    assert note.startswith("fp16 2048: skipped, ~") and "128x128 probe" in note and "0.4 GFLOP/s" in note
+    assert note.endswith("raise --max-seconds") and "of the 60 s budget left" in note
     assert seen[0][2] == []
 
 
@@ -56,7 +57,8 @@ def test_cli_prints_the_note_for_a_capped_size(monkeypatch, capsys):
                         lambda *a, **k: real(*a, **k, timer=fake_timer(calls)))
     assert bench_matmul_cmd.run(args) == 0
     out = capsys.readouterr().out
-    assert "note: fp16 n=2048 skipped" in out
+    assert "note: fp16 2048: skipped" in out
+    assert "  measuring n=64: fp32, fp16 x 1 (~" in out          # progress before each size
     lines = out.splitlines()
     assert lines.index(next(l for l in lines if "note:" in l)) > max(
         i for i, l in enumerate(lines) if l.split()[:2] == ["fp32", "64"])
@@ -109,3 +111,52 @@ def test_cuda_timing_queues_products_between_events_and_grows_the_batch_to_min_t
     assert flops == pytest.approx(2.0 * 4096**3 / per_call)
     assert len(launched) >= 200                            # batches grew until one lasted 0.2 s
     assert peak.cuda_seconds(gemm, 5, event=FakeEvent) == pytest.approx(5 * per_call)
+
+
+class FakeClock:
+    """A clock that a fake timer advances by the seconds the real measurement would take."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_cap_holds_when_the_rate_falls_as_n_grows():
+    # The trial's CPU: emulated fp16 got slower per FLOP as n grew, so the 128x128 probe alone
+    # put 2048 at ~26 s (fits in 60) while it really took minutes. The estimate for each size
+    # now uses the worse of the probe's rate and the rate measured at the previous size.
+    fp16 = {128: 10e9, 512: 4e9, 1024: 0.94e9, 2048: 0.5e9}
+    clock, calls, seen = FakeClock(), [], []
+
+    def timer(label, dtype, device, n, min_time):
+        calls.append((label, n))
+        flops = 100e9 if label == "fp32" else fp16[n]
+        t = 2.0 * n**3 / flops
+        clock.now += max(min_time, 3 * t) + 2 * t            # what one measurement costs
+        return flops
+    rows = matmul.bench_matmul(["fp32", "fp16"], [512, 1024, 2048], device="cpu", repeats=3,
+                               max_seconds=60, timer=timer, clock=clock,
+                               on_size=lambda n, r, notes: seen.append((n, notes)))
+    assert ("fp16", 2048) not in calls and ("fp32", 2048) in calls
+    assert clock.now <= 60                                       # the cap held
+    assert {(r["dtype"], r["n"]) for r in rows} >= {("fp16", 512), ("fp16", 1024)}
+    (note,) = seen[2][1]
+    assert note.startswith("fp16 2048: skipped, ~") and "rate measured at n=1024 (0.94 GFLOP/s)" in note
+
+
+def test_the_cap_is_on_the_whole_run_not_each_size():
+    # Each (dtype, size) alone fits in the cap; together they do not: the later ones are skipped.
+    clock, calls, starts = FakeClock(), [], []
+
+    def timer(label, dtype, device, n, min_time):
+        calls.append((label, n))
+        clock.now += 1.0 if n == 128 else 4.0
+        return 1e12
+    matmul.bench_matmul(["fp32", "bf16"], [256, 512, 1024], device="cpu", repeats=1, min_time=4.0,
+                        max_seconds=20, timer=timer, clock=clock,
+                        on_start=lambda n, labels, est, left: starts.append((n, labels, est, left)))
+    assert clock.now <= 20
+    assert starts[0] == (256, ["fp32", "bf16"], pytest.approx(2 * 4.0, rel=0.01), 18.0)
+    assert ("bf16", 1024) not in calls

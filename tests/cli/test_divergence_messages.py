@@ -16,6 +16,23 @@ def test_too_large_init_scale_says_lower_init_scale_not_lower_lr(tmp_path, capsy
     line = next(line for line in err.splitlines() if line.startswith("mixprec: error:"))
     assert "still backing off from init_scale=1e+30" in line and "lower init_scale" in line
     assert "lower lr" not in line and "diverged" not in line
+    # recorded and plotted as what it is, not as "diverged" (events.jsonl said kind "diverged")
+    import json
+    from mixprec.report.figures import _marks
+    from mixprec.runs.read import run_progress
+    events = [json.loads(x) for x in (tmp_path / "r" / "events.jsonl").read_text().splitlines() if x.strip()]
+    (end,) = [e for e in events if e.get("kind") in ("diverged", "loss_scale_stuck")]
+    assert end["kind"] == "loss_scale_stuck"
+    assert [label for _, label, _ in _marks(events)] == ["stopped: loss scale stuck"]
+    assert run_progress({"max_steps": 30}, events, 1).endswith("(stopped: loss scale stuck)")
+
+
+def test_old_runs_diverged_events_still_read_as_diverged():
+    from mixprec.report.figures import _marks
+    from mixprec.runs.read import run_progress
+    old = [{"kind": "diverged", "step": 12, "message": "training stopped at step 12: ..."}]
+    assert [label for _, label, _ in _marks(old)] == ["diverged"]
+    assert run_progress({"max_steps": 30}, old, 10) == "12 of 30 (diverged)"
 
 
 def test_real_divergence_under_32_true_does_not_suggest_a_safer_precision(tmp_path, capsys):

@@ -104,3 +104,19 @@ def test_transformer_keeps_head_embeddings_norms_and_gates():
     loss.backward()
     assert torch.isfinite(loss) and all(isinstance(model.get_submodule(n), Fp8Linear)
                                         for n in report.converted)
+
+
+def test_start_line_says_path_decided_at_conversion_with_counts_where_layers_differ():
+    # It said "expected path: emulated" for a path each layer decided at conversion.
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 64))
+    base = Fp8Config.from_recipe("tensorwise")
+    same = convert_to_fp8(model, config=base)
+    head = str(same).splitlines()[0]
+    assert head.endswith("; path: emulated") and "expected" not in head
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 64))
+    real = base.replace(backend="scaled-mm")                 # this CPU's torch._scaled_mm, one layer
+    try:
+        mixed = convert_to_fp8(model, config=base, config_fn=lambda m, name: real if name == "0" else base)
+    except ConfigError as e:                                 # a torch without a CPU _scaled_mm
+        pytest.skip(str(e))
+    assert str(mixed).splitlines()[0].endswith("; path: cpu-scaled-mm (1 layer), emulated (2 layers)")

@@ -97,3 +97,29 @@ def test_per_layer_formats_are_listed_once(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("head  fp32") == 1 and "layer formats:" in err
     assert "compute in: fc=bf16" not in err                         # the audit's copy of the table: recorded only
+
+
+def test_the_fifth_skip_line_says_the_rest_are_in_events_jsonl_and_scales_read_alike(tmp_path, capsys):
+    # A trial: "done: 40 steps (7 skipped)" but only steps 1-5 had a line, without a word why; the
+    # skip lines said "loss scale 999999995904 -> 499999997952", the progress lines "scale 9.76562e+08".
+    from types import SimpleNamespace
+    from mixprec.monitor.trace import format_scale
+    precision = SimpleNamespace(scale=1e12, scales_loss=True, num_skipped_steps=0, compute_dtype=torch.float16)
+    events = RunEvents(SingleDeviceStrategy("cpu"), precision, MetricsLogger(tmp_path, tensorboard=False),
+                       progress=False)
+    for step in range(1, 8):
+        before = precision.scale
+        precision.scale = before / 2
+        precision.num_skipped_steps += 1
+        events.skip(step, SimpleNamespace(scale_before=before), None)
+    err = capsys.readouterr().err.splitlines()
+    assert [l for l in err if "skipped:" in l][0].endswith("loss scale 1e+12 -> 5e+11")
+    assert len([l for l in err if "skipped:" in l]) == 5
+    (said,) = [i for i, l in enumerate(err) if "further skipped steps are recorded in events.jsonl only" in l]
+    assert "step 5 skipped" in err[said - 1] and said == len(err) - 1       # once, right after the fifth
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert sum('"kind": "skip"' in l for l in lines) == 7                    # every one recorded
+    events.open_progress(total=40, initial=0)
+    events.interval(8, 40, loss=3.0, val_loss=None, lr=1e-3, tokens_per_s=100.0)
+    assert "scale 7.812e+09" in capsys.readouterr().err                       # 1e12 / 2^7, same format
+    assert [format_scale(x) for x in (65536.0, 0.5, 2.0**40, 9.765625e8)] == ["65536", "0.5", "1.1e+12", "9.766e+08"]

@@ -1,0 +1,32 @@
+"""What benchmarks/gpu/overlap_step.py and fp8_linear.py print on a CPU (the --cpu-smoke summary):
+no overlapped/plain ratio where nothing overlaps, and throughputs below 1 TF not printed as "0 TF"."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+GPU = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", GPU / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ROW = {"mode": "bf16-mixed", "accum": 1, "plain_ms": 10.0, "overlap_ms": 7.2, "ratio_median": 0.722,
+       "ratio_min": 0.7, "ratio_max": 0.75, "bit_identical": True}
+
+
+def test_overlap_ratio_is_not_printed_on_a_cpu():
+    line = _script("overlap_step").result_line(ROW, "cpu")
+    assert "0.722" not in line and "not meaningful on a CPU" in line and line.endswith("bit-identical: True")
+    gpu = _script("overlap_step").result_line(ROW, "cuda")
+    assert "overlapped/plain 0.722 (0.700-0.750), bit-identical: True" in gpu
+
+
+def test_fp8_table_prints_gigaflops_below_one_teraflop():
+    throughput = _script("fp8_linear").throughput
+    assert throughput(0.0123) == "12.3 GF" and throughput(0.0004) == "0.4 GF"
+    assert throughput(812.4) == "812 TF"
