@@ -470,13 +470,8 @@ class GradScaler:
             self._host_copies[id(st.found_inf)] = _HostCopy(st.found_inf)
         return st.found_inf
 
-    def decide(self, optimizer: torch.optim.Optimizer) -> bool:
-        """What :meth:`step` does, except calling ``optimizer.step()``: unscale (if not done yet),
-        read the agreed non-finite flag (the one host sync), count a skip; True when the caller
-        must now step the optimizer itself (e.g. in parts, mixprec.optim.overlap). Always True
-        when the scaler is inactive (scaling and the check both off)."""
-        if not self._active:
-            return True
+    def _checked(self, optimizer: torch.optim.Optimizer) -> _OptState:
+        """``optimizer``'s state, unscaled and checked, ready to be marked stepped (once)."""
         st = self._state(optimizer)
         if st.stage is _Stage.STEPPED:
             raise RuntimeError("step() was already called for this optimizer in this iteration; "
@@ -488,6 +483,16 @@ class GradScaler:
             raise NoGradientsError("No inf checks were recorded for this optimizer: it has no "
                                    "gradients (was the scaled loss's backward() called, and do its "
                                    "parameters require grad?)")
+        return st
+
+    def decide(self, optimizer: torch.optim.Optimizer) -> bool:
+        """What :meth:`step` does, except calling ``optimizer.step()``: unscale (if not done yet),
+        read the agreed non-finite flag (the one host sync), count a skip; True when the caller
+        must now step the optimizer itself (e.g. in parts, mixprec.optim.overlap). Always True
+        when the scaler is inactive (scaling and the check both off)."""
+        if not self._active:
+            return True
+        st = self._checked(optimizer)
         st.found_inf_host = bool(st.found_inf.item() > 0)   # the one host sync of the step
         st.stage = _Stage.STEPPED
         st.skipped = st.found_inf_host
@@ -505,17 +510,7 @@ class GradScaler:
         the flag (None when the scaler is inactive: the step was always taken)."""
         if not self._active:
             return None
-        st = self._state(optimizer)
-        if st.stage is _Stage.STEPPED:
-            raise RuntimeError("step() was already called for this optimizer in this iteration; "
-                               "call scaler.update() once per iteration after stepping every optimizer")
-        if st.stage is _Stage.READY:
-            self.unscale_(optimizer)
-        assert st.found_inf is not None
-        if st.no_grads and self._scaling:
-            raise NoGradientsError("No inf checks were recorded for this optimizer: it has no "
-                                   "gradients (was the scaled loss's backward() called, and do its "
-                                   "parameters require grad?)")
+        st = self._checked(optimizer)
         st.stage = _Stage.STEPPED
         return st.found_inf
 
