@@ -126,7 +126,11 @@ def test_the_flat_step_is_bit_identical_to_the_per_master_step(layout):
             opt.zero_grad()
         return model, opt.state_dict()
 
-    (ma, sa), (mb, sb) = run(True), run(False)
+    _assert_same_bits(*run(True), *run(False))
+
+
+def _assert_same_bits(ma, sa, mb, sb) -> None:
+    """Two (model, optimizer state dict) pairs hold the same bits: weights, masters, every state."""
     for pa, pb in zip(ma.parameters(), mb.parameters()):
         assert torch.equal(_bits(pa), _bits(pb))
     for x, y in zip(sa["master_weights"]["tensors"], sb["master_weights"]["tensors"]):
@@ -158,15 +162,7 @@ def test_a_step_skipped_on_the_device_leaves_what_a_step_not_taken_leaves(layout
                 assert (len(opt.state) == 0) == (skip_at == 0)
         return model, opt.state_dict()
 
-    (ma, sa), (mb, sb) = run(True), run(False)
-    for pa, pb in zip(ma.parameters(), mb.parameters()):
-        assert torch.equal(_bits(pa), _bits(pb))
-    for x, y in zip(sa["master_weights"]["tensors"], sb["master_weights"]["tensors"]):
-        assert torch.equal(_bits(x), _bits(y))
-    for k, st in sa["state"].items():
-        for key, t in st.items():
-            u = sb["state"][k][key]
-            assert t.dtype == u.dtype and torch.equal(t.reshape(-1).view(torch.uint8), u.reshape(-1).view(torch.uint8)), key
+    _assert_same_bits(*run(True), *run(False))
 
 
 def test_frozen_parameters_keep_the_flat_step_and_unfreezing_rebuilds_it():
