@@ -46,7 +46,8 @@ Execution path, decided once (at conversion, or when the layer moves to another 
 ``execution_reason`` say which and why; ``forward`` decides nothing.
 
 Non-finite operands: every cast folds its scales into the layer's ``fp8_scale_max`` tensor (no host
-read); the step reads :func:`mixprec.formats.found_nonfinite` (see
+read); the inf/NaN reaches the outputs or gradients computed from the hit block, so the step's
+own gradient check skips the step; :func:`mixprec.formats.found_nonfinite` tells which layers (see
 :mod:`mixprec.formats.fp8_nonfinite`). ``Fp8Config(nonfinite="raise")`` checks once per forward
 and once per backward and names the operand.
 """

@@ -4,11 +4,14 @@ An FP8 cast never checks its input with a host read: an inf/NaN makes the amax, 
 of its block non-finite (see :mod:`mixprec.formats.fp8_cast`). Each FP8 layer keeps one FP32
 device tensor, ``fp8_scale_max``, into which every one of its casts folds its scales
 (``max``, NaN-sticky): finite while every operand was finite, inf or NaN from the first
-non-finite operand on. Nothing is synchronised per cast; the training step reads
+non-finite operand on. Nothing is synchronised per cast. The step does not need these flags to
+skip: the non-finite scale makes the outputs (forward) or gradients (backward) computed from the
+block NaN, and the step's own gradient check sees that (tests/formats/test_fp8_step_skip.py).
+They say *which* layer, for a hand loop or a report:
 
 * :func:`found_nonfinite(model) <found_nonfinite>` -- a 0-dim bool *device* tensor, a handful of
-  ops whatever the number of layers, to fold into its own ``found_inf`` (skip the update on the
-  device) -- and then :func:`reset_nonfinite` (one ``_foreach_zero_``) for the next step;
+  ops whatever the number of layers (fold it into a ``found_inf`` of your own, no sync) -- and
+  then :func:`reset_nonfinite` (one ``_foreach_zero_``) for the next step;
 * :func:`nonfinite_layers` -- the names of the layers whose operands were not finite, one host
   read, for an error message or a report once the step knows it skipped.
 
