@@ -32,6 +32,7 @@ __all__ = ["Fp8Config", "RECIPES", "SCALINGS", "FORMATS"]
 SCALINGS: tuple[str, ...] = ("tensorwise", "delayed", "rowwise", "blockwise")
 FORMATS: tuple[str, ...] = ("e4m3", "e5m2", "hybrid")
 BACKENDS: tuple[str, ...] = ("auto", "scaled-mm", "emulated")
+BLOCK_KERNELS: tuple[str, ...] = ("auto", "native", "triton")
 RECIPES: tuple[str, ...] = SCALINGS
 
 
@@ -67,6 +68,12 @@ class Fp8Config:
     """``auto``: ``torch._scaled_mm`` on CUDA devices with FP8 tensor cores, emulation elsewhere;
     ``scaled-mm`` or ``emulated`` to force one (forcing ``scaled-mm`` on a CPU runs PyTorch's CPU
     FP8 kernel, useful to test the GPU code path's layout and scale handling)."""
+    block_kernel: str = "auto"
+    """Blockwise on a CUDA scaled-mm path: which one-GEMM kernel multiplies the 1x128 / 128x128
+    blocks. ``auto``: torch's native block-scaled ``scaled_mm`` where this torch has it, else
+    mixprec's Triton kernel (E4M3, with Triton importable), else the emulation; ``native`` or
+    ``triton`` to force one (refused at conversion on a GPU where it cannot run; ignored off
+    CUDA)."""
     accum_mantissa_bits: int | None = None
     """Emulation only: accumulate GEMM partial sums with this many mantissa bits (Hopper tensor
     cores keep about 14) instead of exact FP32. None = FP32 accumulation."""
@@ -94,6 +101,7 @@ class Fp8Config:
         _choice("scaling", self.scaling, SCALINGS)
         _choice("format", self.format, FORMATS)
         _choice("backend", self.backend, BACKENDS)
+        _choice("block_kernel", self.block_kernel, BLOCK_KERNELS)
         _choice("amax_compute", self.amax_compute, ("max", "most_recent"))
         _choice("nonfinite", self.nonfinite, ("propagate", "raise"))
         for name in ("activation_block", "weight_block"):
@@ -142,7 +150,8 @@ class Fp8Config:
 
     def replace(self, **changes: Any) -> "Fp8Config":
         """A validated copy with some fields changed (the recipe name becomes ``custom``)."""
-        changes.setdefault("recipe", "custom" if any(k != "backend" for k in changes) else self.recipe)
+        changes.setdefault("recipe", "custom" if any(k not in ("backend", "block_kernel")
+                                                     for k in changes) else self.recipe)
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -170,6 +179,8 @@ class Fp8Config:
         if self.limited_accumulation:
             parts.append(f"{self.accum_mantissa_bits}-bit accumulation, FP32 promotion every "
                          f"{self.promotion_interval}")
+        if self.block_kernel != "auto":
+            parts.append(f"{self.block_kernel} block-scaled GEMM")
         return f"fp8-{self.recipe} ({', '.join(parts)}; backend {self.backend})"
 
 

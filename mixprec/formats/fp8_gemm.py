@@ -7,7 +7,9 @@
 * ``*-scaled-mm``: ``torch._scaled_mm`` for one scale per tensor or per row (the scales go into
   the GEMM's epilogue); DeepSeek-V3's 1x128 / 128x128 blocks through torch's native block-scaled
   ``torch.nn.functional.scaled_mm`` (the scales are applied inside the main loop, every 128 of
-  K, as the recipe's "promote every 128" asks). Which of these a layer may use was decided when
+  K, as the recipe's "promote every 128" asks), or, where this torch has none on CUDA, through
+  mixprec's Triton kernel (:mod:`mixprec.formats.fp8_triton`, the same numerics; imported only
+  when a plan says so). Which of these a layer may use was decided when
   it was converted (:mod:`mixprec.formats.fp8_path`); nothing here queries hardware or catches a
   kernel's refusal.
 
@@ -43,18 +45,24 @@ def _is_blocked(q: Fp8Tensor) -> bool:
 
 
 def fp8_gemm(a: Fp8Tensor, bt: Fp8Tensor, *, path: str, config: Fp8Config, out_dtype: torch.dtype,
-             rowwise_out_fp32: bool = True, block_layout: int | None = None) -> torch.Tensor:
+             rowwise_out_fp32: bool = True, block_layout: int | None = None,
+             block_kernel: str | None = None) -> torch.Tensor:
     """``a @ bt.T`` for FP8 ``a`` (M, K) and ``bt`` (N, K), in ``out_dtype``, on ``path``.
 
     ``rowwise_out_fp32``: this torch's rowwise ``_scaled_mm`` can emit FP32 (else a non-BF16
-    result is produced in BF16 and converted). ``block_layout``: the scale layout the native
-    block-scaled GEMM accepted when probed (None: not available; blocked operands then run the
-    one-GEMM emulation)."""
-    if path == "emulated" or (_is_blocked(a) or _is_blocked(bt)) and block_layout is None:
+    result is produced in BF16 and converted). ``block_kernel`` (the plan's): blocked operands
+    run in mixprec's Triton kernel when ``"triton"``, else in torch's native block-scaled GEMM
+    with ``block_layout``, the scale layout it accepted when probed (None: not available; they
+    then run the one-GEMM emulation)."""
+    blocked = _is_blocked(a) or _is_blocked(bt)
+    if path == "emulated" or blocked and block_kernel != "triton" and block_layout is None:
         out = emulated_mm(a, bt, mantissa_bits=config.accum_mantissa_bits,
                           promotion_interval=config.promotion_interval, chunk=config.accum_chunk)
         return out.to(out_dtype)
-    if _is_blocked(a) or _is_blocked(bt):
+    if blocked and block_kernel == "triton":
+        from mixprec.formats.fp8_triton import block_scaled_mm   # lazy: the package runs without Triton
+        return block_scaled_mm(a, bt, out_dtype)
+    if blocked:
         return _block_scaled_mm(a, bt, out_dtype, block_layout)
     return _scaled_mm(a, bt, out_dtype, rowwise_out_fp32)
 

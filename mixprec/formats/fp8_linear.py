@@ -298,7 +298,8 @@ def _out_dtype(t: torch.Tensor) -> torch.dtype:
 def _gemm(rec: Recipe, a: Fp8Tensor, bt: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     plan = rec.plan
     return fp8_gemm(a, bt, path=plan.path, config=rec.config, out_dtype=out_dtype,
-                    rowwise_out_fp32=plan.rowwise_out_fp32, block_layout=plan.block_layout)
+                    rowwise_out_fp32=plan.rowwise_out_fp32, block_layout=plan.block_layout,
+                    block_kernel=plan.block_kernel)
 
 
 class _Fp8LinearFn(torch.autograd.Function):

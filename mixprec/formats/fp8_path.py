@@ -5,13 +5,15 @@ no hardware.
 This is the one decider: :class:`~mixprec.formats.Fp8Linear` asks it for its own plan and
 :func:`~mixprec.fp8.convert_to_fp8`'s report shows the converted layers' plans. The paths:
 
-* ``cuda-scaled-mm`` -- ``torch._scaled_mm`` (tensorwise, rowwise) or torch's native block-scaled
-  ``scaled_mm`` (blockwise) on a GPU with FP8 tensor cores;
+* ``cuda-scaled-mm`` -- ``torch._scaled_mm`` (tensorwise, rowwise) on a GPU with FP8 tensor
+  cores; blockwise there runs one GEMM in torch's native block-scaled ``scaled_mm`` where this
+  torch has it, else in mixprec's Triton kernel (:mod:`mixprec.formats.fp8_triton`, when Triton
+  imports), stored as :attr:`GemmPlan.block_kernel`;
 * ``cpu-scaled-mm`` -- PyTorch's CPU FP8 kernel, only when forced with ``backend="scaled-mm"``
   (it tests the GPU path's layouts and scales on a CPU; tensorwise and rowwise);
 * ``emulated`` -- quantize, dequantize, one FP32 GEMM (:mod:`mixprec.formats.emulation`):
-  numerics, not speed. Blockwise takes it when this torch has no native block-scaled GEMM on the
-  device (probed once per device, below); the reason says so.
+  numerics, not speed. Blockwise takes it when neither block-scaled kernel can run on the
+  device (the native one is probed once per device, below); the reason says so.
 
 Probes (each a few tiny GEMMs, cached per device for the process): whether rowwise
 ``_scaled_mm`` emits FP32 (older CUTLASS kernels emit only BF16; then FP32 results pass through
@@ -46,6 +48,9 @@ class GemmPlan:
     """Why this path (shown in the conversion log line and ``Fp8Linear.execution_reason``)."""
     block_layout: int | None = None
     """Blockwise on a scaled-mm path: the native block-scaled GEMM's scale layout (probed)."""
+    block_kernel: str | None = None
+    """Blockwise on a scaled-mm path: ``native`` (torch's block-scaled ``scaled_mm``) or
+    ``triton`` (:func:`mixprec.formats.fp8_triton.block_scaled_mm`); None elsewhere."""
     rowwise_out_fp32: bool = True
     """Rowwise ``_scaled_mm`` emits FP32 results itself (else they pass through BF16)."""
     compile_casts: bool = False
@@ -79,6 +84,17 @@ def _block_layout(device: str) -> int | None:
 
 def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _triton_gemm_available() -> bool:
+    """Whether mixprec's Triton block-scaled GEMM imports (Triton installed and working); asked
+    at set-up on CUDA only, so the CPU package never imports Triton."""
+    try:
+        import mixprec.formats.fp8_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features: int,
@@ -119,13 +135,7 @@ def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features
             return GemmPlan("emulated", f"{reason}, but block-scaled GEMMs need in/out features "
                                         "that are multiples of 128: blockwise runs emulated "
                                         "(dequantize, one FP32 GEMM)", compile_casts=compile_casts)
-        layout = _block_layout(str(dev))
-        if layout is None:
-            return GemmPlan("emulated", f"torch {torch.__version__} has no native block-scaled "
-                                        f"scaled_mm on {dev.type}: blockwise runs emulated "
-                                        "(dequantize, one FP32 GEMM)", compile_casts=compile_casts)
-        return GemmPlan(path, f"{reason}; 1x128/128x128 blocks in torch's block-scaled scaled_mm "
-                              "(one GEMM)", block_layout=layout, compile_casts=compile_casts)
+        return _plan_blocks(config, dev, path, reason, compile_casts, owner, fqn)
     if config.scaling == "rowwise" and _rowwise_support(str(dev)) is None:
         if config.backend == "scaled-mm":
             raise ConfigError(f"{owner} '{fqn or '<unnamed>'}': torch {torch.__version__}'s "
@@ -138,6 +148,43 @@ def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features
                               "results pass through BF16", rowwise_out_fp32=False,
                         compile_casts=compile_casts)
     return GemmPlan(path, reason, compile_casts=compile_casts)
+
+
+def _plan_blocks(config: Fp8Config, dev: torch.device, path: str, reason: str,
+                 compile_casts: bool, owner: str, fqn: str) -> GemmPlan:
+    """Blockwise on a scaled-mm path (in/out features multiples of 128): torch's native
+    block-scaled GEMM, else the Triton kernel on CUDA, else the emulation; ``block_kernel``
+    forces one (refused on CUDA when it cannot run)."""
+    want = config.block_kernel
+    if config.activation_block != (1, 128) or config.weight_block != (128, 128):
+        return GemmPlan("emulated", f"{reason}, but block-scaled GEMM kernels take 1x128 tiles and "
+                                    f"128x128 blocks, not {config.activation_block} / "
+                                    f"{config.weight_block}: blockwise runs emulated",
+                        compile_casts=compile_casts)
+    layout = _block_layout(str(dev)) if want != "triton" else None
+    if layout is not None:
+        return GemmPlan(path, f"{reason}; 1x128/128x128 blocks in torch's block-scaled scaled_mm "
+                              "(one GEMM)", block_layout=layout, block_kernel="native",
+                        compile_casts=compile_casts)
+    why_not = "block_kernel='triton' requested" if want == "triton" else \
+        f"torch {torch.__version__} has no native block-scaled scaled_mm on {dev.type}"
+    if want != "native":
+        if dev.type != "cuda":
+            triton_no = "the Triton kernel runs on CUDA only"
+        elif config.format != "e4m3":
+            triton_no = f"the Triton kernel takes E4M3 operands, not format '{config.format}'"
+        elif not _triton_gemm_available():
+            triton_no = "Triton is not importable"
+        else:
+            return GemmPlan(path, f"{reason}; {why_not}: 1x128/128x128 blocks in mixprec's "
+                                  "Triton kernel (one GEMM)", block_kernel="triton",
+                            compile_casts=compile_casts)
+        why_not = f"{why_not} and {triton_no}"
+    if want != "auto" and dev.type == "cuda":
+        raise ConfigError(f"{owner} '{fqn or '<unnamed>'}': block_kernel='{want}' cannot run here "
+                          f"({why_not}); use block_kernel='auto'")
+    return GemmPlan("emulated", f"{why_not}: blockwise runs emulated (dequantize, one FP32 GEMM)",
+                    compile_casts=compile_casts)
 
 
 def log_plan(plan: GemmPlan, owner: str, fqn: str, in_features: int, out_features: int,
