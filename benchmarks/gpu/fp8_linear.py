@@ -4,7 +4,10 @@
     python benchmarks/gpu/fp8_linear.py --cpu-smoke  # seconds: checks the script on a CPU
 
 1. Correctness first: on one shape, every recipe's ``cuda-scaled-mm`` result (output and both
-   gradients) is compared with the emulated result (SQNR, dB) and with the FP32 reference.
+   gradients) is compared with the emulated result (SQNR, dB; max relative error) and with the
+   FP32 reference. Blockwise says which one-GEMM kernel ran (torch's native block-scaled
+   ``scaled_mm`` or mixprec's Triton kernel); where both can run, ``blockwise-triton`` (the
+   Triton kernel forced, ``Fp8Config(block_kernel="triton")``) is checked and timed next to it.
 2. Linear forward+backward throughput (3 GEMMs: 6*M*K*N FLOPs per iteration) of BF16 ``nn.Linear``
    vs ``Fp8Linear`` (tensorwise, rowwise, blockwise; eager, its casts compiled on CUDA), and,
    when torchao is importable, torchao's ``Float8Linear`` (tensorwise, rowwise; eager and
@@ -33,11 +36,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mixprec.formats import Fp8Config, Fp8Linear, prepare_fp8, sqnr_db  # noqa: E402
+from mixprec.errors import ConfigError  # noqa: E402
+from mixprec.formats import Fp8Config, Fp8Linear, plan_gemms, prepare_fp8, sqnr_db  # noqa: E402
 from mixprec.precision import autocast, get_policy  # noqa: E402
 from mixprec.policy.hardware import cuda_supports_fp8  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
+BLOCK_KINDS: list[str] = []
+"""``["blockwise-triton"]`` when the Triton kernel runs here next to a native blockwise (set in main)."""
 SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384)]
 LLM = [(16384, 4096, 14336), (16384, 14336, 4096), (16384, 8192, 28672), (16384, 4096, 6144)]
 T0 = time.perf_counter()
@@ -87,6 +93,36 @@ def torchao_kinds(enabled: bool) -> list[str]:
     return [f"torchao-{r}{c}" for r in TORCHAO_RECIPES for c in ("", "-compiled")]
 
 
+def block_kinds() -> list[str]:
+    """``["blockwise-triton"]`` where blockwise's own plan is torch's native block-scaled GEMM and
+    the Triton kernel can run too (both are then measured); says what blockwise runs otherwise."""
+    if DEVICE != "cuda":
+        return []
+    auto = plan_gemms(Fp8Config.from_recipe("blockwise"), DEVICE, 4096, 4096)
+    try:
+        plan_gemms(Fp8Config.from_recipe("blockwise", block_kernel="triton"), DEVICE, 4096, 4096)
+    except ConfigError as e:
+        print(f"blockwise-triton: not run: {e}", flush=True)
+        return []
+    if auto.block_kernel != "native":
+        print(f"blockwise-triton: not a separate row: blockwise itself runs {auto.path} "
+              f"({auto.reason})", flush=True)
+        return []
+    return ["blockwise-triton"]
+
+
+def _config(kind: str, backend: str) -> Fp8Config:
+    if kind == "blockwise-triton":
+        return Fp8Config.from_recipe("blockwise", backend=backend, block_kernel="triton")
+    return Fp8Config.from_recipe(kind, backend=backend)
+
+
+def path_of(layer: Fp8Linear) -> str:
+    """The layer's path, with the block kernel where one was planned (``cuda-scaled-mm/triton``)."""
+    plan = layer.gemm_plan
+    return plan.path + (f"/{plan.block_kernel}" if plan.block_kernel else "")
+
+
 def make_layer(kind: str, K: int, N: int) -> nn.Module:
     lin = nn.Linear(K, N, bias=False, device=DEVICE, dtype=torch.float32)
     if kind == "bf16":
@@ -102,7 +138,7 @@ def make_layer(kind: str, K: int, N: int) -> nn.Module:
         model = convert_to_float8_training(nn.Sequential(lin), config=config)
         layer = model[0]
         return torch.compile(layer) if kind.endswith("-compiled") else layer
-    return Fp8Linear.from_linear(lin, Fp8Config.from_recipe(kind, backend=BACKEND))
+    return Fp8Linear.from_linear(lin, _config(kind, BACKEND))
 
 
 def linear_step(layer: nn.Module, x: torch.Tensor, g: torch.Tensor):
@@ -134,17 +170,20 @@ def check_correctness(report: dict) -> None:
         return [y.detach().float(), xx.grad.float(), lin.weight.grad.float().clone()]
 
     ref = run(lin)
-    for recipe in RECIPES:
-        emu_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe, backend="emulated"))
-        real_layer = Fp8Linear.from_linear(lin, Fp8Config.from_recipe(recipe, backend=BACKEND))
+    for kind in (*RECIPES, *BLOCK_KINDS):
+        emu_layer = Fp8Linear.from_linear(lin, _config(kind, "emulated"))
+        real_layer = Fp8Linear.from_linear(lin, _config(kind, BACKEND))
         emu, real = run(emu_layer), run(real_layer)
-        row = {"recipe": recipe, "path": real_layer.execution_path,
-               "reason": real_layer.execution_reason,
+        row = {"recipe": kind, "path": path_of(real_layer), "reason": real_layer.execution_reason,
                "vs_emulated_db": [round(sqnr_db(e, r), 1) for e, r in zip(emu, real)],
+               "vs_emulated_max_rel": [float((r - e).abs().max() / e.abs().max())
+                                       for e, r in zip(emu, real)],
                "vs_fp32_db": [round(sqnr_db(f, r), 1) for f, r in zip(ref, real)]}
         rows.append(row)
-        print(f"correctness {recipe:>10}: path {row['path']} ({row['reason']}), SQNR (out, dx, dW) "
-              f"vs emulated {row['vs_emulated_db']} dB, vs FP32 {row['vs_fp32_db']} dB", flush=True)
+        rel = ", ".join(f"{v:.1e}" for v in row["vs_emulated_max_rel"])
+        print(f"correctness {kind:>16}: path {row['path']} ({row['reason']}), SQNR (out, dx, dW) "
+              f"vs emulated {row['vs_emulated_db']} dB (max rel err {rel}), vs FP32 "
+              f"{row['vs_fp32_db']} dB", flush=True)
     report["correctness"] = rows
 
 
@@ -167,7 +206,7 @@ def bench_linears(report: dict, args: argparse.Namespace) -> None:
             x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
             g = torch.randn(M, N, device=DEVICE, dtype=torch.bfloat16)
             flops = 6 * M * K * N
-            kinds = ["bf16", *RECIPES, *torchao_kinds(not args.no_torchao)]
+            kinds = ["bf16", *RECIPES, *BLOCK_KINDS, *torchao_kinds(not args.no_torchao)]
             layers = {k: make_layer(k, K, N) for k in kinds}
             times: dict[str, list[float]] = {k: [] for k in kinds}
             for _ in range(args.repeats):  # alternate contenders
@@ -181,7 +220,7 @@ def bench_linears(report: dict, args: argparse.Namespace) -> None:
                 row[k] = {"median_ms": med * 1e3, "min_ms": min(times[k]) * 1e3,
                           "max_ms": max(times[k]) * 1e3, "tflops": flops / med / 1e12,
                           "speedup_vs_bf16": base / med}
-            paths = {k: layers[k].execution_path for k in RECIPES}
+            paths = {k: path_of(layers[k]) for k in (*RECIPES, *BLOCK_KINDS)}
             row["paths"] = paths
             rows.append(row)
             print(f"{group:>6} M={M:>5} K={K:>5} N={N:>5}: " + "  ".join(
@@ -267,7 +306,7 @@ def main() -> None:
                    help="tiny shapes on the CPU through the scaled-mm code path: checks this script "
                         "runs end to end before spending GPU time (its timings mean nothing)")
     args = p.parse_args()
-    global DEVICE, BACKEND
+    global DEVICE, BACKEND, BLOCK_KINDS
     if args.cpu_smoke:
         DEVICE, BACKEND = "cpu", "scaled-mm"
         args.layers, args.d_model, args.seq, args.batch = 1, 128, 32, 2
@@ -284,6 +323,8 @@ def main() -> None:
     report["torchao"] = __import__("torchao").__version__ if kinds else None
     print(f"{report['device']}, torch {report['torch']}, CUDA {report['cuda']}, torchao "
           f"{report['torchao'] or 'not compared'}", flush=True)
+    BLOCK_KINDS = block_kinds()
+    report["block_kinds"] = BLOCK_KINDS
 
     def save():
         report["elapsed_s"] = elapsed()

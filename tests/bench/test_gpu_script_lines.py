@@ -30,3 +30,22 @@ def test_fp8_table_prints_gigaflops_below_one_teraflop():
     throughput = _script("fp8_linear").throughput
     assert throughput(0.0123) == "12.3 GF" and throughput(0.0004) == "0.4 GF"
     assert throughput(812.4) == "812 TF"
+
+
+def test_fp8_table_times_the_triton_block_kernel_next_to_a_native_one_only(monkeypatch, capsys):
+    """A ``blockwise-triton`` row where blockwise runs torch's native kernel and Triton can run
+    too; none where blockwise already is the Triton kernel (said once), or off CUDA."""
+    from mixprec.formats import fp8_path
+    fp8 = _script("fp8_linear")
+    assert fp8.block_kinds() == []                                        # the CPU smoke
+    monkeypatch.setattr(fp8, "DEVICE", "cuda")
+    monkeypatch.setattr(fp8_path.hardware, "cuda_supports_fp8", lambda: True)
+    monkeypatch.setattr(fp8_path, "_triton_gemm_available", lambda: True)
+    monkeypatch.setattr(fp8_path, "_block_layout", lambda device: 0)
+    assert fp8.block_kinds() == ["blockwise-triton"]
+    monkeypatch.setattr(fp8_path, "_block_layout", lambda device: None)
+    assert fp8.block_kinds() == []
+    assert "blockwise itself runs cuda-scaled-mm" in capsys.readouterr().out
+    monkeypatch.setattr(fp8_path, "_triton_gemm_available", lambda: False)
+    assert fp8.block_kinds() == []
+    assert "blockwise-triton: not run" in capsys.readouterr().out
