@@ -9,8 +9,8 @@ here compare them with :func:`~mixprec.formats.emulated_mm` (FP32, promotion int
 Tolerance, FP32 output: ``max |kernel - emulation| <= 1e-5 * max |emulation|`` (FP32 summation
 order only: the kernel sums each 128-block's FP8 products in one ``tl.dot`` and then scales, the
 emulation dequantizes and then sums; measured 3.1e-7 to 4.8e-7 on these shapes and the layer,
-interpreter, triton 3.5, 2-core x86 avx512_bf16, 2026-12-04). BF16 output: bit-identical to the kernel's FP32 result rounded to
-nearest even, as the GPU's ``cvt.rn.bf16.f32`` does.
+interpreter, triton 3.5, 2-core x86 avx512_bf16, 2026-12-04). BF16 output: bit-identical to the
+kernel's FP32 result rounded to nearest even, as the GPU's ``cvt.rn.bf16.f32`` does.
 
 Two shims make the interpreter (triton 3.5) run as the GPU would, applied in the subprocess only:
 its scalar arguments are 1-element arrays that numpy >= 2.3 refuses to ``int()`` (a ``for`` loop
