@@ -45,7 +45,10 @@ def test_scaled_mm_on_the_gpu_matches_the_emulation(recipe, k, n, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)   # the emulation in FP32
     _, emu = _run(lin, Fp8Config.from_recipe(recipe, backend="emulated"), x, g)
     m, smm = _run(lin, Fp8Config.from_recipe(recipe), x, g)
-    assert m.execution_path == "cuda-scaled-mm", m.execution_reason
+    # Block-scaled GEMMs take in/out features that are multiples of 128 (plan_gemms): 320 -> 192
+    # is emulated in blockwise, and says so.
+    ragged = recipe == "blockwise" and (k % 128 or n % 128)
+    assert m.execution_path == ("emulated" if ragged else "cuda-scaled-mm"), m.execution_reason
     for what, e, s in zip(("output", "grad_input", "grad_weight"), emu, smm):
         assert sqnr_db(e.float(), s.float()) >= 45.0, f"{recipe} {what}: {sqnr_db(e.float(), s.float()):.1f} dB"
 
