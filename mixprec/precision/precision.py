@@ -49,7 +49,7 @@ from torch.autograd.profiler import record_function
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
-from mixprec.optim.inputs import StepInputs
+from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.policy.overrides import check_patterns, normalize_overrides
@@ -750,11 +750,14 @@ class Precision:
         updates the loss scale.
 
         The skip: a mixprec master-weight optimizer gets the non-finite flag as a device tensor
-        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device; the loss scale moves
-        on the device too, and the host reads nothing: the counters, the scale and the return
-        value's truth are read when asked for (``bool(taken)``, :attr:`num_skipped_steps`,
-        :attr:`scale`, ...; one read for everything queued). Any other optimizer (or ``overlap``):
-        the host reads the flag first and steps or not.
+        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device, and so does torch's
+        ``fused=True`` Adam/AdamW/SGD/Adagrad (the flag as its ``found_inf`` attribute, as
+        torch's ``GradScaler.step`` hands it; from its second step on: a skipped first step must
+        create no state); the loss scale moves on the device too, and the host reads nothing:
+        the counters, the scale and the return value's truth are read when asked for
+        (``bool(taken)``, :attr:`num_skipped_steps`, :attr:`scale`, ...; one read for everything
+        queued). Any other optimizer (or ``overlap``): the host reads the flag first and steps or
+        not.
 
         ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
         issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
@@ -766,10 +769,15 @@ class Precision:
             with record_function("mixprec.clip_grad_norm"):
                 self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
                                                       clip_grad_norm or math.inf)
-        found = self.scaler.found_inf(optimizer) if overlap is None and isinstance(optimizer, MasterWeights) else None
+        masters = isinstance(optimizer, MasterWeights)
+        found = (self.scaler.found_inf(optimizer)
+                 if overlap is None and (masters or skips_on_device(optimizer)) else None)
         if found is not None:
             with record_function("mixprec.optimizer_step"):  # skipped on the device when found > 0
-                optimizer.step(inputs=StepInputs(found_inf=found))
+                if masters:
+                    optimizer.step(inputs=StepInputs(found_inf=found))
+                else:                                      # torch's fused=True: as torch hands it
+                    step_skipping_on_device(optimizer, found)
             self.scaler.stepped_on_device(optimizer)       # no host read: the flag stays queued
             self.scaler.update()                           # the scale moves on the device
             taken = StepTaken(found, resolve=self.scaler.resolve)   # read only if the caller asks
