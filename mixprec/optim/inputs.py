@@ -37,8 +37,10 @@ def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     AdamW, SGD, Adagrad (torch's ``_step_supports_amp_scaling``). torch's ``GradScaler.step``
     hands them the flag as the attribute ``found_inf`` and never reads it: their fused kernel
     leaves parameters and state untouched where it is 1, and their step counters are stepped
-    back by it."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    back by it. Every group must still say ``fused``: ``load_state_dict`` puts back the saved
+    groups' ``fused`` (a checkpoint of a foreach run), and torch's non-fused step refuses the flag."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+        all(g.get("fused") for g in optimizer.param_groups)
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

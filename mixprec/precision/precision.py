@@ -681,7 +681,15 @@ class Precision:
         into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
         ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
         masters (torch's AdamW, FP32 moments only). ``model``: masters exactly for the table's set
-        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``)."""
+        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``).
+
+        Where no parameter has a separate master (``32-true``, ``bf16-mixed``, ``16-mixed``) and
+        the parameters are on CUDA, the inner torch AdamW is ``fused=True`` (unless ``fused`` or
+        ``foreach`` is given): torch's fast path, and it skips a non-finite step on the device
+        (:meth:`step`). Not on a CPU: there torch's fused kernel rounds differently from the
+        foreach one (1 ulp), and a step on the CPU stays the bits it was (a hand loop with torch's
+        default AdamW equals ``fit()``). The state dicts of the two are alike: a checkpoint
+        resumes across them (docs/performance.md)."""
         from mixprec.optim.moments import MOMENTS
         if moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
@@ -700,6 +708,10 @@ class Precision:
                                  "parameters" if moments != "bf16" else ""))
             return sharded_adamw(param_groups, moments=moments, **adamw_options)
         masters = self.master_params(model) if model is not None else None
+        if _fuses(param_groups, masters, moments, self.keeps_masters, adamw_options):
+            adamw_options = {**adamw_options, "fused": True}
+            self.notes.append("AdamW: torch's fused kernel (fused=True, CUDA), which skips a non-finite "
+                              "step on the device: no host read per step")
         opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
                     **adamw_options)
         if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
@@ -821,6 +833,17 @@ class Precision:
                                   f"this run uses {self.name}; use the same precision to resume")
         self.scaler.load_state_dict(state["scaler"])
 
+
+
+def _fuses(param_groups: list[dict[str, Any]], masters: list[torch.Tensor] | None, moments: str,
+           keeps_masters: bool, options: dict[str, Any]) -> bool:
+    """Whether :meth:`Precision.make_optimizer` makes its torch AdamW ``fused=True``: FP32
+    moments, no separate master (by the table's set, or by the mode without one), every
+    parameter on CUDA, and neither ``fused`` nor ``foreach`` chosen by the caller."""
+    if moments != "fp32" or keeps_masters or masters or "fused" in options or "foreach" in options:
+        return False
+    params = [p for g in param_groups for p in g["params"]]
+    return bool(params) and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
 
 
 def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,

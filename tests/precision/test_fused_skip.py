@@ -4,6 +4,7 @@
 fused (fit()'s default on CUDA). The result is the host-decided path's, bit for bit."""
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -120,3 +121,58 @@ def test_the_flag_handed_to_the_fused_kernel_is_deleted_after_the_step(monkeypat
 def test_a_non_fused_torch_optimizer_is_still_decided_on_the_host():
     opt = torch.optim.AdamW(_model().parameters(), lr=1e-3, foreach=True)
     assert not skips_on_device(opt)
+
+
+def _fused_or_not(fused: bool, model: nn.Module) -> AdamW:
+    return AdamW(model.parameters(), lr=1e-2, **({"fused": True} if fused else {}))
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, seeds: range) -> None:
+    for i in seeds:
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, generator=g)
+        nn.functional.mse_loss(model(x).squeeze(-1), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("saved_fused", [False, True], ids=["foreach-to-fused", "fused-to-foreach"])
+def test_a_checkpoint_resumes_across_fused_and_foreach_adamw(saved_fused):
+    # fit()'s AdamW is fused on CUDA and foreach on a CPU: the same state_dict layout, so a run
+    # saved on one resumes on the other, continuing as if the optimizer had switched in place.
+    saved_model = _model()
+    saved = _fused_or_not(saved_fused, saved_model)
+    _steps(saved_model, saved, range(3))
+    buf = io.BytesIO()
+    torch.save({"model": saved_model.state_dict(), "opt": saved.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    # the layouts: the same keys, shapes and dtypes per parameter
+    ref_model = _model()
+    ref = _fused_or_not(not saved_fused, ref_model)
+    _steps(ref_model, ref, range(3))
+    a, b = ckpt["opt"]["state"], ref.state_dict()["state"]
+    assert a.keys() == b.keys() and ckpt["opt"].keys() == ref.state_dict().keys()
+    for k in a:
+        assert {n: (t.shape, t.dtype) for n, t in a[k].items()} == {n: (t.shape, t.dtype) for n, t in b[k].items()}
+    # resumed: a fresh optimizer of the other kind loads the checkpoint and steps on
+    resumed_model = _model()
+    resumed_model.load_state_dict(ckpt["model"])
+    resumed = _fused_or_not(not saved_fused, resumed_model)
+    resumed.load_state_dict(ckpt["opt"])
+    # torch's load_state_dict puts back the saved groups' kernel choice (fit() puts its own back):
+    # until then, no found_inf is handed to a step that would refuse it
+    assert inputs_mod.takes_found_inf(resumed.inner) is False
+    for group in resumed.param_groups:
+        group["fused"], group["foreach"] = (None if saved_fused else True), None
+    assert inputs_mod.takes_found_inf(resumed.inner) is not saved_fused
+    _steps(resumed_model, resumed, range(3, 6))
+    # uninterrupted: the saving optimizer switched to the other kernel in place
+    for group in saved.param_groups:
+        group["fused"] = not saved_fused
+        group["foreach"] = None
+    _steps(saved_model, saved, range(3, 6))
+    for pa, pb in zip(resumed_model.parameters(), saved_model.parameters()):
+        assert torch.equal(pa.view(torch.int32), pb.view(torch.int32))
+    assert _state_bits(resumed) == _state_bits(saved)
+    assert {float(st["step"]) for st in resumed.state_dict()["state"].values()} == {6.0}
