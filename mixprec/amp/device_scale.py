@@ -36,7 +36,7 @@ from torch import Tensor
 
 from mixprec.amp.loss_scale import LossScaleConfig, _f32_bounds
 
-__all__ = ["fused_exact", "fused_transition", "transition"]
+__all__ = ["fused_exact", "initial_tracker", "fused_transition", "transition"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
