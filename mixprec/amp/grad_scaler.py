@@ -22,10 +22,13 @@ Where this differs from torch's, on purpose:
   ``fit()`` uses) turns them on: ``[1, 2**24]`` and ``"raise"`` unless told otherwise.
 * **Host syncs.** ``step(optimizer)`` of any optimizer reads its ``found_inf`` flag to decide
   whether to call ``optimizer.step()`` (as torch's does). An optimizer that skips on the device
-  (a mixprec master-weight optimizer, ``StepInputs(found_inf=...)``) is marked with
+  (a mixprec master-weight optimizer, ``StepInputs(found_inf=...)``; a torch ``fused=True``
+  optimizer handed the flag as its ``found_inf`` attribute, mixprec.optim.inputs) is marked with
   :meth:`stepped_on_device` instead: nothing is read. ``update()`` then moves the scale **on the
-  device** (a few elementwise ops on a 3-element state, the rules of :func:`loss_scale.transition`
-  in float64, rounded to float32 as the host does) and queues the iteration's flags; the host
+  device** (:mod:`mixprec.amp.device_scale`: torch's one-kernel ``_amp_update_scale_`` and a clamp
+  where that is the host's rule exactly, i.e. without hysteresis; else the rules of
+  :func:`loss_scale.transition` as elementwise ops in float64, rounded to float32 as the host
+  does) and queues the iteration's flags; the host
   state (``get_scale()``, ``num_skipped_steps``, ``num_overflows``, ``last_step_skipped``,
   ``loss_scaler.state``, ``state_dict()``) is brought up to date lazily, when one of them is
   asked for, by one read of all queued flags and a replay of the pure transition: the same values,
@@ -47,7 +50,9 @@ Where this differs from torch's, on purpose:
   per (device, dtype) group; where that kernel rejects a dtype (BF16 on some CUDA builds) a foreach
   fallback (``_foreach_mul_`` + ``_foreach_norm(inf)``) does the same without a host sync.
   Optimizers that can unscale inside their own fused kernel (torch's ``fused=True`` Adam/SGD) get
-  already-unscaled grads and a plain ``step()``: one code path for every optimizer.
+  already-unscaled grads (``grad_scale`` is not handed over: the check is one fused pass that
+  unscales anyway, and clipping needs unscaled grads); ``step()`` skips them on the host, as every
+  optimizer, while ``mixprec.Precision.step`` hands them the flag (their skip on the device).
 * Under ``torch.distributed`` (initialised, world > 1) ``unscale_`` all-reduces ``found_inf`` with
   MAX over ``process_group`` so every rank skips together and the scales never diverge.
 * Each optimizer takes its own skip decision (as in torch); ``update()`` backs off if any of them
@@ -70,6 +75,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from mixprec.amp import device_scale
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
 from mixprec.amp.unscale import check_and_unscale, deferred_grads, optimizer_grads
 from mixprec.errors import CheckpointError, ConfigError, NumericsError
@@ -219,8 +225,9 @@ class GradScaler:
         # flags are 0-dim device tensors not read yet; the device state [scale, clean, hyst]
         # (float64) is ahead of the host state by exactly these iterations.
         self._pending: list[list[tuple[Tensor | bool, bool, bool]]] = []
-        self._dev_state: Tensor | None = None
-        self._dev_scale: Tensor | None = None      # float32 scale and 1/scale, from _dev_state
+        self._dev_state: Tensor | None = None      # the general way (amp.device_scale)
+        self._dev_tracker: Tensor | None = None    # the fused way: torch's int32 growth tracker
+        self._dev_scale: Tensor | None = None      # float32 scale and 1/scale, moved on the device
         self._dev_inv: Tensor | None = None
         self._waiting: list[tuple[Tensor, Any]] = []   # (flag, StepTaken) told at the next read
         self._host_copies: dict[int, _HostCopy] = {}    # id(flag) -> its copy on the host
@@ -430,7 +437,8 @@ class GradScaler:
         else:   # split masters: check the BF16 grads as they are, scale inside the step
             st.no_grads = not deferred.entries
             found = check_and_unscale(deferred.low, lambda dev: None, self._device)
-            found = found + check_and_unscale(deferred.own, lambda dev: None, self._device).to(found.device)
+            found = torch.maximum(found, check_and_unscale(deferred.own, lambda dev: None,
+                                                           self._device).to(found.device))
             deferred.scale_(inv_for)
         pg = self._process_group
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
@@ -554,7 +562,7 @@ class GradScaler:
     def _drop_device_state(self) -> None:
         """The host state moved (or was set): the device copy is rebuilt from it when needed."""
         assert not self._pending
-        self._dev_state = self._dev_scale = self._dev_inv = None
+        self._dev_state = self._dev_tracker = self._dev_scale = self._dev_inv = None
 
     def _device_state(self, device: torch.device) -> Tensor:
         if self._dev_state is None:
@@ -586,11 +594,22 @@ class GradScaler:
             return
         if self._scaling and flags:
             dev = flags[0].device
-            state = self._device_state(dev)
             found = flags[0] if len(flags) == 1 else torch.stack([f.to(dev) for f in flags]).amax()
-            overflow = (found > 0) | known_bad
-            self._dev_state, self._dev_scale, self._dev_inv = _device_transition(
-                state, overflow, self._loss_scaler.config)
+            cfg = self._loss_scaler.config
+            if device_scale.fused_exact(cfg):       # torch's one-kernel update + one clamp
+                if self._dev_tracker is None:
+                    self._dev_tracker = device_scale.initial_tracker(
+                        self._loss_scaler.state.clean_steps, cfg, dev)
+                if known_bad:
+                    found = torch.ones_like(found)
+                scale = self._tensors_for(dev)[0]
+                self._dev_scale, self._dev_inv = device_scale.fused_transition(
+                    scale, self._dev_tracker, found, cfg)
+            else:                                   # hysteresis: the general transition
+                state = self._device_state(dev)
+                overflow = (found > 0) | known_bad
+                self._dev_state, self._dev_scale, self._dev_inv = device_scale.transition(
+                    state, overflow, cfg)
         elif self._scaling and known_bad:    # only host-known flags: cannot happen via update()
             self.resolve()
             self._drop_device_state()
@@ -618,6 +637,8 @@ class GradScaler:
     def _reconfigure(self, **changes: Any) -> None:
         self.resolve()         # queued iterations were taken under the old settings
         self._loss_scaler.config = dataclasses.replace(self._loss_scaler.config, **changes)
+        if self._scaling:      # rebuilt from the host state under the new settings (and way)
+            self._drop_device_state()
 
     def get_growth_factor(self) -> float:
         return self._loss_scaler.config.scale_factor
@@ -690,26 +711,3 @@ class GradScaler:
         return (f"GradScaler({mode}, check_finite={self._check_finite}, "
                 f"skipped={self._num_skipped_steps}, overflows={self._num_overflows})")
 
-
-def _device_transition(state: Tensor, overflow: Tensor, cfg: LossScaleConfig
-                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`mixprec.amp.loss_scale.transition` on the device, for ``state`` = float64
-    ``[scale, clean_steps, hysteresis_left]`` and a 0-dim bool ``overflow``: the same numbers
-    (products in float64 rounded to float32, clamped to the float32 bounds, as on the host).
-    Returns the new state and the float32 scale and 1/scale for the next iteration."""
-    from mixprec.amp.loss_scale import _f32_bounds
-    lo, hi = _f32_bounds(cfg)
-    scale, clean, hyst = state[0], state[1], state[2]
-    left = hyst - 1
-    backoff = overflow & (left <= 0)
-    at_floor = scale <= lo
-    down = torch.where(at_floor, scale, (scale * cfg.backoff_factor).float().clamp(lo, hi).double())
-    clean1 = torch.where(overflow, torch.zeros_like(clean), clean + 1)
-    grow = ~overflow & (clean1 >= cfg.scale_window)
-    up = (scale * cfg.scale_factor).float().clamp(lo, hi).double()
-    new_scale = torch.where(backoff, down, torch.where(grow, up, scale))
-    new_clean = torch.where(grow, torch.zeros_like(clean1), clean1)
-    new_hyst = torch.where(overflow, left.clamp(min=0),
-                           torch.where(grow, torch.full_like(hyst, float(cfg.hysteresis)), hyst))
-    new_state = torch.stack([new_scale, new_clean, new_hyst])
-    return new_state, new_scale.float(), (1.0 / new_scale).float()

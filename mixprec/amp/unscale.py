@@ -107,7 +107,8 @@ def _unscale_group(grads: list[Tensor], inv_scale: Tensor | None, found_inf: Ten
 
 def check_and_unscale(grads: list[Tensor], inv_scale_for: Callable[[torch.device], Tensor | None],
                       home: torch.device | None) -> Tensor:
-    """Unscale every group; return one 0-dim float32 flag on ``home`` (or the first grad's device)."""
+    """Unscale every group; return one 0-dim float32 flag (0 or 1) on ``home`` (or the first
+    grad's device)."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=home or "cpu")
     groups = torch._C._group_tensors_by_device_and_dtype([grads], False)
@@ -123,5 +124,7 @@ def check_and_unscale(grads: list[Tensor], inv_scale_for: Callable[[torch.device
     for flag in flags.values():
         # non_blocking only towards an accelerator: a host flag must be complete before .item()
         flag = flag.to(home, non_blocking=home.type != "cpu")
-        found = flag if found is None else found + flag
+        # max, not a sum: the flag stays 0 or 1, what torch's fused optimizers take as found_inf
+        # (they skip at exactly 1 and subtract it from their step counters).
+        found = flag if found is None else torch.maximum(found, flag)
     return found

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from mixprec.optim import registry, sharded as _sharded, split as _split
+from mixprec.optim import inputs as _inputs, registry, sharded as _sharded, split as _split
 from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
 from mixprec.optim.inputs import StepInputs
 from mixprec.optim.master_state import MasterState
@@ -344,7 +344,9 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         step (mixprec.optim.flat) issues its whole update and keeps the old values, bit for bit,
         without a host sync (after its first step: a skipped first step must create no state, so
         the flag is read on the host once); the per-master step (a step in parts and the other
-        cases listed in flat's docstring) reads the flag on the host first.
+        cases listed in flat's docstring) reads the flag on the host first, except where a
+        torch ``fused=True`` inner optimizer steps params that are their own master (32-true,
+        ``*-mixed``): it gets the flag and skips on the device (mixprec.optim.inputs).
 
         ``parts``: disjoint lists of *model* params; the step is then issued part by part (the
         inner optimizer over only that part's masters, then that part's copy-back), each inside
@@ -368,7 +370,10 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 self._end_step()
             return loss
         self._leave_flat()
-        if found is not None and bool(found.item() > 0):    # the per-master step: a host read
+        # torch's fused inner optimizer (fused=True) skips on the device itself, given the flag
+        # (mixprec.optim.inputs); else the per-master step reads the flag on the host first.
+        on_device = found is not None and parts is None and not self._lo and _inputs.skips_on_device(self._inner)
+        if found is not None and not on_device and bool(found.item() > 0):   # a host read
             self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
             self._end_step()
             return loss
@@ -376,7 +381,10 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             if self._lo:
                 self._step_split(parts, around)
             elif parts is None:
-                self._inner.step()
+                if on_device:     # skipped: masters unchanged, so the copy-back rewrites the same bits
+                    _inputs.step_skipping_on_device(self._inner, found)
+                else:
+                    self._inner.step()
                 if params:
                     with torch.no_grad(), record_function("mixprec.master_copy_back"):
                         torch._foreach_copy_(params, masters)  # round-to-nearest into the model dtype
@@ -422,6 +430,11 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         copies widened by ``master_grads()``; prepares the chunks (made or made again, state
         adopted, ties packed) when it does."""
         if not self._flat_capable or self._wide:
+            return False
+        if not self._masters and _inputs.takes_found_inf(self._inner):
+            # Only params that are their own master, and torch's fused kernel (fused=True) steps
+            # them in one launch per (device, dtype) and skips on the device itself: flat chunks
+            # would only add copies.
             return False
         if not self._masters and any(p.device.type != "cpu" for p in self._all_model_params):
             # Only FP32 params that are their own master (32-true, *-mixed): on an accelerator

@@ -49,7 +49,7 @@ from torch.autograd.profiler import record_function
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
-from mixprec.optim.inputs import StepInputs
+from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.policy.overrides import check_patterns, normalize_overrides
@@ -681,7 +681,15 @@ class Precision:
         into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
         ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
         masters (torch's AdamW, FP32 moments only). ``model``: masters exactly for the table's set
-        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``)."""
+        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``).
+
+        Where no parameter has a separate master (``32-true``, ``bf16-mixed``, ``16-mixed``) and
+        the parameters are on CUDA, the inner torch AdamW is ``fused=True`` (unless ``fused`` or
+        ``foreach`` is given): torch's fast path, and it skips a non-finite step on the device
+        (:meth:`step`). Not on a CPU: there torch's fused kernel rounds differently from the
+        foreach one (1 ulp), and a step on the CPU stays the bits it was (a hand loop with torch's
+        default AdamW equals ``fit()``). The state dicts of the two are alike: a checkpoint
+        resumes across them (docs/performance.md)."""
         from mixprec.optim.moments import MOMENTS
         if moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
@@ -700,6 +708,10 @@ class Precision:
                                  "parameters" if moments != "bf16" else ""))
             return sharded_adamw(param_groups, moments=moments, **adamw_options)
         masters = self.master_params(model) if model is not None else None
+        if _fuses(param_groups, masters, moments, self.keeps_masters, adamw_options):
+            adamw_options = {**adamw_options, "fused": True}
+            self.notes.append("AdamW: torch's fused kernel (fused=True, CUDA), which skips a non-finite "
+                              "step on the device: no host read per step")
         opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
                     **adamw_options)
         if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
@@ -750,11 +762,14 @@ class Precision:
         updates the loss scale.
 
         The skip: a mixprec master-weight optimizer gets the non-finite flag as a device tensor
-        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device; the loss scale moves
-        on the device too, and the host reads nothing: the counters, the scale and the return
-        value's truth are read when asked for (``bool(taken)``, :attr:`num_skipped_steps`,
-        :attr:`scale`, ...; one read for everything queued). Any other optimizer (or ``overlap``):
-        the host reads the flag first and steps or not.
+        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device, and so does torch's
+        ``fused=True`` Adam/AdamW/SGD/Adagrad (the flag as its ``found_inf`` attribute, as
+        torch's ``GradScaler.step`` hands it; from its second step on: a skipped first step must
+        create no state); the loss scale moves on the device too, and the host reads nothing:
+        the counters, the scale and the return value's truth are read when asked for
+        (``bool(taken)``, :attr:`num_skipped_steps`, :attr:`scale`, ...; one read for everything
+        queued). Any other optimizer (or ``overlap``): the host reads the flag first and steps or
+        not.
 
         ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
         issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
@@ -766,10 +781,15 @@ class Precision:
             with record_function("mixprec.clip_grad_norm"):
                 self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
                                                       clip_grad_norm or math.inf)
-        found = self.scaler.found_inf(optimizer) if overlap is None and isinstance(optimizer, MasterWeights) else None
+        masters = isinstance(optimizer, MasterWeights)
+        found = (self.scaler.found_inf(optimizer)
+                 if overlap is None and (masters or skips_on_device(optimizer)) else None)
         if found is not None:
             with record_function("mixprec.optimizer_step"):  # skipped on the device when found > 0
-                optimizer.step(inputs=StepInputs(found_inf=found))
+                if masters:
+                    optimizer.step(inputs=StepInputs(found_inf=found))
+                else:                                      # torch's fused=True: as torch hands it
+                    step_skipping_on_device(optimizer, found)
             self.scaler.stepped_on_device(optimizer)       # no host read: the flag stays queued
             self.scaler.update()                           # the scale moves on the device
             taken = StepTaken(found, resolve=self.scaler.resolve)   # read only if the caller asks
@@ -813,6 +833,17 @@ class Precision:
                                   f"this run uses {self.name}; use the same precision to resume")
         self.scaler.load_state_dict(state["scaler"])
 
+
+
+def _fuses(param_groups: list[dict[str, Any]], masters: list[torch.Tensor] | None, moments: str,
+           keeps_masters: bool, options: dict[str, Any]) -> bool:
+    """Whether :meth:`Precision.make_optimizer` makes its torch AdamW ``fused=True``: FP32
+    moments, no separate master (by the table's set, or by the mode without one), every
+    parameter on CUDA, and neither ``fused`` nor ``foreach`` chosen by the caller."""
+    if moments != "fp32" or keeps_masters or masters or "fused" in options or "foreach" in options:
+        return False
+    params = [p for g in param_groups for p in g["params"]]
+    return bool(params) and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
 
 
 def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,

@@ -206,8 +206,9 @@ class Trainer:
                                                       split_masters=cfg.split_masters,
                                                       moments=cfg.moments,
                                                       model=strategy.unwrap(self.model))
-            # What a restore must not take from the checkpoint: this run's settings win.
-            self._group_settings = [{k: g[k] for k in ("weight_decay", "betas") if k in g}
+            # What a restore must not take from the checkpoint: this run's settings win (also
+            # the kernel: a CPU run's checkpoint resumed on CUDA steps fused, and back).
+            self._group_settings = [{k: g[k] for k in ("weight_decay", "betas", "fused", "foreach") if k in g}
                                     for g in self.optimizer.param_groups]
         if self._user_optimizer is not None:
             kind = type(self._user_optimizer).__name__

@@ -211,11 +211,13 @@ def test_the_step_holds_no_scratch_memory_between_steps(layout):
     assert held and all(t.untyped_storage().nbytes() == 0 for t in held)
 
 
-def _precision_step(mode: str, blocks: int, clip: float | None) -> tuple[OpCounter, torch.optim.Optimizer]:
+def _precision_step(mode: str, blocks: int, clip: float | None,
+                    make=lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)
+                    ) -> tuple[OpCounter, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Transformer(num_layers=blocks, d_model=32, num_heads=2, vocab_size=64, max_seq_len=16)
     precision = mp.Precision(mode, device="cpu")
-    model, opt = precision.setup(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True))
+    model, opt = precision.setup(model, make)
     for i in range(3):
         with precision.autocast():
             g = torch.Generator().manual_seed(i)
@@ -241,6 +243,33 @@ def test_precision_step_of_bf16_true_has_a_fixed_cost_and_reads_nothing_on_the_h
         syncs = _syncs(counter, opt)
         # The skip is decided on the device and the flag stays there (read lazily, when asked).
         assert syncs == {}, syncs
+
+
+FUSED = {
+    "torch-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    # fit()'s AdamW on CUDA for modes without separate masters (Precision.make_optimizer)
+    "mixprec-over-fused": lambda ps: AdamW(ps, lr=1e-3, fused=True),
+}
+# Precision.step's ops, counted at the third step (docs/performance.md, "The step's cost model"):
+# torch's fused AdamW is one kernel (+ the step counters' add and, for the skip, sub); the loss
+# scale of 16-mixed moves by torch's _amp_update_scale_ + clamp + reciprocal (+ a clone).
+FUSED_OPS = {("16-mixed", None): 16, ("16-mixed", 1.0): 26, ("bf16-mixed", None): 22, ("bf16-mixed", 1.0): 32}
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("mode", ["16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("kind", list(FUSED))
+def test_precision_step_of_a_fused_adamw_has_a_fixed_cost_and_reads_nothing_on_the_host(kind, mode, clip):
+    small, opt_small = _precision_step(mode, 2, clip, FUSED[kind])
+    large, opt_large = _precision_step(mode, 8, clip, FUSED[kind])
+    assert large.total == small.total, (small.total, large.total, large.ops - small.ops)
+    for counter, opt in ((small, opt_small), (large, opt_large)):
+        assert _syncs(counter, opt) == {}           # the skip on the device: no flag read
+        assert counter.ops["_fused_adamw_"] == 1 and counter.ops["_foreach_sub_"] == 1
+    if kind == "torch-fused":
+        assert small.total <= FUSED_OPS[mode, clip], small.ops
+    if mode == "16-mixed":
+        assert small.ops["_amp_update_scale_"] == 1
 
 
 def test_precision_step_of_16_mixed_with_masters_reads_nothing_and_keeps_the_scale_exact():
