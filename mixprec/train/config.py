@@ -113,7 +113,7 @@ class FitConfig:
     replan_window: int = 3
     """Healthy samples before a promoted layer returns to its planned FP8 format."""
     guard: bool = False
-    """Guarded training (``mixprec.plan.guard``): a Linear traced as the origin of inf/NaN on
+    """Guarded training (``mixprec.monitor.guard``): a Linear traced as the origin of inf/NaN on
     consecutive skipped steps, or whose sampled output SQNR falls below ``guard_min_sqnr``, moves
     one format safer (FP8 -> BF16 -> FP32), undoing the steps since its last passing sample when a
     snapshot allows; a loss spike restores the last good snapshot (and promotes the layer that
@@ -179,8 +179,8 @@ class FitConfig:
         return {fit: getattr(self, name) for name, fit in _SCALER_OPTIONS.items()}
 
     def guard_config(self):
-        """The :class:`mixprec.plan.guard.GuardConfig` of the ``guard_*`` fields."""
-        from mixprec.plan.guard import GuardConfig
+        """The :class:`mixprec.monitor.guard.GuardConfig` of the ``guard_*`` fields."""
+        from mixprec.monitor.guard import GuardConfig
         return GuardConfig(every=self.guard_every, min_sqnr_db=self.guard_min_sqnr,
                            max_flush=self.guard_max_flush,
                            spike_sigma=self.guard_spike_sigma, window=self.guard_window)

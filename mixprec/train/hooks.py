@@ -120,7 +120,7 @@ class ProfilerHook(StepHook):
 
 
 class GuardHook(StepHook):
-    """Guarded training (:class:`mixprec.plan.guard.TrainingGuard`): promote a layer that made
+    """Guarded training (:class:`mixprec.monitor.guard.TrainingGuard`): promote a layer that made
     inf/NaN or lost precision, restore the in-memory snapshot on a loss spike, stop when no safer
     format is left. Last in the list: a restore replaces weights the other hooks just measured.
 
@@ -139,7 +139,7 @@ class GuardHook(StepHook):
         return contextlib.nullcontext()
 
     def after_step(self, trainer, step, out, origin):
-        from mixprec.plan.guard import StepOutcome
+        from mixprec.monitor.guard import StepOutcome
         event = trainer.step_event
         outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
                               event.module if event is not None else None)

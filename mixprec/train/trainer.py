@@ -32,7 +32,7 @@ from mixprec.nn.fp8_activations import store_activations_in_fp8
 from mixprec.optim.overlap import OverlappedUpdate
 from mixprec.optim.registry import find_optimizer_for
 from mixprec.optim.schedule import warmup_cosine_scheduler
-from mixprec.plan.replan import LayerReplanner
+from mixprec.monitor.replan import LayerReplanner
 from mixprec.precision import Policy, Precision
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
@@ -272,7 +272,7 @@ class Trainer:
         if self.replanner is not None:
             self.hooks.append(ReplanHook(self.replanner))
         if cfg.guard:
-            from mixprec.plan.guard import TrainingGuard
+            from mixprec.monitor.guard import TrainingGuard
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
                                        config=cfg.guard_config(),   # ranks vote (MAX) alike
                                        agree=strategy.all_reduce_max if strategy.world_size > 1 else None)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.plan import LayerReplanner
+from mixprec.monitor import LayerReplanner
 
 from guard_nets import Net, loader as _loader
 
