@@ -1,6 +1,6 @@
 """Where the per-format guard/plan limits come from (mixprec/formats/limits.py, docs/per-layer.md).
 
-Measures, per format, what the training guard measures (:meth:`mixprec.plan.TrainingGuard.sample_sqnr`:
+Measures, per format, what the training guard measures (:meth:`mixprec.monitor.TrainingGuard.sample_sqnr`:
 a Linear's output SQNR against the same GEMM in FP32 on the same input, and the share of its input
 the format flushes to zero or saturates):
 

@@ -2,9 +2,9 @@
 
 :data:`MOVED_MODULES` (module paths) are refused by :class:`MovedFinder`, the first finder on
 ``sys.meta_path`` once ``mixprec`` is imported: no module is kept at an old path. :data:`MOVED_NAMES`
-(names a package no longer holds) are refused by the package's ``__getattr__`` through
-:func:`refuse`. CHANGELOG.md's migration table lists the same paths (tests/test_moved.py checks
-both).
+(names a package no longer holds), and old modules named as attributes, are refused by the
+package's ``__getattr__`` through :func:`refuse`. CHANGELOG.md's migration table lists the same
+paths (tests/test_moved.py checks both).
 """
 from __future__ import annotations
 
@@ -101,9 +101,11 @@ def install() -> None:
 
 
 def refuse(package: str, name: str):
-    """A package's ``__getattr__``: :class:`MovedPathError` for a name of :data:`MOVED_NAMES`
-    (an ImportError, so ``from package import name`` shows it), AttributeError otherwise."""
-    new = MOVED_NAMES.get(f"{package}.{name}")
+    """A package's ``__getattr__``: :class:`MovedPathError` for a name of :data:`MOVED_NAMES` or
+    a module of :data:`MOVED_MODULES` named as an attribute (``mixprec.train.metrics``; an
+    ImportError, so ``from package import name`` shows it), AttributeError otherwise."""
+    old = f"{package}.{name}"
+    new = MOVED_NAMES.get(old) or MOVED_MODULES.get(old)
     if new is not None:
-        raise MovedPathError(f"{package}.{name}", new)
+        raise MovedPathError(old, new)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")

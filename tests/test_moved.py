@@ -50,6 +50,13 @@ def test_importing_an_old_name_names_its_new_home(old):
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_an_old_module_named_as_an_attribute_names_its_new_home(old):
+    package, _, name = _first_moved(old).rpartition(".")
+    with pytest.raises(ImportError, match=_line(f"{package}.{name}", MOVED_MODULES[f"{package}.{name}"])):
+        getattr(importlib.import_module(package), name)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
 def test_every_new_module_home_imports(old):
     for new in re.findall(r"mixprec(?:\.\w+)+", MOVED_MODULES[old]):
         assert importlib.import_module(new).__name__ == new

@@ -6,3 +6,8 @@ from mixprec.estimate.memory import MemoryEstimate, ModelShape, estimate_memory
 
 __all__ = ["estimate_memory", "MemoryEstimate", "ModelShape", "estimate", "Estimate", "ModelSpec",
            "format_estimates", "model_from_hf_config", "GPUS", "GpuSpec", "get_gpu"]
+
+
+def __getattr__(name: str):
+    from mixprec._moved import refuse     # ``mixprec.estimate.flops`` moved to the core in 0.4
+    refuse(__name__, name)

@@ -17,9 +17,9 @@ emulated and slow: FP8 emulation on a CPU is for studying numerics, not for spee
 
 Block-scaled micro formats: MXFP8, MXFP4 and NVFP4 quantizers (bit-exact against the OCP MX v1.0
 scale rules and NVIDIA's NVFP4 recipe), the Linear layer that trains in them (emulated on every
-device for now); the conversion that swaps it in is :func:`mixprec.precision.convert_to_micro`. The ``mxfp8`` / ``mxfp4`` / ``nvfp4``
-presets and per-layer formats are declared with the others in :mod:`mixprec.policy`;
-:class:`mixprec.Precision` applies them. See docs/micro-formats.md.
+device for now). The ``mxfp8`` / ``mxfp4`` / ``nvfp4`` presets and per-layer formats are declared
+with the others in :mod:`mixprec.policy`; :class:`mixprec.Precision` applies them, converting
+with :func:`mixprec.precision.convert_to_micro`. See docs/micro-formats.md.
 """
 from mixprec.formats.fp8_config import FORMATS, RECIPES, SCALINGS, Fp8Config
 from mixprec.formats.emulation import emulated_mm, limited_precision_matmul, round_mantissa

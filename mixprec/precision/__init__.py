@@ -34,3 +34,8 @@ __all__ = [
     # hardware
     "default_device", "cpu_has_native_bf16", "bf16_is_fast", "cuda_supports_fp8",
 ]
+
+
+def __getattr__(name: str):
+    from mixprec._moved import refuse     # ``mixprec.precision.dtypes`` ... (moved in 0.4)
+    refuse(__name__, name)

@@ -8,3 +8,8 @@ from mixprec.train.config import FitConfig, TrainConfig, load_config
 from mixprec.train.trainer import FitResult, StepOutput, Trainer, fit
 
 __all__ = ["Trainer", "fit", "FitResult", "StepOutput", "FitConfig", "TrainConfig", "load_config"]
+
+
+def __getattr__(name: str):
+    from mixprec._moved import refuse     # ``mixprec.train.checkpoint`` ... (moved in 0.4)
+    refuse(__name__, name)

@@ -73,7 +73,7 @@ class NumericsHook(StepHook):
 
 
 class ReplanHook(StepHook):
-    """Re-planning per-layer formats while training (:class:`mixprec.plan.LayerReplanner`)."""
+    """Re-planning per-layer formats while training (:class:`mixprec.monitor.LayerReplanner`)."""
 
     def __init__(self, replanner: Any) -> None:
         self.replanner = replanner
