@@ -27,6 +27,18 @@ ROOT_USERS = {
 """Modules of a room allowed to import the top-level package (which names every room, the loop
 included), each with its reason."""
 
+LAZY_IN_CORE = {
+    # FSDP2 (torch.distributed.fsdp, DTensor) takes about a second to import: loaded when named.
+    "mixprec/strategies/__init__.py": "FSDP2 is slow to import",
+    # Transformer.fit, the seed API: through the top-level package (ROOT_USERS).
+    "mixprec/models/transformer.py": "Transformer.fit calls mixprec.fit",
+}
+"""Core modules that may import a mixprec module inside a function, each with its reason; elsewhere
+the core imports at module level (a function-level import is for an optional heavy dependency).
+``LAZY_ROOMS`` are being reshaped by #38 items 1-3 and keep theirs until then."""
+
+LAZY_ROOMS = {"precision", "optim", "amp"}
+
 SHIM_UP: dict[str, set[str]] = {}
 """Imports allowed to point up, each listed with its reason: none (the last lazy re-exports upward
 were retired in 0.4, CHANGELOG.md)."""
@@ -69,6 +81,36 @@ def _imports(path: Path, package: str, root: Path) -> list[tuple[str, int]]:
                 else:
                     found.append((name, node.lineno))
     return [(n, line) for n, line in found if n.split(".")[0] == "mixprec"]
+
+
+def _function_imports(path: Path) -> list[int]:
+    """Lines of the ``mixprec`` imports inside functions of ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                if any(n.split(".")[0] == "mixprec" for n in names):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def lazy_core_imports(root: Path = ROOT) -> list[str]:
+    """``file:line`` of each function-level mixprec import in a core room, outside
+    :data:`LAZY_IN_CORE` and :data:`LAZY_ROOMS`."""
+    bad = []
+    for path, module, _ in _files(root):
+        rel = path.relative_to(root.parent).as_posix()
+        room = _room(module)
+        if room in CORE and room not in LAZY_ROOMS and rel not in LAZY_IN_CORE:
+            bad += [f"{rel}:{line}" for line in _function_imports(path)]
+    return bad
 
 
 def _files(root: Path):
@@ -142,6 +184,17 @@ def import_circles(root: Path = ROOT) -> list[list[str]]:
 
 def test_every_room_imports_only_rooms_below_it():
     assert violations() == []
+
+
+def test_the_core_imports_at_module_level():
+    assert lazy_core_imports() == []
+
+
+def test_the_checker_catches_a_lazy_import_in_the_core(tmp_path):
+    fake = tmp_path / "mixprec" / "runs"
+    fake.mkdir(parents=True)
+    (fake / "lazy.py").write_text("import torch\n\ndef f():\n    from mixprec.policy import dtypes\n")
+    assert lazy_core_imports(tmp_path / "mixprec") == ["mixprec/runs/lazy.py:4"]
 
 
 def test_no_module_imports_itself_back():

@@ -1,6 +1,7 @@
 """Loss scaling: the :class:`DynamicLossScaler` state machine, the torch.amp-compatible
-:class:`GradScaler` built on it, gradient clipping that respects
-the scale. ``autocast`` lives in :mod:`mixprec.precision`."""
+:class:`GradScaler` built on it, and gradient clipping that respects the scale. ``autocast``
+lives in :mod:`mixprec.precision`."""
+from mixprec import _moved
 from mixprec.amp.clip import clip_grad_norm_
 from mixprec.amp.grad_scaler import GradScaler
 from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
@@ -16,5 +17,4 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    from mixprec._moved import refuse     # ``mixprec.amp.autocast`` (until 0.4): one line saying where
-    refuse(__name__, name)
+    _moved.refuse(__name__, name)     # ``mixprec.amp.autocast`` (until 0.4): one line saying where

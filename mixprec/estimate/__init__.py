@@ -1,5 +1,6 @@
 """Estimators (arithmetic, nothing is run): memory per precision mode, and the time, energy and
 cost of a training run on a cluster from the GPU table. Measurements live in :mod:`mixprec.bench`."""
+from mixprec import _moved
 from mixprec.estimate.cluster import Estimate, ModelSpec, estimate, format_estimates, model_from_hf_config
 from mixprec.estimate.gpus import GPUS, GpuSpec, get_gpu
 from mixprec.estimate.memory import MemoryEstimate, ModelShape, estimate_memory
@@ -9,5 +10,4 @@ __all__ = ["estimate_memory", "MemoryEstimate", "ModelShape", "estimate", "Estim
 
 
 def __getattr__(name: str):
-    from mixprec._moved import refuse     # ``mixprec.estimate.flops`` moved to the core in 0.4
-    refuse(__name__, name)
+    _moved.refuse(__name__, name)     # ``mixprec.estimate.flops`` moved to the core in 0.4

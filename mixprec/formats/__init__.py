@@ -21,6 +21,7 @@ device for now). The ``mxfp8`` / ``mxfp4`` / ``nvfp4`` presets and per-layer for
 with the others in :mod:`mixprec.policy`; :class:`mixprec.Precision` applies them, converting
 with :func:`mixprec.precision.convert_to_micro`. See docs/micro-formats.md.
 """
+from mixprec import _moved
 from mixprec.formats.fp8_config import FORMATS, RECIPES, SCALINGS, Fp8Config
 from mixprec.formats.emulation import emulated_mm, limited_precision_matmul, round_mantissa
 from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
@@ -53,5 +54,4 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    from mixprec._moved import refuse     # a name that moved up, to mixprec.precision: one line saying where
-    refuse(__name__, name)
+    _moved.refuse(__name__, name)     # a name that moved up, to mixprec.precision: one line saying where

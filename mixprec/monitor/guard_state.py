@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.monitor.replan import flushed_share
 from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 
@@ -34,7 +35,6 @@ def sample_layers(precision: Precision, model: nn.Module, probe: Callable[[], An
     in FP32 that ``probe()`` (the step's forward) ran; ``agree``: an element-wise MAX over ranks
     (the lowest SQNR and largest share any rank measured). None when no layer is watched, or (one
     process) none ran. The random state is left as it was."""
-    from mixprec.monitor.replan import flushed_share
     watched = {n: f for n, f in precision.layer_formats.items() if f != "fp32"}
     energy: dict[str, list[torch.Tensor]] = {}
     handles = []

@@ -8,6 +8,7 @@ The policy data it reads lives in :mod:`mixprec.policy`; its public names are re
 ``mixprec.precision.dtypes``: CHANGELOG.md). The conversions the decider applies, to FP8
 (:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here side by side.
 """
+from mixprec import _moved
 from mixprec.policy import (ALIASES, FP8_E4M3, FP8_E5M2, FP8_RECIPES, PRESETS, FormatInfo, Policy,
                             bf16_is_fast, cpu_has_native_bf16, cuda_supports_fp8, default_device,
                             dtype_name, format_info, get_policy, parse_dtype)
@@ -37,5 +38,4 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    from mixprec._moved import refuse     # ``mixprec.precision.dtypes`` ... (moved in 0.4)
-    refuse(__name__, name)
+    _moved.refuse(__name__, name)     # ``mixprec.precision.dtypes`` ... (moved in 0.4)

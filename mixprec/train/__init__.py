@@ -4,6 +4,7 @@ Run folders, checkpoints and metrics files live in :mod:`mixprec.runs`, Hugging 
 objectives in :mod:`mixprec.models`, the learning-rate schedule in :mod:`mixprec.optim` (their old
 paths under ``mixprec.train`` were retired in 0.4: CHANGELOG.md).
 """
+from mixprec import _moved
 from mixprec.train.config import FitConfig, TrainConfig, load_config
 from mixprec.train.trainer import FitResult, StepOutput, Trainer, fit
 
@@ -11,5 +12,4 @@ __all__ = ["Trainer", "fit", "FitResult", "StepOutput", "FitConfig", "TrainConfi
 
 
 def __getattr__(name: str):
-    from mixprec._moved import refuse     # ``mixprec.train.checkpoint`` ... (moved in 0.4)
-    refuse(__name__, name)
+    _moved.refuse(__name__, name)     # ``mixprec.train.checkpoint`` ... (moved in 0.4)

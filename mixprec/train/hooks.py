@@ -25,6 +25,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from mixprec.monitor.guard import StepOutcome
+
 __all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook", "GuardHook"]
 
 
@@ -139,7 +141,6 @@ class GuardHook(StepHook):
         return contextlib.nullcontext()
 
     def after_step(self, trainer, step, out, origin):
-        from mixprec.monitor.guard import StepOutcome
         event = trainer.step_event
         outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
                               event.module if event is not None else None)
