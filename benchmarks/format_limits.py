@@ -1,6 +1,6 @@
 """Where the per-format guard/plan limits come from (mixprec/formats/limits.py, docs/per-layer.md).
 
-Measures, per format, what the training guard measures (:meth:`mixprec.plan.TrainingGuard.sample_sqnr`:
+Measures, per format, what the training guard measures (:meth:`mixprec.monitor.TrainingGuard.sample_sqnr`:
 a Linear's output SQNR against the same GEMM in FP32 on the same input, and the share of its input
 the format flushes to zero or saturates):
 
@@ -39,7 +39,7 @@ FORMATS = ("fp8-tensorwise", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4", "
 def sample(model: nn.Module, fmt: str, probe) -> tuple[dict[str, float], dict[str, float]]:
     """Per Linear in ``fmt``: (output SQNR dB, flushed share of its input), as the guard samples."""
     import mixprec as mp
-    from mixprec.plan.guard import GuardConfig, TrainingGuard
+    from mixprec.monitor.guard import GuardConfig, TrainingGuard
     from mixprec.plan.verify import fp32_copy
     m = fp32_copy(model)
     precision = mp.Precision("32-true", overrides=(("*", fmt),))
@@ -187,7 +187,7 @@ def plan_gates(steps: int) -> None:
                 seq.append((7 * seq[-1] + 3) % 256)
             x = torch.cat(seq, 1)
             return x[:, :-1], x[:, 1:]
-        plan = mp.plan_precision(model, [batch(), batch()], candidates=FORMATS[:-1], target="B200",
+        plan = mp.plan.plan_precision(model, [batch(), batch()], candidates=FORMATS[:-1], target="B200",
                                  heldout=[], budget=0.05)
         print(f"\n## planner's gates, small trained {steps} steps"
               + (f", outliers in {outlier}" if outlier else "") + ": chosen; refused formats")

@@ -23,7 +23,8 @@ from datetime import datetime, timezone
 import torch
 
 from mixprec.data import TokenDataset, builtin_corpus
-from mixprec.formats import Fp8Config, convert_to_fp8
+from mixprec.formats import Fp8Config
+from mixprec.precision import convert_to_fp8
 from mixprec.models import Transformer
 from mixprec.precision import autocast, get_policy
 

@@ -20,7 +20,7 @@ import torch
 
 import mixprec.formats  # noqa: F401  (registers the fp8-* policies)
 from mixprec.data import TokenDataset, builtin_corpus
-from mixprec.formats import prepare_fp8
+from mixprec.precision import prepare_fp8
 from mixprec.precision import autocast, get_policy
 
 try:

@@ -6,7 +6,7 @@ function-preserving injection: three input channels x gain, the matching weight 
 
 1. train it briefly in FP32 on the built-in corpus (at initialisation no layer matters to the
    loss, docs/per-layer.md), inject the outliers (the FP32 function does not change),
-2. run :func:`mixprec.plan_precision` (candidates fp32/bf16/fp8-tensorwise, H100 target) on
+2. run :func:`mixprec.plan.plan_precision` (candidates fp32/bf16/fp8-tensorwise, H100 target) on
    ``--batches`` batches (the last third held out),
 3. per Linear in ``fp8-tensorwise``: the estimated loss change (diagonal Fisher) against the
    measured single-layer change: Spearman rank correlation, and the median ratio measured/est,
@@ -170,7 +170,7 @@ def main() -> int:
                 if outliers:
                     inject_outliers(m, layer, gain=args.gain)
                 t0 = time.perf_counter()
-                plan = mp.plan_precision(m, batches, candidates=("fp32", "bf16", "fp8-tensorwise"),
+                plan = mp.plan.plan_precision(m, batches, candidates=("fp32", "bf16", "fp8-tensorwise"),
                                          budget=args.budget / 100, target="H100", seed=args.seed)
                 f = "fp8-tensorwise"
                 ms = [x for x in plan.layers if f in x.loss_change_est]

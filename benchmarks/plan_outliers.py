@@ -13,7 +13,7 @@ those few channels. This benchmark injects that into one chosen Linear of mixpre
 
 Then per seed, on the same initial weights and data order, it trains with the trainer of
 ``mixprec train`` (built-in corpus, parity.py's settings): ``bf16-mixed``, uniform FP8 recipes,
-and plans (``PLANS``): ``mixprec.plan_precision`` run on the initial model (2 calibration
+and plans (``PLANS``): ``mixprec.plan.plan_precision`` run on the initial model (2 calibration
 batches), saved as a plan file and trained with ``plan:PATH``. Prints
 what the planner chose per seed and one Markdown table of final validation losses against
 ``bf16-mixed``.
@@ -145,10 +145,10 @@ def train(args, mode: str, seed: int, run_dir: str) -> dict:
 def probe(args) -> None:
     """One forward per gain, before any training: the outlier layer's output SQNR against FP32 and
     the share of its input that ``fp8-tensorwise`` flushes to zero (the guard's own measurement,
-    :meth:`mixprec.plan.guard.TrainingGuard.sample_sqnr`), and the loss change of uniform
+    :meth:`mixprec.monitor.guard.TrainingGuard.sample_sqnr`), and the loss change of uniform
     ``fp8-tensorwise`` over ``32-true`` on the same batch."""
     from mixprec.cli.train import build_run
-    from mixprec.plan.guard import TrainingGuard
+    from mixprec.monitor.guard import TrainingGuard
     from mixprec.train.trainer import Trainer
     print(f"| gain | {args.layer} output SQNR (dB) | its input flushed | median SQNR of the "
           f"other FP8 layers (dB) | one-forward loss, fp8-tensorwise vs 32-true |")

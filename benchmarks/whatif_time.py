@@ -30,7 +30,7 @@ import mixprec as mp
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
 batches = [(torch.randn(64, 256), torch.randint(0, 10, (64,))) for _ in range(2)]
-report = mp.what_if(model, batches, loss_fn=F.cross_entropy)
+report = mp.plan.what_if(model, batches, loss_fn=F.cross_entropy)
 report.write_csv("user.csv"); report.heatmap("user.png")
 print(report.table().splitlines()[-3])
 """

@@ -1,45 +1,67 @@
 """mixprec: mixed-precision training for PyTorch.
 
-The public API is what this module lists in ``__all__`` plus the sub-packages; names that start
-with ``_`` and modules not re-exported here are internal.
-"""
-from mixprec import (amp, bench, data, engine, estimate, formats, fp8, integrations, models, monitor, nn, optim,
-                     plan, policy, precision, report, runs, strategies, train)
-from mixprec.amp import GradScaler
-from mixprec.precision import Precision
-from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
-from mixprec.models import Transformer
-from mixprec.precision import Policy, autocast, cast_module, get_policy
-from mixprec.strategies import MirroredStrategy, SingleDeviceStrategy
-from mixprec.train import FitConfig, Trainer, TrainConfig, fit
-from mixprec.plan import plan_precision, what_if
+The public API is what this module lists in ``__all__``, and the sub-packages (each lists its own);
+names that start with ``_`` and modules not re-exported are internal. ``import mixprec`` loads only
+this file, the errors and the version: each name below (and each sub-package, ``mixprec.formats``)
+is imported when first named, and every one of them is the core library's (docs/ARCHITECTURE.md).
+The tools (``mixprec.plan``, ``mixprec.estimate``, ``mixprec.report``, ``mixprec.bench``,
+``mixprec.integrations``, ``mixprec.cli``) import the core, never the reverse.
 
+Import paths retired in 0.4 (``mixprec.fp8``, ``mixprec.engine``, ``mixprec.train.checkpoint``, ...)
+fail in one line naming their new home (:mod:`mixprec._moved`, CHANGELOG.md).
+"""
+from __future__ import annotations
+
+import importlib
+
+from mixprec import _moved
 from mixprec._version import __version__
+from mixprec.errors import CheckpointError, ConfigError, DataError, MixprecError, NumericsError
+
+_moved.install()
+
+_HOMES = {
+    # precision: the policy (data) and the Precision object (every decision)
+    "Precision": "mixprec.precision", "Policy": "mixprec.policy", "get_policy": "mixprec.policy",
+    "autocast": "mixprec.precision", "cast_module": "mixprec.precision",
+    # loss scaling
+    "GradScaler": "mixprec.amp",
+    # training
+    "Trainer": "mixprec.train", "fit": "mixprec.train", "FitConfig": "mixprec.train",
+    "TrainConfig": "mixprec.train",
+    # models
+    "Transformer": "mixprec.models", "TransformerConfig": "mixprec.models",
+    # strategies (FSDP2 is slow to import: it is loaded only when FSDPStrategy is named)
+    "SingleDeviceStrategy": "mixprec.strategies", "MirroredStrategy": "mixprec.strategies",
+    "FSDPStrategy": "mixprec.strategies",
+    # run folders: the one way back in
+    "read_run": "mixprec.runs",
+}
+"""Each public name -> the core package that holds it."""
+
+CORE = ("policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies",
+        "monitor", "runs", "train")
+"""The library's rooms, lowest first (docs/ARCHITECTURE.md)."""
+
+TOOLS = ("estimate", "plan", "integrations", "report", "bench", "cli")
+"""Rooms that use the library (they import the core; the core never imports them)."""
+
+__all__ = [
+    *_HOMES,
+    # errors
+    "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
+]
 
 
 def __getattr__(name: str):
-    if name == "FSDPStrategy":          # imported when first named (FSDP2 is slow to import)
-        return strategies.FSDPStrategy
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value                 # once: later lookups are plain attribute reads
+        return value
+    if name in CORE or name in TOOLS:           # ``mixprec.formats`` without ``import mixprec.formats``
+        return importlib.import_module(f"{__name__}.{name}")
+    _moved.refuse(__name__, name)
 
-__all__ = [
-    # precision: the policy (data) and the Precision object (every decision)
-    "Precision", "Policy", "get_policy", "autocast", "cast_module",
-    # loss scaling
-    "GradScaler",
-    # training
-    "Trainer", "fit", "FitConfig", "TrainConfig",
-    # per-layer precision planning
-    "plan_precision", "what_if",
-    # models
-    "Transformer",
-    # strategies
-    "SingleDeviceStrategy", "MirroredStrategy", "FSDPStrategy",
-    # errors
-    "MixprecError", "ConfigError", "DataError", "CheckpointError", "NumericsError",
-    # sub-packages
-    "policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies", "monitor",
-    "plan", "runs", "train", "integrations", "report", "estimate", "bench",
-    # old paths, kept as re-export shims
-    "fp8", "engine",
-]
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *CORE, *TOOLS})

@@ -1,30 +1,47 @@
 """Imports point down: a room of mixprec imports only rooms below it in docs/ARCHITECTURE.md's
-order, at module level and inside functions alike; no module imports itself back through others
-(no circles); nothing inside mixprec imports an old-path shim."""
+order, at module level and inside functions alike, so the core (the library) never imports a tool;
+no module imports itself back through others (no circles); ``import mixprec`` loads only the core."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import mixprec
 
-ORDER = ["policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies",
-         "monitor", "estimate", "plan", "runs", "train", "integrations", "report", "bench", "cli"]
-"""Lowest first. ``errors``, ``hints`` and ``_compat`` may be imported by everyone; ``mixprec/__init__.py``
-and ``__main__.py`` sit above everything."""
+CORE = ["policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies",
+        "monitor", "runs", "train"]
+"""The library, lowest first."""
 
-SHIM_UP = {
-    # Old import paths kept working by re-exporting from a room above (lazily, on first use):
-    "mixprec/amp/__init__.py": {"precision"},    # mixprec.amp.autocast
-    "mixprec/monitor/__init__.py": {"plan"},     # mixprec.monitor.LayerReplanner / FormatSwitch
-    "mixprec/formats/__init__.py": {"precision"},  # mixprec.formats.convert_to_fp8 / prepare_fp8
-    # Not a shim: micro-format conversion asks the rule book lazily; it belongs next to
-    # precision/fp8_convert.py (to move).
-    "mixprec/formats/mx_convert.py": {"precision"},
+TOOLS = ["estimate", "plan", "integrations", "report", "bench", "cli"]
+"""What uses the library: above every room of the core."""
+
+ORDER = CORE + TOOLS
+"""Lowest first. ``errors``, ``hints`` and ``_moved`` may be imported by everyone; ``mixprec/__init__.py``,
+``__main__.py`` and ``launch.py`` sit above everything."""
+
+ROOT_USERS = {
+    # ``Transformer.fit(loader, ...)``, the seed's API (docs/CONTRACTS.md), calls the public
+    # ``mixprec.fit`` inside the method: the model room never imports the training loop itself.
+    "mixprec/models/transformer.py",
 }
-"""The only imports allowed to point up, each listed with its reason."""
+"""Modules of a room allowed to import the top-level package (which names every room, the loop
+included), each with its reason."""
 
-SHIM_PACKAGES = ("engine", "fp8")
-"""Old package paths, now pure re-exports (``mixprec.engine`` -> precision/optim, ``mixprec.fp8`` ->
-formats). Only ``mixprec/__init__.py`` may import them."""
+LAZY_IN_CORE = {
+    # FSDP2 (torch.distributed.fsdp, DTensor) takes about a second to import: loaded when named.
+    "mixprec/strategies/__init__.py": "FSDP2 is slow to import",
+    # Transformer.fit, the seed API: through the top-level package (ROOT_USERS).
+    "mixprec/models/transformer.py": "Transformer.fit calls mixprec.fit",
+}
+"""Core modules that may import a mixprec module inside a function, each with its reason; elsewhere
+the core imports at module level (a function-level import is for an optional heavy dependency).
+``LAZY_ROOMS`` are being reshaped by #38 items 1-3 and keep theirs until then."""
+
+LAZY_ROOMS = {"precision", "optim", "amp"}
+
+SHIM_UP: dict[str, set[str]] = {}
+"""Imports allowed to point up, each listed with its reason: none (the last lazy re-exports upward
+were retired in 0.4, CHANGELOG.md)."""
 
 ROOT = Path(mixprec.__file__).parent
 
@@ -33,7 +50,7 @@ def _room(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "mixprec" or len(parts) < 2:
         return None
-    return parts[1] if parts[1] in ORDER or parts[1] in SHIM_PACKAGES else None
+    return parts[1] if parts[1] in ORDER else None
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -66,6 +83,36 @@ def _imports(path: Path, package: str, root: Path) -> list[tuple[str, int]]:
     return [(n, line) for n, line in found if n.split(".")[0] == "mixprec"]
 
 
+def _function_imports(path: Path) -> list[int]:
+    """Lines of the ``mixprec`` imports inside functions of ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    lines = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module or ""]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                if any(n.split(".")[0] == "mixprec" for n in names):
+                    lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def lazy_core_imports(root: Path = ROOT) -> list[str]:
+    """``file:line`` of each function-level mixprec import in a core room, outside
+    :data:`LAZY_IN_CORE` and :data:`LAZY_ROOMS`."""
+    bad = []
+    for path, module, _ in _files(root):
+        rel = path.relative_to(root.parent).as_posix()
+        room = _room(module)
+        if room in CORE and room not in LAZY_ROOMS and rel not in LAZY_IN_CORE:
+            bad += [f"{rel}:{line}" for line in _function_imports(path)]
+    return bad
+
+
 def _files(root: Path):
     for path in sorted(root.rglob("*.py")):
         module = _module_name(path, root)
@@ -80,10 +127,10 @@ def violations(root: Path = ROOT) -> list[str]:
         own = _room(module)
         for name, line in _imports(path, package, root):
             other = _room(name)
-            if other in SHIM_PACKAGES and own is not None and own != other:
-                bad.append(f"{rel}:{line} ({own}) imports the old-path shim {name}")
+            if name == "mixprec" and own is not None and rel.as_posix() not in ROOT_USERS:
+                bad.append(f"{rel}:{line} ({own}) imports the top-level package mixprec")
                 continue
-            if own is None or other is None or other == own or own in SHIM_PACKAGES:
+            if own is None or other is None or other == own:
                 continue
             if ORDER.index(other) > ORDER.index(own) and other not in SHIM_UP.get(rel.as_posix(), ()):
                 bad.append(f"{rel}:{line} ({own}) imports {name} ({other})")
@@ -135,19 +182,23 @@ def import_circles(root: Path = ROOT) -> list[list[str]]:
     return out
 
 
-ALLOWED_CIRCLES = {
-    # ``Transformer.fit(loader, ...)``, the seed's API (docs/CONTRACTS.md), calls the public
-    # ``mixprec.fit`` lazily: the model room itself never imports the training loop.
-    ("mixprec", "mixprec.models", "mixprec.models.transformer"),
-}
-
-
 def test_every_room_imports_only_rooms_below_it():
     assert violations() == []
 
 
+def test_the_core_imports_at_module_level():
+    assert lazy_core_imports() == []
+
+
+def test_the_checker_catches_a_lazy_import_in_the_core(tmp_path):
+    fake = tmp_path / "mixprec" / "runs"
+    fake.mkdir(parents=True)
+    (fake / "lazy.py").write_text("import torch\n\ndef f():\n    from mixprec.policy import dtypes\n")
+    assert lazy_core_imports(tmp_path / "mixprec") == ["mixprec/runs/lazy.py:4"]
+
+
 def test_no_module_imports_itself_back():
-    assert [g for g in import_circles() if tuple(g) not in ALLOWED_CIRCLES] == []
+    assert import_circles() == []
 
 
 def test_the_checker_catches_an_upward_import(tmp_path):
@@ -158,32 +209,49 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     assert violations(tmp_path / "mixprec") == ["mixprec/policy/bad.py:2 (policy) imports mixprec.train (train)"]
 
 
-def test_the_checker_catches_a_circle_and_a_shim_import(tmp_path):
+def test_the_checker_catches_a_circle(tmp_path):
     fake = tmp_path / "mixprec" / "report"
     fake.mkdir(parents=True)
     (fake / "a.py").write_text("from mixprec.report.b import g\n")
     (fake / "b.py").write_text("def g():\n    from mixprec.report.a import f\n")
-    (fake / "c.py").write_text("from mixprec.fp8 import quantize\n")
     assert import_circles(tmp_path / "mixprec") == [["mixprec.report.a", "mixprec.report.b"]]
-    assert violations(tmp_path / "mixprec") == ["mixprec/report/c.py:1 (report) imports the old-path shim mixprec.fp8"]
 
 
-def test_the_old_import_paths_still_work():
-    import mixprec.engine.precision
-    import mixprec.fp8.linear
-    import mixprec.precision.policy
-    import mixprec.train.checkpoint
-    from mixprec.amp import GradScaler, autocast
-    from mixprec.engine import OverlappedUpdate, Precision
-    from mixprec.fp8 import Fp8Linear, prepare_fp8  # noqa: F401
-    from mixprec.monitor import LayerReplanner
-    from mixprec.precision import Policy, get_policy, hardware  # noqa: F401
-    from mixprec.train import fit  # noqa: F401
+def test_the_checker_catches_the_core_importing_a_tool(tmp_path):
+    fake = tmp_path / "mixprec" / "train"
+    fake.mkdir(parents=True)
+    (fake / "bad.py").write_text("def f():\n    from mixprec.plan import plan_precision\n")
+    (fake / "root.py").write_text("def g():\n    import mixprec\n    return mixprec.plan\n")
+    assert violations(tmp_path / "mixprec") == ["mixprec/train/bad.py:2 (train) imports mixprec.plan (plan)",
+                                                "mixprec/train/root.py:2 (train) imports the top-level package mixprec"]
 
-    assert Precision is mixprec.Precision and GradScaler is mixprec.GradScaler
-    assert mixprec.precision.policy.Policy is Policy is mixprec.policy.Policy
-    assert mixprec.fp8.linear is mixprec.formats.fp8_linear and Fp8Linear is mixprec.formats.Fp8Linear
-    assert mixprec.engine.precision is mixprec.precision.precision
-    assert mixprec.train.checkpoint is mixprec.runs.checkpoint
-    assert OverlappedUpdate is mixprec.optim.OverlappedUpdate
-    assert LayerReplanner is mixprec.plan.LayerReplanner and autocast is mixprec.precision.autocast
+
+def test_every_room_of_the_package_is_placed():
+    rooms = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ORDER)
+    assert (tuple(CORE), tuple(TOOLS)) == (mixprec.CORE, mixprec.TOOLS)
+
+
+def _loaded_after(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", f"import sys\n{code}\n"
+                          "print(*sorted(m for m in sys.modules if m.startswith('mixprec')))"],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def test_import_mixprec_loads_only_the_package_its_errors_and_version():
+    assert _loaded_after("import mixprec") == ["mixprec", "mixprec._moved", "mixprec._version",
+                                               "mixprec.errors"]
+
+
+def test_every_public_name_loads_only_core_modules():
+    loaded = _loaded_after("import mixprec\nfor n in mixprec.__all__: getattr(mixprec, n)")
+    rooms = {m.split(".")[1] for m in loaded if m.count(".")}
+    assert "mixprec.precision.precision" in loaded and "mixprec.train.trainer" in loaded
+    assert rooms - set(CORE) <= {"_moved", "_version", "errors", "hints"}
+
+
+def test_a_sub_package_is_imported_when_first_named():
+    assert mixprec.formats.Fp8Linear.__module__ == "mixprec.formats.fp8_linear"
+    assert mixprec.plan.plan_precision.__module__ == "mixprec.plan.planner"
+    assert mixprec.fit is mixprec.train.fit and mixprec.FSDPStrategy.__module__ == "mixprec.strategies.fsdp"

@@ -37,7 +37,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mixprec.errors import ConfigError  # noqa: E402
-from mixprec.formats import Fp8Config, Fp8Linear, plan_gemms, prepare_fp8, sqnr_db  # noqa: E402
+from mixprec.formats import Fp8Config, Fp8Linear, plan_gemms, sqnr_db  # noqa: E402
+from mixprec.precision import prepare_fp8  # noqa: E402
 from mixprec.precision import autocast, get_policy  # noqa: E402
 from mixprec.policy.hardware import cuda_supports_fp8  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Loss scaling: the :class:`DynamicLossScaler` state machine, the torch.amp-compatible
-:class:`GradScaler` built on it, gradient clipping that respects the scale, and (re-exported from
-:mod:`mixprec.precision`, where it lives) ``autocast``."""
+:class:`GradScaler` built on it, and gradient clipping that respects the scale. ``autocast``
+lives in :mod:`mixprec.precision`."""
+from mixprec import _moved
 from mixprec.amp.clip import clip_grad_norm_
 from mixprec.amp.grad_scaler import GradScaler
 from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
@@ -12,14 +13,8 @@ __all__ = [
     "GradScaler", "DynamicLossScaler", "LossScaleConfig", "LossScaleState", "Transition", "transition",
     # gradients
     "clip_grad_norm_", "optimizer_grads", "HasMasterGrads", "HasDeferredGrads",
-    # forward
-    "autocast",
 ]
 
 
 def __getattr__(name: str):
-    # ``mixprec.amp.autocast``: an old import path; autocast lives in the decider, above this room.
-    if name == "autocast":
-        from mixprec.precision.autocast import autocast
-        return autocast
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _moved.refuse(__name__, name)     # ``mixprec.amp.autocast`` (until 0.4): one line saying where

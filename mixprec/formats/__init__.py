@@ -17,10 +17,11 @@ emulated and slow: FP8 emulation on a CPU is for studying numerics, not for spee
 
 Block-scaled micro formats: MXFP8, MXFP4 and NVFP4 quantizers (bit-exact against the OCP MX v1.0
 scale rules and NVIDIA's NVFP4 recipe), the Linear layer that trains in them (emulated on every
-device for now), and the conversion that swaps it in. The ``mxfp8`` / ``mxfp4`` / ``nvfp4``
-presets and per-layer formats are declared with the others in :mod:`mixprec.policy`;
-:class:`mixprec.Precision` applies them. See docs/micro-formats.md.
+device for now). The ``mxfp8`` / ``mxfp4`` / ``nvfp4`` presets and per-layer formats are declared
+with the others in :mod:`mixprec.policy`; :class:`mixprec.Precision` applies them, converting
+with :func:`mixprec.precision.convert_to_micro`. See docs/micro-formats.md.
 """
+from mixprec import _moved
 from mixprec.formats.fp8_config import FORMATS, RECIPES, SCALINGS, Fp8Config
 from mixprec.formats.emulation import emulated_mm, limited_precision_matmul, round_mantissa
 from mixprec.formats.fp8_linear import Fp8Conv1D, Fp8Linear, fp8_gemm, is_conv1d
@@ -30,14 +31,13 @@ from mixprec.formats.fp8_quantize import Fp8Tensor, compute_amax, dequantize, qu
 from mixprec.formats.micro_config import BF16_SHARE, MICRO_RECIPES, MicroConfig
 from mixprec.formats.mx import (E2M1_VALUES, ELEMENTS, BlockScaledTensor, ElementFormat, quantize_mx,
                                 quantize_nvfp4, round_to_grid)
-from mixprec.formats.mx_convert import MicroConversionReport, block_index, convert_to_micro
 from mixprec.formats.mx_linear import MicroLinear, hadamard_matrix, quantize_operand
 
 __all__ = [
     # configuration
     "Fp8Config", "RECIPES", "SCALINGS", "FORMATS",
     # modules and conversion
-    "Fp8Linear", "Fp8Conv1D", "is_conv1d", "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
+    "Fp8Linear", "Fp8Conv1D", "is_conv1d",
     # quantization
     "Fp8Tensor", "quantize", "dequantize", "compute_amax", "scale_from_amax", "sqnr_db",
     # GEMMs, their path (decided once) and emulation
@@ -48,19 +48,10 @@ __all__ = [
     "MicroConfig", "MICRO_RECIPES", "BF16_SHARE",
     "quantize_mx", "quantize_nvfp4", "BlockScaledTensor", "ElementFormat", "ELEMENTS", "E2M1_VALUES",
     "round_to_grid",
-    "MicroLinear", "quantize_operand", "hadamard_matrix", "convert_to_micro", "MicroConversionReport",
-    "block_index",
+    "MicroLinear", "quantize_operand", "hadamard_matrix",
 ]
 
 
 
 def __getattr__(name: str):
-    # FP8 *conversion* asks the rule book, so it lives with the decider (mixprec.precision);
-    # these names stay importable from here.
-    if name in ("convert_to_fp8", "Fp8ConversionReport"):
-        from mixprec.precision import fp8_convert
-        return getattr(fp8_convert, name)
-    if name == "prepare_fp8":
-        from mixprec.precision.precision import prepare_fp8
-        return prepare_fp8
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _moved.refuse(__name__, name)     # a name that moved up, to mixprec.precision: one line saying where

@@ -38,7 +38,7 @@ RECIPES: tuple[str, ...] = SCALINGS
 
 @dataclass(frozen=True, kw_only=True)
 class Fp8Config:
-    """How :class:`~mixprec.fp8.Fp8Linear` quantizes and multiplies. Prefer :meth:`from_recipe`."""
+    """How :class:`~mixprec.formats.Fp8Linear` quantizes and multiplies. Prefer :meth:`from_recipe`."""
 
     recipe: str = "custom"
     """Name of the recipe this config came from (shown in logs and reports)."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from mixprec.formats.emulation import emulated_mm
 from mixprec.formats.fp8_config import Fp8Config
-from mixprec.formats.fp8_quantize import Fp8Tensor
+from mixprec.formats.fp8_quantize import Fp8Tensor, quantize, sqnr_db
 
 __all__ = ["fp8_gemm", "block_scaled_available", "BLOCK_SCALE_LAYOUTS"]
 
@@ -127,7 +127,6 @@ def block_scaled_available(device: torch.device) -> int | None:
     Any error from the kernel means "not available" (this is the only place one is caught)."""
     if not (hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
         return None
-    from mixprec.formats.fp8_quantize import quantize, sqnr_db
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(256, 384, generator=g).to(device)
     w = torch.randn(256, 384, generator=g).to(device)

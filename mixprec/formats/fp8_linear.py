@@ -218,7 +218,7 @@ class Fp8Linear(_Fp8Gemms, nn.Linear):
     """``nn.Linear`` with FP8 forward, input-gradient and weight-gradient GEMMs (see module doc).
 
     Build one from an existing layer with :meth:`from_linear` (or convert a whole model with
-    :func:`mixprec.fp8.convert_to_fp8`); the layer's ``weight``/``bias`` Parameters are reused.
+    :func:`mixprec.precision.convert_to_fp8`); the layer's ``weight``/``bias`` Parameters are reused.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,

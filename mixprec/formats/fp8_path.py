@@ -3,7 +3,7 @@ another device) and stored on the layer: ``forward`` decides nothing, logs nothi
 no hardware.
 
 This is the one decider: :class:`~mixprec.formats.Fp8Linear` asks it for its own plan and
-:func:`~mixprec.fp8.convert_to_fp8`'s report shows the converted layers' plans. The paths:
+:func:`~mixprec.precision.convert_to_fp8`'s report shows the converted layers' plans. The paths:
 
 * ``cuda-scaled-mm`` -- ``torch._scaled_mm`` (tensorwise, rowwise) on a GPU with FP8 tensor
   cores; blockwise there runs one GEMM in torch's native block-scaled ``scaled_mm`` where this

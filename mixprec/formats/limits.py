@@ -12,7 +12,7 @@ So each format has its own yardstick, here and only here:
   ``tiny``/``small`` Transformers and of a tiny Hugging Face Llama, trained 30 steps, measured at
   or above it minus 0.7 dB (docs/per-layer.md has the tables).
 * **healthy flushed share**: the share of a layer's input the format flushes to zero or saturates
-  (:func:`mixprec.plan.replan.flushed_share`), the largest over those synthetic inputs and the
+  (:func:`mixprec.monitor.replan.flushed_share`), the largest over those synthetic inputs and the
   trained models' layers. In a 4-bit format it is large on healthy layers (a value below 1/24 of
   its block's largest flushes: SiLU-gated inputs, with most values near zero, lose 27 % in
   NVFP4), which is why one flushed-share limit cannot serve every format.

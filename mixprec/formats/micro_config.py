@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixprec.errors import ConfigError, closest
+from mixprec.formats.mx import ELEMENTS
 from mixprec.policy.overrides import MICRO_FORMATS
 
 __all__ = ["MicroConfig", "MICRO_RECIPES", "BF16_SHARE", "parse_micro_options"]
@@ -66,7 +67,6 @@ class MicroConfig:
     """Seed of the Hadamard sign vector and the stochastic-rounding stream."""
 
     def __post_init__(self) -> None:
-        from mixprec.formats.mx import ELEMENTS
         for name in ("element", "grad_element"):
             value = getattr(self, name)
             if value not in ELEMENTS:

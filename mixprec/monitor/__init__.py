@@ -1,7 +1,12 @@
-"""Numerics monitoring: trace NaN/Inf to the layer that made it, per-layer range statistics,
-a pre-flight precision audit and a stuck-loss-scale watch."""
+"""Numerics monitoring while training: trace NaN/Inf to the layer that made it, per-layer range
+statistics, a pre-flight precision audit, a stuck-loss-scale watch, and acting on what it sees:
+re-planning per-layer formats (:class:`LayerReplanner`) and guarded training (:class:`TrainingGuard`:
+a layer that goes bad moves to a safer format). The planner and the what-if report (tools) live in
+:mod:`mixprec.plan`."""
 from mixprec.monitor.audit import Finding, audit, audit_after_first_step, format_findings
 from mixprec.monitor.stats import NUMERICS_COLUMNS, NumericsMonitor, NumericsRow, Sample, range_counts, ulp
+from mixprec.monitor.guard import GuardConfig, TrainingGuard
+from mixprec.monitor.replan import FormatSwitch, LayerReplanner
 from mixprec.monitor.stuck import ScaleWatch, StuckScaleWarning
 from mixprec.monitor.trace import (NonFiniteEvent, RngState, capture_rng_state, locate_nonfinite,
                                    replay_rng_state)
@@ -15,12 +20,7 @@ __all__ = [
     "audit", "audit_after_first_step", "Finding", "format_findings",
     # stuck loss scale
     "ScaleWatch", "StuckScaleWarning",
+    # acting on it: formats re-planned while training, the guard
+    "LayerReplanner", "FormatSwitch", "TrainingGuard", "GuardConfig",
 ]
 
-
-def __getattr__(name: str):
-    # ``mixprec.monitor.LayerReplanner``: an old import path; re-planning lives in mixprec.plan.
-    if name in ("LayerReplanner", "FormatSwitch"):
-        from mixprec.plan import replan
-        return getattr(replan, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

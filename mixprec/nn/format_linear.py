@@ -38,7 +38,7 @@ class FormatLinear(nn.Linear):
         dt = format_dtype(compute_format)
         if dt is None:
             raise ConfigError(f"FormatLinear runs fp32, bf16 or fp16, not {compute_format}; FP8 "
-                              "layers are mixprec.fp8.Fp8Linear")
+                              "layers are mixprec.formats.Fp8Linear")
         self.compute_format: str = compute_format
         self.compute_dtype: torch.dtype = dt
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mixprec.errors import ConfigError
+
 __all__ = ["Fp8ActivationStore", "store_activations_in_fp8"]
 
 _E4M3_MAX = 448.0
@@ -141,7 +143,6 @@ def store_activations_in_fp8(model: nn.Module, *, block: int = _BLOCK, min_numel
     FP32 scales) and widen them in backward. ``module_filter_fn(module, qualified_name)`` picks
     other modules instead (default: every ``nn.Linear``). Returns the hooks (``.remove()``)."""
     if block < 1:
-        from mixprec.errors import ConfigError
         raise ConfigError(f"block must be >= 1, got {block}")
     pick = module_filter_fn or (lambda m, name: isinstance(m, nn.Linear))
     modules = [m for name, m in model.named_modules() if pick(m, name)]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mixprec.formats.limits import format_limits
-from mixprec.plan.gates import MAX_SQNR_DROP_DB
+from mixprec.monitor.gates import MAX_SQNR_DROP_DB
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.policy.overrides import LAYER_FORMATS, format_dtype, is_micro, write_plan
 from mixprec.precision import Precision
@@ -50,7 +50,7 @@ class LayerMeasure:
     unavailable: dict[str, str] = field(default_factory=dict)
     """Formats this layer cannot run in, and why (FP8 rules)."""
     risky: dict[str, str] = field(default_factory=dict)
-    """Formats the sensitivity gates refuse for this layer (:func:`mixprec.plan.gates.gate`), and why."""
+    """Formats the sensitivity gates refuse for this layer (:func:`mixprec.monitor.gates.gate`), and why."""
     severity: dict[str, float] = field(default_factory=dict)
     """... and how far over its worst limit each is (> 1)."""
     chosen: str = "fp32"

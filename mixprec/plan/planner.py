@@ -14,7 +14,7 @@ so the FP8 rules and modules are the training ones), and, with *only* ``L`` in `
   output gradients, against the FP32 layer's (the input gradient is what ``L`` sends to the layers
   below, the weight gradient what its optimizer steps on),
 * flushed share: of ``L``'s inputs and of its output gradients, the non-zero values ``f`` flushes
-  to zero or saturates (:func:`mixprec.plan.replan.flushed_share`, the re-planner's measure),
+  to zero or saturates (:func:`mixprec.monitor.replan.flushed_share`, the re-planner's measure),
 * loss change, measured: the model's forward loss with ``L`` swapped for ``L_f``: ``mean
   |loss_f - loss_fp32| / mean loss_fp32`` over the batches,
 * loss change, estimated: the expected loss *increase* from ``L``'s output error ``e``, to second
@@ -24,7 +24,7 @@ so the FP8 rules and modules are the training ones), and, with *only* ``L`` in `
 Why both loss changes: quantization noise is uncorrelated with the gradient, so the *first-order*
 term ``g . e`` of a measured loss difference is zero-mean noise, and on a few calibration batches
 it dominates. The estimate is free of it but sees only the forward. So the measurements are used
-together (:func:`mixprec.plan.gates.gate`): a format is refused for a layer when one of its SQNRs
+together (:func:`mixprec.monitor.gates.gate`): a format is refused for a layer when one of its SQNRs
 is below that format's limit (:mod:`mixprec.formats.limits`, the guard's and the what-if's limits
 too), or ``max_sqnr_drop_db`` below the other layers' median in that format while under 40 dB (the
 layer the format treats worse than the rest: outliers), or it flushes more than the format's
@@ -69,7 +69,7 @@ from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
 from mixprec.plan.measure import (format_variants, layer_alone, losses_with, planned_layers,
                                   reference_pass)
-from mixprec.plan.gates import MAX_SQNR_DROP_DB, apply_gates
+from mixprec.monitor.gates import MAX_SQNR_DROP_DB, apply_gates
 from mixprec.plan.plan import LayerMeasure, PrecisionPlan, choose, format_throughput
 from mixprec.plan.verify import enforce_budget, forward_losses, fp32_copy
 from mixprec.policy.overrides import parse_format
@@ -82,8 +82,8 @@ DEFAULT_CANDIDATES: tuple[str, ...] = ("fp32", "bf16", "fp8-tensorwise", "fp8-bl
 def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str, which: int) -> float:
     """Largest share over the batches of the recorded inputs (``which=0``) or output gradients
     (``which=2``) that ``fmt`` flushes to zero or saturates
-    (:func:`mixprec.plan.replan.flushed_share`, the re-planner's measurement)."""
-    from mixprec.plan.replan import flushed_share
+    (:func:`mixprec.monitor.replan.flushed_share`, the re-planner's measurement)."""
+    from mixprec.monitor.replan import flushed_share
     shares = [flushed_share(r[which], fmt, "act" if which == 0 else "grad")
               for r in records if len(r) > which]
     return float(torch.stack(shares).max()) if shares else 0.0
@@ -154,7 +154,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
     whose input- or weight-gradient SQNR is below its gradient limit, whose output SQNR is
     ``max_sqnr_drop_db`` below the other layers' median in that format, or which flushes or
     saturates more than its share of the layer's inputs or output gradients, is refused for that
-    layer whatever its estimate (:func:`mixprec.plan.gates.gate`). The limits are each format's
+    layer whatever its estimate (:func:`mixprec.monitor.gates.gate`). The limits are each format's
     own (:mod:`mixprec.formats.limits`: the guard's and the what-if's too); ``min_sqnr_db`` /
     ``max_flush`` given replace them for every format, as given (the gradient limit 5 dB below).
     """

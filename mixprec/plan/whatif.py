@@ -48,7 +48,7 @@ from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.formats import sqnr_db
 from mixprec.formats.limits import format_limits
-from mixprec.plan.gates import output_refusal
+from mixprec.monitor.gates import output_refusal
 from mixprec.plan.grid import GridRow, format_counts, layer_grid
 from mixprec.plan.measure import (Call, Replay, block_list, format_variants, layer_alone,
                                   linear_names, losses_with, planned_layers, reference_pass)
@@ -79,7 +79,7 @@ class FormatCell:
     saturation: float = math.nan
     flushed: float = math.nan
     """Share of the layer's inputs the format flushes or saturates (the guard's and the planner's
-    measure, :func:`mixprec.plan.replan.flushed_share`; the largest over the batches)."""
+    measure, :func:`mixprec.monitor.replan.flushed_share`; the largest over the batches)."""
     loss_change: float = math.nan
     """Relative loss change with only this layer in this format."""
     speedup: float = 1.0
@@ -332,7 +332,7 @@ def _range_stats(fmt: str, layer: nn.Module, records: list[tuple[torch.Tensor, .
 
 def _flushed(records: list[tuple[torch.Tensor, ...]], fmt: str) -> float:
     """The largest share over the batches of the layer's inputs ``fmt`` flushes or saturates."""
-    from mixprec.plan.replan import flushed_share
+    from mixprec.monitor.replan import flushed_share
     return float(torch.stack([flushed_share(r[0], fmt, "act") for r in records]).max())
 
 
@@ -340,7 +340,7 @@ def _unsafe(c: FormatCell, fmt: str, tolerance: float, peers: list[float],
             min_sqnr_db: float | None, max_flush: float | None) -> str:
     """Why a measured cell is unsafe ("" when it is safe): the loss, then the format's limits
     (output SQNR against its limit and against ``peers``, the other layers' in ``fmt``: the
-    guard's and the planner's test, :func:`mixprec.plan.gates.output_refusal`)."""
+    guard's and the planner's test, :func:`mixprec.monitor.gates.output_refusal`)."""
     limits = format_limits(fmt, min_sqnr_db=min_sqnr_db, max_flush=max_flush)
     why = []
     if not (c.finite and math.isfinite(c.loss_change)):

@@ -8,7 +8,7 @@ both cover every layer inside ``blocks.0``. ``format`` is one of :data:`LAYER_FO
   in FP32 also stores FP32 parameters,
 * ``bf16`` / ``fp16``  the layer's GEMM runs under autocast to that dtype,
 * ``fp8-tensorwise`` / ``fp8-delayed`` / ``fp8-rowwise`` / ``fp8-blockwise``  the layer becomes an
-  :class:`mixprec.fp8.Fp8Linear` with that recipe (where the FP8 rules allow: the output head,
+  :class:`mixprec.formats.Fp8Linear` with that recipe (where the FP8 rules allow: the output head,
   MoE gates and layers whose features are not multiples of 16 stay out, and the FP8 report says
   why),
 * ``mxfp8`` / ``nvfp4`` / ``mxfp4``  the layer becomes a :class:`mixprec.formats.MicroLinear`

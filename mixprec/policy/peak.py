@@ -30,6 +30,7 @@ import torch
 
 from mixprec.policy.datasheets import datasheet_for
 from mixprec.policy.dtypes import dtype_name, parse_dtype
+from mixprec.policy import hardware
 
 __all__ = ["matmul_flops", "cuda_flops", "cuda_seconds", "time_matmul", "peak_flops", "format_peak_flops",
            "no_peak_reason", "cache_dir", "peak_record", "describe_peak", "format_peak_source", "low_peak_reason",
@@ -338,14 +339,13 @@ def no_peak_reason(fmt: str, device: torch.device | str | None = None) -> str | 
     none and software emulates the format (FP8 without FP8 tensor cores, BF16 on a CPU without
     AVX512-BF16/AMX, FP16 without AVX512-FP16/AMX-FP16), a "peak" would be the emulation's speed
     at one matrix shape, which other shapes beat: an MFU against it can pass 100 %."""
-    from mixprec.policy.hardware import cpu_has_native_bf16, cpu_has_native_fp16, cuda_supports_fp8
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    if fmt == "fp8" and (device.type != "cuda" or not cuda_supports_fp8()):
+    if fmt == "fp8" and (device.type != "cuda" or not hardware.cuda_supports_fp8()):
         return "FP8 GEMMs are emulated on this device (no FP8 tensor cores)"
-    if device.type == "cpu" and fmt == "bf16" and not cpu_has_native_bf16():
+    if device.type == "cpu" and fmt == "bf16" and not hardware.cpu_has_native_bf16():
         return "BF16 GEMMs are emulated on this CPU (no AVX512-BF16/AMX instructions)"
-    if device.type == "cpu" and fmt == "fp16" and not cpu_has_native_fp16():
+    if device.type == "cpu" and fmt == "fp16" and not hardware.cpu_has_native_fp16():
         return "FP16 GEMMs are emulated on this CPU (no AVX512-FP16/AMX-FP16 instructions)"
     if fmt not in ("fp8", "tf32", "fp32", "bf16", "fp16"):
         return f"no {fmt} GEMM peak is measured (block-scaled formats are emulated here)"

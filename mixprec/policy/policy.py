@@ -39,7 +39,7 @@ _LOW = (_BF16, _F16)
 
 FP8_RECIPES: tuple[str, ...] = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise")
 """Policy names of the FP8 recipes; ``fp8_recipe`` is the part after ``fp8-``
-(``mixprec.fp8.Fp8Config.from_recipe`` builds the recipe itself)."""
+(``mixprec.formats.Fp8Config.from_recipe`` builds the recipe itself)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +63,7 @@ class Policy:
     allow_tf32: bool = False
     """Let FP32 matmuls run on TF32 tensor cores (CUDA Ampere and newer)."""
     fp8_recipe: str | None = None
-    """Name of an FP8 recipe (``mixprec.fp8.Fp8Config.from_recipe``) for Linear layers, or None."""
+    """Name of an FP8 recipe (``mixprec.formats.Fp8Config.from_recipe``) for Linear layers, or None."""
     micro_format: str | None = None
     """A block-scaled format for Linear layers (``mxfp8``, ``mxfp4``, ``nvfp4``;
     :mod:`mixprec.formats`), or None."""

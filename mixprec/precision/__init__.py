@@ -3,12 +3,12 @@ dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what s
 the rule book it asks (:mod:`~mixprec.precision.rules`: what kind of layer a module is); the
 per-layer table it resolves a model into (:meth:`Precision.describe`); and ``autocast``.
 
-The policy data it reads lives in :mod:`mixprec.policy`; its names are re-exported here so the
-import paths users already have (``mixprec.precision.Policy``, ``mixprec.precision.get_policy``,
-``mixprec.precision.policy``, ``mixprec.precision.dtypes``, ...) keep working.
+The policy data it reads lives in :mod:`mixprec.policy`; its public names are re-exported here
+(``mixprec.precision.Policy``); its modules are not (``mixprec.policy.dtypes``, not
+``mixprec.precision.dtypes``: CHANGELOG.md). The conversions the decider applies, to FP8
+(:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here side by side.
 """
-from mixprec import _compat
-from mixprec.policy import dtypes, hardware, overrides, peak, policy
+from mixprec import _moved
 from mixprec.policy import (ALIASES, FP8_E4M3, FP8_E5M2, FP8_RECIPES, PRESETS, FormatInfo, Policy,
                             bf16_is_fast, cpu_has_native_bf16, cuda_supports_fp8, default_device,
                             dtype_name, format_info, get_policy, parse_dtype)
@@ -16,12 +16,10 @@ from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
 from mixprec.precision.cast import cast_module, mark_fp32_params
 from mixprec.precision.fp8_convert import Fp8ConversionReport, convert_to_fp8
+from mixprec.precision.mx_convert import MicroConversionReport, block_index, convert_to_micro
 from mixprec.precision.precision import OptimizerSpec, Precision, StepTaken, prepare_fp8
 from mixprec.precision.rules import is_gate, is_norm, keep_fp32_reason
 from mixprec.precision.table import LayerRow, LayerTable
-
-_compat.alias(__name__, dtypes=dtypes, exempt=rules, hardware=hardware, overrides=overrides,
-              peak=peak, policy=policy)
 
 __all__ = [
     # the decider
@@ -29,6 +27,7 @@ __all__ = [
     # the rule book and applying it
     "rules", "is_norm", "is_gate", "keep_fp32_reason", "cast_module", "mark_fp32_params",
     "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
+    "convert_to_micro", "MicroConversionReport", "block_index",
     # policy (data, from mixprec.policy)
     "Policy", "get_policy", "PRESETS", "ALIASES", "FP8_RECIPES",
     # dtype facts
@@ -36,3 +35,7 @@ __all__ = [
     # hardware
     "default_device", "cpu_has_native_bf16", "bf16_is_fast", "cuda_supports_fp8",
 ]
+
+
+def __getattr__(name: str):
+    _moved.refuse(__name__, name)     # ``mixprec.precision.dtypes`` ... (moved in 0.4)

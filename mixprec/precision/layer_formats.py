@@ -57,7 +57,7 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
             model, config=base, policy=precision.policy,
             config_fn=lambda module, name: configs.get(wanted.get(name, "")))
     if any(is_micro(f) for f in wanted.values()):
-        from mixprec.formats import convert_to_micro
+        from mixprec.precision.mx_convert import convert_to_micro
         configs = {f: precision.micro_config(f) for f in set(wanted.values()) if is_micro(f)}
         precision.micro_report = convert_to_micro(
             model, config_fn=lambda name: configs.get(wanted.get(name, "")),
@@ -99,7 +99,7 @@ def swap_layer(precision: Precision, model: nn.Module, qualified_name: str, fmt:
     new: nn.Module = plain
     if is_micro(fmt):
         from mixprec.formats import MicroLinear
-        from mixprec.formats.mx_convert import micro_skip_reason
+        from mixprec.precision.mx_convert import micro_skip_reason
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
         config = precision.micro_config(fmt)
         why = micro_skip_reason(qualified_name, plain, parent, config, embeddings)

@@ -281,7 +281,7 @@ class Precision:
 
     @property
     def fp8_config(self):
-        """The :class:`mixprec.fp8.Fp8Config` of ``fp8-*`` modes, else None."""
+        """The :class:`mixprec.formats.Fp8Config` of ``fp8-*`` modes, else None."""
         if not self.policy.fp8_recipe:
             return None
         from mixprec.formats import Fp8Config
@@ -497,7 +497,7 @@ class Precision:
                     compute = self.base_format if refused else asked
                 elif is_micro(asked) and type(module) is nn.Linear:
                     # Not (or not yet) a MicroLinear: the conversion's own answer, recipe blocks included.
-                    from mixprec.formats.mx_convert import block_index, micro_refusal
+                    from mixprec.precision.mx_convert import block_index, micro_refusal
                     blocks = blocks or block_index(model)
                     parent = modules.get(name.rpartition(".")[0]) if name else None
                     refused = micro_refusal(name, module, parent, self.micro_config(asked), embeddings,

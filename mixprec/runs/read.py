@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import DataError
+from mixprec.precision import Precision
 from mixprec.runs.metrics import read_events, read_metrics, read_numerics
 
 __all__ = ["format_counts", "layer_formats_over_run", "read_run", "read_run_config", "run_label",
@@ -88,7 +89,6 @@ def run_label(config: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str
     name = config.get("precision")
     if not isinstance(name, str) or name == "auto":      # "auto" recorded unresolved: not askable
         return (name + switched if isinstance(name, str) else None), bool(config.get("overrides"))
-    from mixprec.precision import Precision
     try:
         precision = Precision(name, overrides=dict(config.get("overrides") or {}) or None)
     except ValueError:
@@ -102,7 +102,6 @@ def run_scales_loss(config: dict[str, Any]) -> bool | None:
     name = config.get("precision")
     if not isinstance(name, str) or name == "auto":
         return None
-    from mixprec.precision import Precision
     try:
         return Precision(name).scales_loss
     except ValueError:

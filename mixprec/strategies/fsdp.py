@@ -45,9 +45,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from mixprec.precision import Precision
 from mixprec.errors import CheckpointError, ConfigError
-from mixprec.precision import Policy
+from mixprec.optim import moments as M
+from mixprec.precision import Policy, Precision
 from mixprec.strategies.base import OptimizerLike, ProcessGroupStrategy, Strategy
 
 __all__ = ["FSDPStrategy", "fsdp_mixed_precision", "default_shard_units"]
@@ -292,7 +292,6 @@ def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping 
 def _fp8_codes(state: Mapping) -> Mapping:
     """Gathered 8-bit moments whose FP8 codes crossed as bytes (mixprec.optim.sharded) as FP8
     codes again, read from each group's ``moments``: the file is the one-process file."""
-    from mixprec.optim import moments as M
     for group in state.get("param_groups", ()):
         for key in group["params"]:
             st = state["state"].get(key)
@@ -305,5 +304,4 @@ def _fp8_bytes(state: Mapping | None) -> Mapping | None:
     """FP8 codes as their bytes for FSDP2's broadcast (gloo has no FP8 type); copies the dicts."""
     if state is None:
         return None
-    from mixprec.optim import moments as M
     return {**state, "state": {k: M.to_bytes_(dict(st)) for k, st in state["state"].items()}}

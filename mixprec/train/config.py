@@ -16,6 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import ConfigError, closest
+from mixprec.monitor.guard import GuardConfig
+from mixprec.optim.moments import MOMENTS
+from mixprec.policy.overrides import normalize_overrides
+from mixprec.precision import get_policy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -113,7 +117,7 @@ class FitConfig:
     replan_window: int = 3
     """Healthy samples before a promoted layer returns to its planned FP8 format."""
     guard: bool = False
-    """Guarded training (``mixprec.plan.guard``): a Linear traced as the origin of inf/NaN on
+    """Guarded training (``mixprec.monitor.guard``): a Linear traced as the origin of inf/NaN on
     consecutive skipped steps, or whose sampled output SQNR falls below ``guard_min_sqnr``, moves
     one format safer (FP8 -> BF16 -> FP32), undoing the steps since its last passing sample when a
     snapshot allows; a loss spike restores the last good snapshot (and promotes the layer that
@@ -171,7 +175,6 @@ class FitConfig:
     (``checkpoints/step-N/hf``). The run's final weights always go to ``RUN_DIR/hf``."""
 
     def __post_init__(self) -> None:
-        from mixprec.policy.overrides import normalize_overrides
         object.__setattr__(self, "precision_overrides", normalize_overrides(self.precision_overrides))
 
     def scaler_options(self) -> dict[str, Any]:
@@ -179,8 +182,7 @@ class FitConfig:
         return {fit: getattr(self, name) for name, fit in _SCALER_OPTIONS.items()}
 
     def guard_config(self):
-        """The :class:`mixprec.plan.guard.GuardConfig` of the ``guard_*`` fields."""
-        from mixprec.plan.guard import GuardConfig
+        """The :class:`mixprec.monitor.guard.GuardConfig` of the ``guard_*`` fields."""
         return GuardConfig(every=self.guard_every, min_sqnr_db=self.guard_min_sqnr,
                            max_flush=self.guard_max_flush,
                            spike_sigma=self.guard_spike_sigma, window=self.guard_window)
@@ -199,7 +201,6 @@ class FitConfig:
             raise ConfigError(f"max_steps must be > 0, got {self.max_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        from mixprec.optim.moments import MOMENTS
         if self.moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{self.moments}'")
         if self.on_stuck_scale not in ("warn", "raise"):
@@ -228,7 +229,6 @@ class FitConfig:
             self.guard_config().validate()
         if self.clip_grad_norm is not None and self.clip_grad_norm < 0:
             raise ConfigError(f"clip_grad_norm must be >= 0 (0 or none disables), got {self.clip_grad_norm}")
-        from mixprec.precision import get_policy
         get_policy(self.precision)  # raises with the valid names
 
 
@@ -476,7 +476,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 raise ConfigError(f"unknown setting '{key}' ({origin}){hint}; valid: "
                                   f"{', '.join(sorted(types))}")
             if key == "precision_overrides":
-                from mixprec.policy.overrides import normalize_overrides
                 values[key] = normalize_overrides(value)
             else:
                 values[key] = _coerce(key, value, types[key], from_text=from_text)
@@ -500,7 +499,6 @@ def given_settings(config: FitConfig | None, overrides: dict[str, Any]) -> set[s
 def refuse_changes_to_ready_precision(precision: Any, cfg: FitConfig, given: set[str]) -> None:
     """A ready :class:`mixprec.Precision` keeps its own settings: a fit() setting that would change
     them is refused in one line (the same value is fine)."""
-    from mixprec.precision import get_policy
     mode = precision.name
     if "precision" in given and (get_policy(cfg.precision, device=precision.device).spec()
                                  != precision.policy.spec()):
@@ -520,7 +518,6 @@ def refuse_changes_to_ready_precision(precision: Any, cfg: FitConfig, given: set
 
 def refuse_two_modes(mixed_precision: Any, precision: str, device: Any) -> None:
     """``fit(mixed_precision=A, precision=B)``: fine when A and B name the same mode."""
-    from mixprec.precision import get_policy
     if get_policy(mixed_precision, device=device).spec() != get_policy(precision, device=device).spec():
         raise ConfigError(f"mixed_precision={mixed_precision!r} and precision={precision!r} "
                           "disagree; pass one of them")

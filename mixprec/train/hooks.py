@@ -25,6 +25,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from mixprec.monitor.guard import StepOutcome
+
 __all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook", "GuardHook"]
 
 
@@ -73,7 +75,7 @@ class NumericsHook(StepHook):
 
 
 class ReplanHook(StepHook):
-    """Re-planning per-layer formats while training (:class:`mixprec.plan.LayerReplanner`)."""
+    """Re-planning per-layer formats while training (:class:`mixprec.monitor.LayerReplanner`)."""
 
     def __init__(self, replanner: Any) -> None:
         self.replanner = replanner
@@ -120,7 +122,7 @@ class ProfilerHook(StepHook):
 
 
 class GuardHook(StepHook):
-    """Guarded training (:class:`mixprec.plan.guard.TrainingGuard`): promote a layer that made
+    """Guarded training (:class:`mixprec.monitor.guard.TrainingGuard`): promote a layer that made
     inf/NaN or lost precision, restore the in-memory snapshot on a loss spike, stop when no safer
     format is left. Last in the list: a restore replaces weights the other hooks just measured.
 
@@ -139,7 +141,6 @@ class GuardHook(StepHook):
         return contextlib.nullcontext()
 
     def after_step(self, trainer, step, out, origin):
-        from mixprec.plan.guard import StepOutcome
         event = trainer.step_event
         outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
                               event.module if event is not None else None)

@@ -15,7 +15,7 @@ from torch import nn
 
 from mixprec.models.objective import add_tokens, count_samples
 from mixprec.precision import Precision
-from mixprec.estimate.flops import model_flops
+from mixprec.models.flops import model_flops
 from mixprec.policy.peak import format_peak_flops, format_peak_source, low_peak_reason
 from mixprec.strategies import Strategy
 from mixprec.runs.metrics import MetricsLogger

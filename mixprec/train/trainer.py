@@ -23,24 +23,29 @@ from torch.autograd.profiler import record_function
 
 from mixprec import hints
 from mixprec.data.position import resumable
-from mixprec.errors import CheckpointError, ConfigError, RunInterrupted, TrainingDiverged, excerpt
+from mixprec.errors import (CheckpointError, ConfigError, RunInterrupted, TrainingDiverged, closest,
+                            excerpt)
+from mixprec.models.hf import is_hf_model, is_hf_spec, keep_run_config
 from mixprec.models.objective import add_tokens, apply_loss_chunk, make_objective
-from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step
+from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step, locate_nonfinite
+from mixprec.monitor.guard import TrainingGuard
 from mixprec.monitor.profile import StepProfiler
+from mixprec.monitor.replan import LayerReplanner
 from mixprec.monitor.trace import capture_rng_state, gather_origins
 from mixprec.nn.fp8_activations import store_activations_in_fp8
 from mixprec.optim.overlap import OverlappedUpdate
 from mixprec.optim.registry import find_optimizer_for
-from mixprec.optim.schedule import warmup_cosine_scheduler
-from mixprec.plan.replan import LayerReplanner
+from mixprec.optim.schedule import restretch, warmup_cosine_scheduler
 from mixprec.precision import Policy, Precision
+from mixprec.runs import checkpoint as ckpt
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger, is_finite_number, read_metrics
+from mixprec.runs.read import read_run_config
 from mixprec.runs.run_dir import claim_locked_run_dir, deleted_note
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.config import (FitConfig, config_to_toml, given_settings,
-                                   refuse_changes_to_ready_precision, refuse_two_modes)
+                                  refuse_changes_to_ready_precision, refuse_two_modes)
 from mixprec.train.health import RunHealth, seed_everything
 from mixprec.train.hooks import (GuardHook, NumericsHook, ProfilerHook, ReplanHook, ScaleWatchHook,
                                  StepHook)
@@ -79,7 +84,6 @@ class Trainer:
         fields = {f.name for f in dataclasses.fields(config)}
         unknown = set(overrides) - fields
         if unknown:
-            from mixprec.errors import closest
             name = sorted(unknown)[0]
             raise ConfigError(f"fit() got an unknown argument '{name}'{closest(name, fields)}")
         self.config = dataclasses.replace(config, **overrides) if overrides else config
@@ -273,7 +277,6 @@ class Trainer:
         if self.replanner is not None:
             self.hooks.append(ReplanHook(self.replanner))
         if cfg.guard:
-            from mixprec.plan.guard import TrainingGuard
             self.guard = TrainingGuard(precision, unwrapped, self.optimizer, self.scheduler,
                                        config=cfg.guard_config(),   # ranks vote (MAX) alike
                                        agree=strategy.all_reduce_max if strategy.world_size > 1 else None)
@@ -345,7 +348,6 @@ class Trainer:
         Runs on the unwrapped model (no gradient communication) with the RNG state of the original
         step, and leaves parameters, gradients and the RNG stream as they were.
         """
-        from mixprec.monitor import locate_nonfinite
         self.settle()
         model = self.strategy.unwrap(self.model)
         n = len(micro_batches)
@@ -431,7 +433,6 @@ class Trainer:
         """``run_dir`` naming a run's checkpoint (``RUN/checkpoints/step-N``, or ``RUN/checkpoints``)
         with ``resume``: continue RUN from that checkpoint, as ``mixprec train --resume`` does,
         instead of writing a new run inside the checkpoint folder. Returns what to resume from."""
-        from mixprec.runs import checkpoint as ckpt
         cfg = self.config
         run = ckpt.run_of_checkpoint(cfg.run_dir) if resume and cfg.run_dir else None
         if run is None:
@@ -446,8 +447,6 @@ class Trainer:
         """A ``fit()`` resume of a folder whose ``config.toml`` says ``fit()`` trained another
         model class there is another run, not this one: refused in one line naming both, before
         a restore fails on whatever differs first (the data's length, a weight's shape)."""
-        from mixprec.runs import checkpoint as ckpt
-        from mixprec.runs.read import read_run_config
         if hasattr(self.config, "model"):        # mixprec train: its own config names the model
             return
         folder = self.run_dir if resume is True else (ckpt.run_of_checkpoint(resume) or Path(resume))
@@ -467,7 +466,6 @@ class Trainer:
         """A resume of a run folder that holds no complete checkpoint (the run stopped before its
         first save, or a second Ctrl-C aborted it): it starts again from step 0 with this run's
         settings, said in one line, instead of a refusal with no way out."""
-        from mixprec.runs import checkpoint as ckpt
         if not resume:
             return False
         folder = Path(self.config.run_dir) if resume is True and self.config.run_dir else (
@@ -582,7 +580,6 @@ class Trainer:
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used
                     + ran)
-                from mixprec.models.hf import is_hf_spec, keep_run_config
                 if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
                     keep_run_config(cfg.model, self.run_dir)
         except OSError as e:
@@ -719,7 +716,6 @@ class Trainer:
         the new ``max_steps`` (a finished run extended with a larger ``max_steps`` goes back up the
         cosine to where the longer run would be). Unchanged settings give the checkpoint's LR bit
         for bit."""
-        from mixprec.optim.schedule import restretch
         cfg = self.config
         lrs = restretch(self.scheduler, base_lrs=peaks, warmup_steps=cfg.warmup_steps,
                         total_steps=total, min_ratio=cfg.min_lr_ratio)
@@ -756,7 +752,6 @@ class Trainer:
     def _stop_if_diverged(self, problem: str | None, last: StepOutput | None = None) -> None:
         if problem is None:
             return
-        from mixprec.runs import checkpoint as ckpt
         done = ckpt.list_checkpoints(self.run_dir) if self.run_dir is not None else []
         lower = float(f"{self.config.lr / 2:.3g}")
         where = (f"resume from the last checkpoint before it with a lower lr (the schedule follows "
@@ -837,7 +832,6 @@ def _optimizer_settings(optimizer: torch.optim.Optimizer | None) -> dict[str, fl
 
 def _fit_model_name(model: nn.Module) -> str:
     """The model class a ``fit()`` run records in ``config.toml`` (``model = "fit: <this>"``)."""
-    from mixprec.models.hf import is_hf_model
     kind = type(model)
     return (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
             else f"{kind.__module__}.{kind.__qualname__}")

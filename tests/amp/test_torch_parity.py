@@ -75,7 +75,7 @@ def test_seed_002_loop_runs_unchanged(make_scaler):
     first = None
     # --- the seed's loop, with autocast on the CPU instead of torch.cuda.amp ---
     for inputs, labels in train_loader:
-        with mixprec.amp.autocast("bf16-mixed", device_type="cpu"):
+        with mixprec.precision.autocast("bf16-mixed", device_type="cpu"):
             outputs = model(inputs)
             loss = criterion(outputs.float(), labels)
         scaler.scale(loss).backward()
@@ -87,8 +87,9 @@ def test_seed_002_loop_runs_unchanged(make_scaler):
     assert loss.item() < first
 
 
-def test_autocast_is_reexported_from_precision():
-    assert mixprec.amp.autocast is mixprec.precision.autocast
+def test_autocast_lives_in_precision_and_its_old_amp_path_says_so():
+    with pytest.raises(ImportError, match=r"^mixprec\.amp\.autocast moved to mixprec\.precision\.autocast in 0\.4; see CHANGELOG\.md$"):
+        from mixprec.amp import autocast  # noqa: F401
 
 
 # --- defaults and the small differences, each side by side with torch.amp.GradScaler ----------

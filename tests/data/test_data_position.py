@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
 
 import mixprec as mp
 from mixprec.data.position import resumable
-from mixprec.train.metrics import read_events, read_metrics
+from mixprec.runs.metrics import read_events, read_metrics
 
 
 class Counting(Dataset):
@@ -56,7 +56,7 @@ def _fit(loader, run_dir, **kw):
 
 
 def _weights(run_dir, step):
-    from mixprec.train.checkpoint import load_checkpoint
+    from mixprec.runs.checkpoint import load_checkpoint
     state, _, _ = load_checkpoint(run_dir / "checkpoints" / f"step-{step:08d}")
     return state
 
@@ -132,7 +132,7 @@ def test_an_iterable_without_position_is_said_at_start_and_at_resume_and_recorde
     assert len(start) == 1 and start[0]["exact"] is False and start[0]["step"] == 0
     assert "Stream" in start[0]["message"] and "another data order" in start[0]["message"]
     assert start[0]["message"] in capsys.readouterr().err
-    from mixprec.train.checkpoint import load_checkpoint
+    from mixprec.runs.checkpoint import load_checkpoint
     _, state, _ = load_checkpoint(run / "checkpoints" / "step-00000010")
     assert state["loader"]["exact"] is False and "Stream" in state["loader"]["why"]
     shutil.rmtree(run / "checkpoints" / "step-00000020")

@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from mixprec.errors import ConfigError
-from mixprec.formats import Fp8Config, Fp8Linear, convert_to_fp8, prepare_fp8
+from mixprec.formats import Fp8Config, Fp8Linear
+from mixprec.precision import convert_to_fp8, prepare_fp8
 from mixprec.precision import get_policy
 
 

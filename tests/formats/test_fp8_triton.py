@@ -356,7 +356,7 @@ def test_fp8_gemm_without_a_triton_plan_never_imports_the_kernel(monkeypatch):
 
 def test_the_package_converts_and_runs_blockwise_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import torch, mixprec, mixprec.fp8\n"
+            "import torch, mixprec, mixprec.precision\n"
             "from mixprec.formats import Fp8Config, Fp8Linear\n"
             "m = Fp8Linear.from_linear(torch.nn.Linear(256, 256), Fp8Config.from_recipe('blockwise'))\n"
             "m(torch.randn(4, 256)).sum().backward()\n"

@@ -167,7 +167,7 @@ def test_planner_takes_micro_candidates_at_blackwell_rates_and_drops_them_when_m
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     batches = [(torch.randn(16, 32), torch.randn(16, 32))]
-    plan = mixprec.plan_precision(model, batches, candidates=("fp32", "bf16", "mxfp8", "nvfp4"),
+    plan = mixprec.plan.plan_precision(model, batches, candidates=("fp32", "bf16", "mxfp8", "nvfp4"),
                                   target="B200", loss_fn=F.mse_loss, budget=0.5)
     assert plan.throughput["nvfp4"] == 9000e12 and plan.throughput["mxfp8"] == 4500e12
     assert {m.chosen for m in plan.layers} <= {"fp32", "bf16", "mxfp8", "nvfp4"}

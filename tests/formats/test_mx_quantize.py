@@ -178,7 +178,7 @@ def test_lost_share_counts_flushed_and_clamped_elements():
 
 
 def test_the_replanner_measures_micro_formats_too():
-    from mixprec.plan.replan import flushed_share
+    from mixprec.monitor.replan import flushed_share
     x = torch.randn(8, 64)
     x[:, 3] *= 1e4                                      # an outlier channel in the first blocks
     assert float(flushed_share(x, "nvfp4")) > 0.1 > float(flushed_share(x, "bf16"))

@@ -102,7 +102,7 @@ def test_bert_and_t5_train_through_fit_on_a_shuffled_dataloader_with_no_glue(tas
     loader = DataLoader(PaddedText(task, n=32), batch_size=8, shuffle=True)
     result = mp.fit(build(), loader, mixed_precision="32-true", epochs=2, lr=3e-3, warmup_steps=0,
                     progress=False, audit=False, log_interval=1, run_dir=str(tmp_path / "run"))
-    from mixprec.train.metrics import read_metrics
+    from mixprec.runs.metrics import read_metrics
     losses = [float(r["loss"]) for r in read_metrics(tmp_path / "run")]
     assert result.steps == 8 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-2:]) < sum(losses[:2])          # it learns
@@ -166,7 +166,7 @@ def test_a_resnet_trains_on_a_plain_dataloader_of_images_and_labels_with_no_glue
     loader = DataLoader(images(), batch_size=8, shuffle=True)
     result = mp.fit(resnet(), loader, mixed_precision="32-true", epochs=2, lr=1e-2, warmup_steps=0,
                     progress=False, audit=False, log_interval=1, run_dir=str(tmp_path / "run"))
-    from mixprec.train.metrics import read_metrics
+    from mixprec.runs.metrics import read_metrics
     rows = read_metrics(tmp_path / "run")
     assert result.steps == 8 and all(math.isfinite(float(r["loss"])) for r in rows)
     assert rows[0]["tokens_per_s"] in ("", None) and rows[0]["mfu"] in ("", None)  # images: no tokens
@@ -208,7 +208,7 @@ def test_a_skipped_step_on_dict_batches_is_traced_to_the_layer(tmp_path):
     data[1]["input_ids"][0, 0] = 63
     result = mp.fit(model, data, mixed_precision="32-true", epochs=1, progress=False, audit=False,
                     ckpt_interval=0, clip_grad_norm=None, run_dir=str(tmp_path / "run"))
-    from mixprec.train.metrics import read_events
+    from mixprec.runs.metrics import read_events
     (skip,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "skip"]
     assert result.skipped_steps == 1
     assert (skip["module"], skip["direction"]) == ("bert.embeddings.word_embeddings", "forward")

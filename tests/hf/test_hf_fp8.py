@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.formats import Fp8Config, Fp8Conv1D, Fp8Linear, convert_to_fp8, is_conv1d, sqnr_db
+from mixprec.formats import Fp8Config, Fp8Conv1D, Fp8Linear, is_conv1d, sqnr_db
+from mixprec.precision import convert_to_fp8
 from mixprec.policy import hardware
 
 transformers = pytest.importorskip("transformers")

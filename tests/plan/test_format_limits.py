@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.formats.limits import HEALTHY, format_limits
-from mixprec.plan.guard import GuardConfig, StepOutcome, TrainingGuard
+from mixprec.monitor.guard import GuardConfig, StepOutcome, TrainingGuard
 
 from guard_nets import Net, loader
 
@@ -70,7 +70,7 @@ def test_a_whatif_plan_with_nvfp4_layers_trains_under_the_guard_without_promotio
     """Before: the guard held NVFP4 to FP8's 20 dB / 1 % and moved every NVFP4 layer of the
     what-if's own plan back to bf16 at step 1."""
     net = _trained_net()
-    report = mp.what_if(net, loader(seed=2, n=2), formats=("nvfp4", "bf16"), gpu="B200")
+    report = mp.plan.what_if(net, loader(seed=2, n=2), formats=("nvfp4", "bf16"), gpu="B200")
     planned = {n for n, f in report.choices.items() if f == "nvfp4"}
     assert len(planned) >= 3, report.table()
     trainer = mp.Trainer(net, mixed_precision=mp.Precision("32-true", overrides=report.overrides),
@@ -106,7 +106,7 @@ def test_plan_can_choose_nvfp4_for_healthy_layers_and_refuses_it_for_the_outlier
     """Before: the 1 % flush gate refused NVFP4 on every layer."""
     net = _trained_net(boost=True)
     net.blocks[0].grow_outliers()
-    plan = mp.plan_precision(net, loader(seed=2, n=2), candidates=("bf16", "nvfp4"), target="B200",
+    plan = mp.plan.plan_precision(net, loader(seed=2, n=2), candidates=("bf16", "nvfp4"), target="B200",
                              budget=0.05, heldout=[])
     by_name = {m.name: m for m in plan.layers}
     assert "nvfp4" in by_name[OUTLIER].risky
@@ -120,7 +120,7 @@ def test_the_peer_check_spares_a_layer_at_its_formats_healthy_level():
     """Measured on a trained ``small`` (docs/per-layer.md): MLP-input and QKV layers sit 8-9 dB
     below the MLP-output layers in every format. Before, the planner refused NVFP4 and FP8 on all
     of them for standing 4 dB below the median, and then chose MXFP4 for them."""
-    from mixprec.plan.gates import output_refusal
+    from mixprec.monitor.gates import output_refusal
     assert output_refusal(20.5, "nvfp4", [26.0, 29.0, 21.0, 29.5, 28.0]) is None
     assert output_refusal(32.4, "fp8-tensorwise", [37.0, 38.5, 33.0, 41.0, 40.0]) is None
     low = output_refusal(12.0, "nvfp4", [20.0, 21.0, 29.0, 29.0])      # under 16.5 and 4 dB down

@@ -9,7 +9,7 @@ import torch
 import mixprec as mp
 from mixprec.errors import ConfigError, TrainingDiverged
 from mixprec.formats import Fp8Linear
-from mixprec.plan.guard import GuardConfig, StepOutcome, TrainingGuard
+from mixprec.monitor.guard import GuardConfig, StepOutcome, TrainingGuard
 
 from guard_nets import Net as _Net, loader as _loader
 

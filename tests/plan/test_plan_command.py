@@ -84,7 +84,7 @@ def test_an_all_fp32_plan_plots_without_a_warning(tmp_path):
 
     import mixprec as mp
     from guard_nets import Net, loader
-    plan = mp.plan_precision(Net(), loader(n=1), candidates=("bf16",), budget=0.0, target="H100",
+    plan = mp.plan.plan_precision(Net(), loader(n=1), candidates=("bf16",), budget=0.0, target="H100",
                              layers=["blocks.0.fc"])
     assert plan.formats == {"blocks.0.fc": "fp32"}
     plan.layers[0].sqnr_out.clear()            # no bar with a label at all (an all-fp32 table)

@@ -46,7 +46,7 @@ def test_the_planners_candidates_are_the_tables_and_never_a_layer_kept_fp32():
     model = _model()
     table = mp.Precision("bf16-mixed").resolve(model)
     assert set(table.kept_fp32) == {"gating", "tagged"}
-    plan = mp.plan_precision(model, _batches(), candidates=("fp32", "bf16"), base="bf16-mixed",
+    plan = mp.plan.plan_precision(model, _batches(), candidates=("fp32", "bf16"), base="bf16-mixed",
                              target="H100", seed=0)
     assert list(plan.formats) == list(table.plannable) == ["fc", "out"]
     assert {m.name: m.current for m in plan.layers} == table.plannable == {"fc": "bf16", "out": "bf16"}
@@ -57,16 +57,16 @@ def test_the_planners_candidates_are_the_tables_and_never_a_layer_kept_fp32():
 
 def test_asking_to_plan_a_layer_the_table_keeps_fp32_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"'gating' is kept in FP32 \(kept FP32: MoE gate/router\)"):
-        mp.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), target="H100",
+        mp.plan.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), target="H100",
                           layers=["gating"])
     with pytest.raises(ConfigError, match="no Linear named 'fcc'"):
-        mp.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), target="H100",
+        mp.plan.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), target="H100",
                           layers=["fcc"])
 
 
 def test_the_what_if_asks_about_the_same_layers():
     model = _model()
-    report = mp.what_if(model, _batches(), formats=("bf16",), gpu="H100")
+    report = mp.plan.what_if(model, _batches(), formats=("bf16",), gpu="H100")
     assert [r.name for r in report.rows] == list(mp.Precision("32-true").resolve(model).plannable)
     assert any(n.startswith("kept in FP32, not planned: gating") for n in report.notes)
 
@@ -74,7 +74,7 @@ def test_the_what_if_asks_about_the_same_layers():
 def test_a_base_plans_fp32_override_does_not_hide_a_layer_from_the_new_plan(tmp_path):
     from mixprec.policy.overrides import write_plan
     old = write_plan(tmp_path / "old.toml", "bf16-mixed", (("fc", "fp32"),))
-    plan = mp.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), base=f"plan:{old}",
+    plan = mp.plan.plan_precision(_model(), _batches(), candidates=("fp32", "bf16"), base=f"plan:{old}",
                              target="H100", seed=0)
     assert list(plan.formats) == ["fc", "out"] and plan.base == "bf16-mixed"
     assert "the base's 1 per-layer overrides are replaced by this plan's" in plan.notes

@@ -64,22 +64,22 @@ def _trained(steps: int = 30) -> nn.Module:
 
 @pytest.fixture(autouse=True)
 def every_plan_keeps_its_budget(monkeypatch):
-    """The promise, checked on every plan a test here builds through ``mp.plan_precision``: the
+    """The promise, checked on every plan a test here builds through ``mp.plan.plan_precision``: the
     whole plan's measured loss change, on the calibration and on the held-out batches, is at most
     the budget (the module-scoped ``plan`` below asserts it itself)."""
-    real = mp.plan_precision
+    real = mp.plan.plan_precision
 
     def checked(*args, **kwargs):
         p = real(*args, **kwargs)
         assert p.measured_calibration is not None and p.measured_calibration <= p.budget, p.notes
         assert p.measured_heldout is None or p.measured_heldout <= p.budget, p.notes
         return p
-    monkeypatch.setattr(mp, "plan_precision", checked)
+    monkeypatch.setattr(mp.plan, "plan_precision", checked)
 
 
 @pytest.fixture(scope="module")
 def plan():
-    p = mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
+    p = mp.plan.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
                           budget=1e-3, target="H100", seed=0)
     assert p.measured_heldout <= p.budget and p.measured_calibration <= p.budget
     return p
@@ -105,7 +105,7 @@ def test_outlier_layer_stays_out_of_fp8_tensorwise_while_most_others_go_fp8(plan
 def test_default_plan_keeps_the_outlier_layer_out_of_fp8_and_its_measured_budget(budget):
     # The default candidates (both FP8 recipes); the promise is the whole plan's measured change
     # on held-out batches the per-layer measurements never saw.
-    p = mp.plan_precision(_trained(), _batches(), budget=budget, target="H100", seed=0)
+    p = mp.plan.plan_precision(_trained(), _batches(), budget=budget, target="H100", seed=0)
     assert not p.formats[OUTLIER_LAYER].startswith("fp8")
     assert p.heldout_tokens == 256 and p.calibration_tokens == 512       # 1 of 3 batches held out
     assert p.measured_heldout <= budget and p.measured_calibration <= budget
@@ -134,7 +134,7 @@ def test_the_outlier_layer_ranks_most_sensitive_and_is_refused_by_the_gates(plan
 def test_a_plan_over_budget_when_measured_moves_its_worst_layers_back():
     # The estimate admits more FP8 than the whole plan, measured, can afford: the planner moves
     # layers back until the measured change fits, and says which.
-    p = mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
+    p = mp.plan.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
                           budget=3e-4, target="H100", seed=0)
     assert p.spent <= 3e-4 and p.demoted
     assert p.loss_change <= 3e-4
@@ -157,7 +157,7 @@ def test_the_table_and_plan_file_show_predicted_and_measured(plan, tmp_path):
 
 def test_plan_is_deterministic_and_round_trips_as_a_precision(plan, tmp_path):
     some = ["blocks.1.fc", OUTLIER_LAYER]
-    again = mp.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
+    again = mp.plan.plan_precision(_trained(), _batches(), candidates=("fp32", "bf16", "fp8-tensorwise"),
                               budget=1e-3, target="H100", seed=0, layers=some)
     assert again.loss_change <= again.budget
     first = {m.name: m for m in plan.layers}
@@ -174,13 +174,13 @@ def test_plan_is_deterministic_and_round_trips_as_a_precision(plan, tmp_path):
 
 def test_zero_budget_keeps_every_layer_at_its_exact_format():
     torch.manual_seed(0)
-    p = mp.plan_precision(_Net(outlier_block=None, n=1), _batches()[:1], candidates=("fp8-tensorwise",),
+    p = mp.plan.plan_precision(_Net(outlier_block=None, n=1), _batches()[:1], candidates=("fp8-tensorwise",),
                           budget=0.0, target="H100", layers=["blocks.0.fc"])
     assert p.formats == {"blocks.0.fc": "fp32"}
     assert p.measured_calibration == 0.0 and p.measured_heldout is None    # one batch: none held out
     assert any("no held-out batch" in n for n in p.notes)
     with pytest.raises(ConfigError, match="did you mean 'blocks.0.fc'"):
-        mp.plan_precision(_Net(n=1), _batches(), layers=["blocks.0.fcc"], target="H100")
+        mp.plan.plan_precision(_Net(n=1), _batches(), layers=["blocks.0.fcc"], target="H100")
 
 
 def test_measured_throughput_drops_fp8_where_it_would_be_emulated():
@@ -222,7 +222,7 @@ def test_a_hooked_layer_is_measured_on_what_reaches_its_forward():
         return net
 
     kw = dict(candidates=("bf16", "fp8-tensorwise"), target="H100", layers=["blocks.1.proj"])
-    plain, hooked = (mp.plan_precision(make(h), _batches(), **kw).layers[0] for h in (False, True))
+    plain, hooked = (mp.plan.plan_precision(make(h), _batches(), **kw).layers[0] for h in (False, True))
     for f in ("bf16", "fp8-tensorwise"):
         assert hooked.loss_change_est[f] == pytest.approx(plain.loss_change_est[f], rel=1e-4)
         assert hooked.sqnr_out[f] == pytest.approx(plain.sqnr_out[f], abs=0.01)
@@ -253,12 +253,12 @@ def test_a_model_set_up_in_fp32_can_be_planned_and_one_set_up_otherwise_is_refus
     torch.manual_seed(0)
     net = _Net(outlier_block=None, n=1)
     mp.Precision("32-true").setup(net)
-    p = mp.plan_precision(net, _batches(2), candidates=("bf16",), target="H100", layers=["blocks.0.fc"])
+    p = mp.plan.plan_precision(net, _batches(2), candidates=("bf16",), target="H100", layers=["blocks.0.fc"])
     assert p.formats["blocks.0.fc"] in ("fp32", "bf16") and p.loss_change <= p.budget
     other = _Net(outlier_block=None, n=1)
     mp.Precision("bf16-true").setup(other)
     with pytest.raises(ConfigError, match="set up for precision"):
-        mp.plan_precision(other, _batches(2), target="H100")
+        mp.plan.plan_precision(other, _batches(2), target="H100")
 
 
 def test_the_gate_mark_stands_in_front_of_the_refused_cell_not_under_the_loss_change(plan):

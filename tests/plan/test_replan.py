@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.plan import LayerReplanner
+from mixprec.monitor import LayerReplanner
 
 from guard_nets import Net, loader as _loader
 
@@ -47,7 +47,7 @@ def test_growing_outliers_promote_the_layer_at_the_next_sample_and_resume_keeps_
     assert "flush to zero" in switches[0]["message"]
     assert t.precision.layer_formats["blocks.1.proj"] == "bf16"
     assert t.precision.layer_formats["blocks.0.proj"] == "fp8-tensorwise"
-    losses = [float(r["loss"]) for r in mp.train.metrics.read_metrics(run)]
+    losses = [float(r["loss"]) for r in mp.runs.metrics.read_metrics(run)]
     assert len(losses) == 7 and all(math.isfinite(v) for v in losses)
     assert t.precision.num_skipped_steps == 0
     from mixprec.report.format_timeline import format_timeline

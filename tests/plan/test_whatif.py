@@ -61,7 +61,7 @@ def outlier_report():
         opt.zero_grad()
         net(x, y).backward()
         opt.step()
-    return mp.what_if(net, _batches(), gpu="B200")
+    return mp.plan.what_if(net, _batches(), gpu="B200")
 
 
 def test_outlier_layer_is_unsafe_in_fp4_and_safe_in_bf16(outlier_report):
@@ -102,7 +102,7 @@ def test_a_plain_user_module_with_a_loss_fn():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     batches = [(torch.randn(16, 32), torch.randn(16, 32)) for _ in range(2)]
-    report = mp.what_if(model, batches, formats=("mxfp8", "nvfp4", "bf16"), gpu="GB200",
+    report = mp.plan.what_if(model, batches, formats=("mxfp8", "nvfp4", "bf16"), gpu="GB200",
                         loss_fn=F.mse_loss)
     assert [r.name for r in report.rows] == ["0", "2"]
     assert all(r.cells["mxfp8"].available and r.cells["nvfp4"].available for r in report.rows)
@@ -118,7 +118,7 @@ def test_a_tiny_hugging_face_llama_from_its_config():
     model = transformers.LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (2, 32), generator=g)
-    report = mp.what_if(model, [(x[:, :-1], x[:, 1:])], formats=("fp8-rowwise", "nvfp4", "bf16"))
+    report = mp.plan.what_if(model, [(x[:, :-1], x[:, 1:])], formats=("fp8-rowwise", "nvfp4", "bf16"))
     names = {r.name: r for r in report.rows}
     assert "model.layers.0.mlp.down_proj" in names
     assert not names["lm_head"].cells["nvfp4"].available
@@ -129,11 +129,11 @@ def test_bad_arguments_are_refused_in_one_line():
     model = nn.Sequential(nn.Linear(32, 32))
     batches = [(torch.randn(4, 32), torch.randn(4, 32))]
     with pytest.raises(ConfigError, match="unknown GPU"):
-        mp.what_if(model, batches, gpu="B2000", loss_fn=F.mse_loss)
+        mp.plan.what_if(model, batches, gpu="B2000", loss_fn=F.mse_loss)
     with pytest.raises(ConfigError, match="unknown layer format"):
-        mp.what_if(model, batches, formats=("nvfp5",), loss_fn=F.mse_loss)
+        mp.plan.what_if(model, batches, formats=("nvfp5",), loss_fn=F.mse_loss)
     with pytest.raises(ConfigError, match="tolerance"):
-        mp.what_if(model, batches, tolerance=5, loss_fn=F.mse_loss)
+        mp.plan.what_if(model, batches, tolerance=5, loss_fn=F.mse_loss)
 
 
 def test_cli_writes_table_csv_heatmap_and_plan(tmp_path, capsys):

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.formats import Fp8Config, convert_to_fp8
+from mixprec.formats import Fp8Config
+from mixprec.precision import convert_to_fp8
 from mixprec.monitor import audit
 from mixprec.precision import is_norm
 

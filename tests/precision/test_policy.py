@@ -5,7 +5,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.precision import PRESETS, cast_module, format_info, get_policy, parse_dtype
-from mixprec.precision import policy as policy_mod
+from mixprec.policy import policy as policy_mod
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 

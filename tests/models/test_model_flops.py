@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from mixprec.estimate.flops import model_flops
+from mixprec.models.flops import model_flops
 from mixprec.models import Transformer
 
 

@@ -1,14 +1,14 @@
-"""What the training guard (:mod:`mixprec.plan.guard`) measures and what it keeps.
+"""What the training guard (:mod:`mixprec.monitor.guard`) measures and what it keeps.
 
 * :func:`sample_layers`: one replay of the step's forward with a hook on every Linear not in FP32:
   its output SQNR against the same GEMM in FP32 on the same inputs, and the share of its inputs
-  its format flushes or saturates (:func:`mixprec.plan.replan.flushed_share`); under several
+  its format flushes or saturates (:func:`mixprec.monitor.replan.flushed_share`); under several
   ranks the worst of any rank (one all-reduce), one host sync in all.
 * :func:`take_snapshot` / :func:`restore_snapshot`: the in-memory copy of the weights, the buffers
   outside the state dict (FP8 amax histories), the optimizer state and the LR schedule's step, and
   putting it back with this run's optimizer settings and schedule curve.
 
-The decisions (which layer to promote, when to restore) stay in :class:`~mixprec.plan.guard.TrainingGuard`.
+The decisions (which layer to promote, when to restore) stay in :class:`~mixprec.monitor.guard.TrainingGuard`.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.monitor.replan import flushed_share
 from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 
@@ -34,7 +35,6 @@ def sample_layers(precision: Precision, model: nn.Module, probe: Callable[[], An
     in FP32 that ``probe()`` (the step's forward) ran; ``agree``: an element-wise MAX over ranks
     (the lowest SQNR and largest share any rank measured). None when no layer is watched, or (one
     process) none ran. The random state is left as it was."""
-    from mixprec.plan.replan import flushed_share
     watched = {n: f for n, f in precision.layer_formats.items() if f != "fp32"}
     energy: dict[str, list[torch.Tensor]] = {}
     handles = []

@@ -18,6 +18,7 @@ from torch import nn
 from mixprec.formats.micro_config import MicroConfig
 from mixprec.formats.mx_linear import MicroLinear
 from mixprec.nn.swap import replace_module
+from mixprec.precision.rules import fp8_skip_reason
 
 __all__ = ["convert_to_micro", "MicroConversionReport", "block_index", "micro_skip_reason", "micro_refusal"]
 
@@ -73,7 +74,6 @@ def block_index(model: nn.Module) -> tuple[dict[str, int], int]:
 def micro_skip_reason(name: str, module: nn.Linear, parent: nn.Module | None, config: MicroConfig,
                       embedding_weights: set[int]) -> str | None:
     """Why ``module`` cannot run in ``config``'s format (None: it can)."""
-    from mixprec.precision.rules import fp8_skip_reason   # the rule book (listed in tests/test_layers.py)
     why = fp8_skip_reason(name, module, parent, embedding_weights)
     if why is not None:
         return why.replace("FP8 GEMMs", "block-scaled GEMMs")

@@ -42,8 +42,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mixprec.precision import Precision
 from mixprec.errors import ConfigError
+from mixprec.formats import Fp8Config, MicroConfig, quantize_operand
+from mixprec.formats.fp8_linear import _operand_block
+from mixprec.formats.fp8_quantize import quantize
+from mixprec.formats.mx import lost_share
+from mixprec.policy.dtypes import format_info
+from mixprec.policy.overrides import format_dtype, is_micro
+from mixprec.precision import Precision
 
 __all__ = ["LayerReplanner", "FormatSwitch", "flushed_share"]
 
@@ -61,19 +67,12 @@ def flushed_share(t: torch.Tensor, fmt: str, kind: str = "act") -> torch.Tensor:
     t = t.detach().reshape(-1, t.shape[-1]).float()
     nonzero = (t != 0).sum().clamp(min=1)
     if fmt.startswith("fp8-"):
-        from mixprec.formats import Fp8Config
-        from mixprec.formats.fp8_linear import _operand_block
-        from mixprec.formats.fp8_quantize import quantize
         config = Fp8Config.from_recipe(fmt)
         dtype = config.forward_dtype if kind == "act" else config.grad_dtype
         q = quantize(t, dtype, _operand_block(config, "act"), margin=config.margin,
                      power_of_two=config.power_of_two_scales)
         return ((q.data.float() == 0) & (t != 0)).sum() / nonzero
-    from mixprec.policy.dtypes import format_info
-    from mixprec.policy.overrides import format_dtype, is_micro
     if is_micro(fmt):                   # block-scaled: flushed to zero or clamped by its block scale
-        from mixprec.formats import MicroConfig, quantize_operand
-        from mixprec.formats.mx import lost_share
         return lost_share(t, quantize_operand(t, MicroConfig.from_recipe(fmt), grad=kind == "grad"))
     dtype = format_dtype(fmt)
     if dtype is None:                   # a format this function does not model

@@ -11,7 +11,7 @@ three signals, each pointing at one Linear layer:
 * **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
   step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
   against the same GEMM in FP32 on the same input; every layer below its format's SQNR limit (or
-  standing out below the other layers in its format, :func:`mixprec.plan.gates.output_refusal`),
+  standing out below the other layers in its format, :func:`mixprec.monitor.gates.output_refusal`),
   or whose format flushes more than its limit of the layer's inputs (outliers: the SQNR of a
   tensor they dominate stays high while the rest of it is lost), is promoted. The limits are each
   format's own (:mod:`mixprec.formats.limits`), the planner's and the what-if's too;
@@ -27,7 +27,7 @@ three signals, each pointing at one Linear layer:
   after every passing SQNR sample and every ``window`` healthy steps) and, if one Linear stands
   out in an SQNR replay of the spiking step (below its format's limit, or ``MAX_SQNR_DROP_DB`` under
   the other layers' median in its format while under the format's healthy SQNR:
-  :func:`mixprec.plan.gates.output_refusal`, the same test as the samples'), promotes it. With no culprit the formats stay.
+  :func:`mixprec.monitor.gates.output_refusal`, the same test as the samples'), promotes it. With no culprit the formats stay.
 
 A restore takes the snapshot's state (weights, moments, step counts) but this run's settings: the
 optimizer's hyper-parameters and the LR schedule's curve stay as they are and the schedule is
@@ -80,9 +80,9 @@ from torch import nn
 
 from mixprec.errors import ConfigError
 from mixprec.formats.limits import FormatLimits, format_limits
-from mixprec.plan.gates import output_refusal
-from mixprec.plan.guard_state import restore_snapshot, sample_layers, take_snapshot
-from mixprec.plan.replan import FormatSwitch
+from mixprec.monitor.gates import output_refusal
+from mixprec.monitor.guard_state import restore_snapshot, sample_layers, take_snapshot
+from mixprec.monitor.replan import FormatSwitch
 from mixprec.precision import Precision
 
 __all__ = ["TrainingGuard", "GuardConfig", "StepOutcome", "GuardAction", "safer"]
@@ -107,7 +107,7 @@ class GuardConfig:
     limits too); a number: that limit for every format."""
     max_flush: float | None = None
     """... and so is one whose format flushes more than this share of its sampled inputs
-    (:func:`mixprec.plan.replan.flushed_share`: outliers keep a tensor's SQNR high while the
+    (:func:`mixprec.monitor.replan.flushed_share`: outliers keep a tensor's SQNR high while the
     rest of it is lost). None: the format's own limit (:mod:`mixprec.formats.limits`); a number: that share for every format."""
     spike_sigma: float = 6.0
     """A loss this many standard deviations above the window's mean is a spike (0: off)."""
