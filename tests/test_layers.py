@@ -32,6 +32,9 @@ LAZY_IN_CORE = {
     "mixprec/strategies/__init__.py": "FSDP2 is slow to import",
     # Transformer.fit, the seed API: through the top-level package (ROOT_USERS).
     "mixprec/models/transformer.py": "Transformer.fit calls mixprec.fit",
+    # The Triton block GEMM imports Triton, an optional dependency: only where a plan names it.
+    "mixprec/formats/fp8_gemm.py": "the Triton kernel is optional",
+    "mixprec/formats/fp8_path.py": "the Triton kernel is optional",
 }
 """Core modules that may import a mixprec module inside a function, each with its reason; elsewhere
 the core imports at module level (a function-level import is for an optional heavy dependency).
