@@ -1,9 +1,11 @@
 """The training loop: ``fit()`` and the one readable ``train_step``.
 
 Every precision decision of a step is visible in :meth:`Trainer.train_step`, in the order of
-ARCHITECTURE.md: autocast -> loss in FP32 -> scale -> backward -> unscale once (fused with the
-non-finite check, agreed across ranks) -> clip -> step or skip -> scaler update -> scheduler only
-if the step was taken.
+ARCHITECTURE.md: autocast -> loss in FP32 -> scale -> backward -> (the previous step concluded)
+-> unscale once (fused with the non-finite check, agreed across ranks) -> clip -> step or skip on
+the device -> scaler update on the device. The host learns whether the step was taken just before
+the next step's update (:meth:`Trainer.conclude`): the scheduler moves only if it was, before
+that update runs at it.
 """
 from __future__ import annotations
 
@@ -319,9 +321,10 @@ class Trainer:
                 loss_sum += loss.detach()
                 tokens = add_tokens(tokens, count)                    # non-padding tokens
             # The previous step's outcome, read now (fit() left it pending): its flag's host copy
-            # was queued before its update, which ran behind this forward and backward, so the
-            # read waits for nothing on a GPU. A taken step advances the schedule before this
-            # update runs at it; a skipped one is traced while the parameters are still its own.
+            # was issued before its update, and this forward and backward were queued behind
+            # that update, so on a GPU the read waits for nothing queued since. A taken step
+            # advances the schedule before this update runs at it; a skipped one is traced while
+            # the parameters are still those it saw.
             self.conclude()
             scale_before = precision.scale               # this backward's (no read: concluded)
             lr = opt.param_groups[0]["lr"]               # what this update runs at (metrics' lr)
