@@ -861,7 +861,8 @@ class Trainer:
             return self.train_step(batches)
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any) -> None:
-        """After a step: trace a skipped step to its origin, then every step hook."""
+        """When a step concludes (:meth:`conclude`): trace a skipped step to its origin, record
+        it, then every step hook."""
         origin = event = None
         if out.skipped:
             # Every rank replays its own micro-batches; rank 0 learns which rank made the inf/NaN.
