@@ -34,7 +34,7 @@ Where this differs from torch's, on purpose:
   asked for, by one read of all queued flags and a replay of the pure transition: the same values,
   exactly. A stuck scale (``on_min_scale``) is raised or warned at that read, not at the step:
   the device keeps skipping the non-finite steps meanwhile, so no weight is harmed; ``fit()``
-  reads at every log interval. The queue is read at the latest every 1024 iterations.
+  reads each step's flag just before the next step's update (and at every log interval). The queue is read at the latest every 1024 iterations.
 * ``enabled=False`` turns *scaling* off; the non-finite check still runs and still skips the step
   unless ``check_finite=False`` (one inf in BF16 would poison Adam's moments for good).
   ``state_dict()`` of such a scaler is ``{}`` (as torch's); the skip counters are kept only when

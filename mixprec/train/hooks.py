@@ -16,6 +16,13 @@ calls them in list order; ``step`` is always the number of the step being taken 
                                                    # step's traced event and micro-batches)
     hook.close()                                   # the run ended
 
+``after_step`` of step ``t`` runs when the host learns the step's outcome (``Trainer.conclude``):
+in steady state just before step ``t + 1``'s update, after its forward and backward (inside its
+``around_step`` and ``around_forward``), with the parameters still those of step ``t``'s forward
+when it was skipped, and the LR schedule, the loss scale and the counters as right after step
+``t``. A hook that must act before the next forward sets ``needs_outcome_now``; ``fit()`` then
+reads every step's outcome right after the step, as it did before the lag.
+
 The overlapped optimizer update is not a hook: it is part of the step itself (an argument of
 ``precision.step``).
 """
@@ -32,6 +39,10 @@ __all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "Profiler
 
 class StepHook:
     """One optional per-step helper (see the module docstring)."""
+
+    needs_outcome_now = False
+    """True: ``after_step`` must run before the next step's forward (the hook changes or samples
+    what that forward sees), so ``fit()`` reads each step's outcome right after it."""
 
     def around_step(self, trainer: Any, step: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -56,6 +67,8 @@ class StepHook:
 class NumericsHook(StepHook):
     """Per-layer range statistics on sampled steps (:class:`mixprec.monitor.NumericsMonitor`)."""
 
+    needs_outcome_now = True   # its rows are the sampled step's: the next forward samples anew
+
     def __init__(self, monitor: Any) -> None:
         self.monitor = monitor
 
@@ -76,6 +89,8 @@ class NumericsHook(StepHook):
 
 class ReplanHook(StepHook):
     """Re-planning per-layer formats while training (:class:`mixprec.monitor.LayerReplanner`)."""
+
+    needs_outcome_now = True   # it may switch a layer's format before the next forward
 
     def __init__(self, replanner: Any) -> None:
         self.replanner = replanner
@@ -129,6 +144,8 @@ class GuardHook(StepHook):
     The one hook that needs more than ``after_step``'s arguments: the traced event's module
     (``trainer.step_event``) and a re-run of the step's forward for its probe
     (``trainer.replay_forward``, over ``trainer.step_batches``)."""
+
+    needs_outcome_now = True   # it may restore weights or switch formats before the next forward
 
     def __init__(self, guard: Any) -> None:
         self.guard = guard

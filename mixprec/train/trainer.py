@@ -1,9 +1,11 @@
 """The training loop: ``fit()`` and the one readable ``train_step``.
 
 Every precision decision of a step is visible in :meth:`Trainer.train_step`, in the order of
-ARCHITECTURE.md: autocast -> loss in FP32 -> scale -> backward -> unscale once (fused with the
-non-finite check, agreed across ranks) -> clip -> step or skip -> scaler update -> scheduler only
-if the step was taken.
+ARCHITECTURE.md: autocast -> loss in FP32 -> scale -> backward -> (the previous step concluded)
+-> unscale once (fused with the non-finite check, agreed across ranks) -> clip -> step or skip on
+the device -> scaler update on the device. The host learns whether the step was taken just before
+the next step's update (:meth:`Trainer.conclude`): the scheduler moves only if it was, before
+that update runs at it.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ from mixprec.train.hooks import (GuardHook, NumericsHook, ProfilerHook, ReplanHo
 from mixprec.train.meter import IntervalMeter
 from mixprec.train.schedules import move_scheduler
 from mixprec.train.signals import StopRequest
-from mixprec.train.step import Batch, StepOutput
+from mixprec.train.step import Batch, PendingStep, StepOutput
 
 __all__ = ["Trainer", "fit", "FitResult", "StepOutput"]
 
@@ -139,6 +141,18 @@ class Trainer:
         """The micro-batches of the step just taken (for hooks that re-run its forward)."""
         self.step_event: Any = None
         """The traced inf/NaN origin of the step just taken (a ``NonFiniteEvent``), or None."""
+        self.settle_each_step = False
+        """True: ``fit()`` reads each step's outcome right after it, as a hook that needs it before
+        the next forward makes it do (:attr:`outcome_lags`). False (the default): just before the
+        next step's update, after that step's forward and backward were queued."""
+        self.health: RunHealth | None = None
+        """The verdict on the run ``fit()`` is training (skips counted as steps conclude)."""
+        self._pending: PendingStep | None = None
+        """The step whose outcome the host has not read yet (:meth:`conclude`)."""
+        self._fitting = False
+        """Inside ``fit()``: a step's conclusion includes the loop's bookkeeping and may lag."""
+        self._step_rng: Any = None
+        """The RNG state before the step ``fit()`` is taking (for the trace of a skip)."""
 
     @property
     def policy(self) -> Policy:
@@ -287,11 +301,13 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def train_step(self, micro_batches: list[Batch]) -> StepOutput:
-        """One optimizer step over ``len(micro_batches)`` micro-batches (gradient accumulation)."""
+        """One optimizer step over ``len(micro_batches)`` micro-batches (gradient accumulation).
+
+        Its outcome (taken, or skipped for inf/NaN gradients) may stay on the device: inside
+        ``fit()`` the host reads it just before the next step's update (:meth:`conclude`); called
+        on its own, the step concludes before it returns (the LR schedule moves, as it always did)."""
         model, opt, precision = self.model, self.optimizer, self.precision
         n = len(micro_batches)
-        scale_before = precision.scale
-        lr = opt.param_groups[0]["lr"]                   # what this step runs at (metrics' lr)
         loss_sum = torch.zeros((), device=self.device)
         tokens: torch.Tensor | int | None = 0
         opt.zero_grad(set_to_none=True)                   # fresh gradients for this step
@@ -308,15 +324,26 @@ class Trainer:
                         precision.backward(loss)          # x loss scale (FP16) or x 1 (BF16/FP32)
                 loss_sum += loss.detach()
                 tokens = add_tokens(tokens, count)                    # non-padding tokens
+            # The previous step's outcome, read now (fit() left it pending): its flag's host copy
+            # was issued before its update, and this forward and backward were queued behind
+            # that update, so on a GPU the read waits for nothing queued since. A taken step
+            # advances the schedule before this update runs at it; a skipped one is traced while
+            # the parameters are still those it saw.
+            self.conclude()
+            scale_before = precision.scale               # this backward's (no read: concluded)
+            lr = opt.param_groups[0]["lr"]               # what this update runs at (metrics' lr)
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
             with self._around("around_update", step):
                 # Unscale once (fused inf/NaN check, agreed across ranks) -> clip the unscaled
                 # gradients -> step the FP32 masters and copy back, or skip -> update the scale.
                 taken = precision.step(opt, clip_grad_norm=self.config.clip_grad_norm,
                                        measure_grad_norm=logged, overlap=self.overlap)
-        if taken:
-            self.scheduler.step()  # a skipped step must not advance the LR schedule
-        return StepOutput(loss_sum, precision.last_grad_norm, not taken, scale_before, tokens, lr)
+        out = StepOutput(loss_sum, precision.last_grad_norm, None, scale_before, tokens, lr,
+                         taken=taken)                    # taken: a bool, or still on the device
+        self._pending = PendingStep(step, out, micro_batches, self._step_rng)
+        if not self._fitting:
+            self.conclude()                              # the schedule moves now (no fit() loop)
+        return out
 
     def batch_loss(self, model: nn.Module, batch: Batch, n: int = 1) -> tuple[torch.Tensor, Any]:
         """One batch -> ``(FP32 loss / n, tokens)``: to the device, the objective (decided once
@@ -328,6 +355,37 @@ class Trainer:
         with self.precision.autocast(), record_function("mixprec.forward"):
             loss = self.objective(model, batch)
         return loss.float() / n, self.objective.tokens(batch)
+
+    def conclude(self) -> None:
+        """Finish the step whose outcome the host has not read yet (a no-op when there is none):
+        read it (the flag's host copy; one read for everything queued), advance the LR schedule
+        if the step was taken (a skipped step must not), and inside ``fit()`` trace a skip to its
+        origin, record it, call the hooks' ``after_step`` and count it for the run's health.
+
+        ``fit()`` calls it at the first of: the next step's pre-update point (in
+        :meth:`train_step`, after that step's backward and before its update: the parameters are
+        still the concluded step's, and the trace leaves the new gradients, the parameters and the
+        RNG stream as they were), a log interval, an evaluation, a checkpoint, a stop, the end of
+        the run; right after each step when :attr:`outcome_lags` is False. So every update runs
+        at the LR it ran at before the lag, and the counters, rows and events are the same."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not pending.out.skipped:          # the host read (of the flag's copy)
+            self.scheduler.step()            # a skipped step must not advance the LR schedule
+        if self._fitting:
+            self._watch(pending.batches, pending.out, pending.rng)
+            self.health.add(pending.step, pending.out.skipped)
+
+    @property
+    def outcome_lags(self) -> bool:
+        """Whether ``fit()`` may read a step's outcome as late as just before the next step's
+        update (True), not right after the step. False with :attr:`settle_each_step`, with a hook
+        that needs the outcome before the next forward (``StepHook.needs_outcome_now``: the
+        numerics monitor, the re-planner, the guard), and with delayed-scaling FP8 layers (the
+        next forward moves their amax history, which the trace of a skip must replay as it was)."""
+        return not (self.settle_each_step or any(h.needs_outcome_now for h in self.hooks)
+                    or "fp8-delayed" in self.precision.layer_formats.values())
 
     def settle(self) -> None:
         """Wait (on the device, not the host) for an overlapped update still in flight; before
@@ -506,6 +564,7 @@ class Trainer:
                           "smaller batch")
 
     def _save(self, loader: Any) -> Path | None:
+        self.conclude()           # the checkpoint holds the schedule and counters after the step
         self.settle()
         return self.checkpointer.save(step=self.step, epoch=self.epoch, model=self.model,
                                       optimizer=self.optimizer, precision=self.precision,
@@ -599,7 +658,8 @@ class Trainer:
             events.data_position(train_loader.notice(resumed_at=self.step if resume else None), self.step)
         meter = IntervalMeter(self.strategy, self.precision, unwrapped, logger,
                               note=lambda message: events.note(message, self.step, "mfu"))
-        health = RunHealth(cfg, start_step=self.step)
+        health = self.health = RunHealth(cfg, start_step=self.step)
+        self._pending = None
         last_val = None
         last_out: StepOutput | None = None
         self.model.train()
@@ -614,6 +674,7 @@ class Trainer:
         if self.profiler is not None:
             self.hooks.insert(0, ProfilerHook(self.profiler))
         events.open_progress(total, self.step)
+        lags = self.outcome_lags
 
         def log_row(out: StepOutput, val_loss: float | None) -> None:
             """One metrics row of the steps since the last one (the meter's mean), and its line."""
@@ -627,9 +688,10 @@ class Trainer:
         try:
             # A lost peer ends the job with one line, not a hang; Ctrl-C/SIGTERM saves, then stops.
             with self.strategy.guard(), StopRequest(announce=main) as stop:
+                self._fitting = True
                 while self.step < total:
                     batches = next(groups)
-                    rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skip
+                    self._step_rng = capture_rng_state() if cfg.trace_nonfinite else None  # to replay a skip
                     with self._around("around_step", self.step + 1):
                         out = last_out = (self._first_compiled_step(batches) if compiling
                                           else self.train_step(batches))
@@ -639,28 +701,32 @@ class Trainer:
                         self.settle()
                         events.findings(audit_after_first_step(unwrapped), self.step)
                         first_step = False
-                    self._watch(batches, out, rng)
-                    health.add(self.step, out.skipped)
                     do_eval = val_loader is not None and (
                         (cfg.eval_interval and self.step % cfg.eval_interval == 0) or self.step == total)
+                    logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
+                    saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
+                    if not lags or do_eval or logged or saved:
+                        # The host learns the step's outcome now; in steady state only just before
+                        # the next step's update (in train_step), when its flag is long done.
+                        self.conclude()
                     if do_eval:
                         with meter.evaluating():          # not training time: out of tokens/s
                             last_val = self.evaluate(val_loader, cfg.eval_batches)
                     meter.add(out, batches)
-                    logged = self.step % cfg.log_interval == 0 or self.step == total or do_eval
                     if logged:
                         log_row(out, last_val if do_eval else None)
                         self._stop_if_diverged(health.verdict(last_val if do_eval else None), last_out)
-                    saved = (cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0) or self.step == total
                     if saved:
                         self._save(train_loader)
                     events.advance()
                     # One process checks every step; ranks agree at log intervals (no extra sync).
                     signum = self._stop_agreed(stop, logged)
                     if signum and self.step < total:
+                        self.conclude()
                         if not logged:      # the steps since the last row get theirs (`steps` says how many)
                             log_row(out, None)
                         self._stop_now(stop, signum, train_loader, saved)
+                self.conclude()
             self.settle()
             for hook in self.hooks:
                 hook.close()                              # the profiler: a run shorter than its steps
@@ -668,6 +734,8 @@ class Trainer:
             if (line := self._warmup_not_left()) is not None:
                 events.note(line, self.step, "schedule")
         finally:
+            self._fitting = False
+            self._step_rng = None
             events.close()
             logger.close()
         if last_val is None and resume and self.run_dir is not None:
@@ -789,7 +857,8 @@ class Trainer:
             return self.train_step(batches)
 
     def _watch(self, batches: list[Batch], out: StepOutput, rng: Any) -> None:
-        """After a step: trace a skipped step to its origin, then every step hook."""
+        """When a step concludes (:meth:`conclude`): trace a skipped step to its origin, record
+        it, then every step hook."""
         origin = event = None
         if out.skipped:
             # Every rank replays its own micro-batches; rank 0 learns which rank made the inf/NaN.
