@@ -20,10 +20,11 @@ unchanged up to rounding, outliers are spread over 16 elements). With ``stochast
 output gradient is rounded stochastically (its own generator, seeded from the recipe's seed and
 the layer's name; not checkpointed: a resumed run draws a different stream).
 
-Execution path: decided once, at construction, by :func:`plan_micro_gemms` (the one decider
-for micro formats, as :func:`mixprec.formats.plan_gemms` is for FP8): always ``emulated`` here: operands are quantized with their real scales
-(:mod:`mixprec.formats.mx`), dequantized and multiplied in FP32, so every quantization error is
-real and only the accumulation order differs from a Blackwell tensor core. ``execution_path`` and
+Execution path: decided once, at construction, by :func:`plan_micro_gemms` (the one decider for
+micro formats, as :func:`mixprec.formats.plan_gemms` is for FP8): always ``emulated`` here:
+operands are quantized with their real scales (:mod:`mixprec.formats.mx`), dequantized and
+multiplied in FP32, so every quantization error is real and only the accumulation order differs
+from a Blackwell tensor core. ``execution_path`` and
 ``execution_reason`` say so, as :class:`mixprec.formats.Fp8Linear`'s do; the conversion logs it.
 """
 from __future__ import annotations

@@ -121,7 +121,8 @@ def convert_to_fp8(model: nn.Module, *, config: Fp8Config,
         make = Fp8Linear.from_linear if isinstance(module, nn.Linear) else Fp8Conv1D.from_conv1d
         return make(module, cfg, fqn=name)
 
-    _walk(model, report, config_for=lambda name, module: config if config_fn is None else config_fn(module, name),
+    _walk(model, report,
+          config_for=lambda name, module: config if config_fn is None else config_fn(module, name),
           unasked="its per-layer precision is not FP8", swap=swap,
           keeps_fp32=None if policy is None else (lambda n, m: rules.keep_fp32_reason(policy, n, m)),
           module_filter_fn=module_filter_fn)
