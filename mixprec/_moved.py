@@ -19,7 +19,7 @@ MOVED_MODULES = {
     # shim packages
     "mixprec.fp8": "mixprec.formats",
     "mixprec.fp8.config": "mixprec.formats.fp8_config",
-    "mixprec.fp8.convert": "mixprec.precision.fp8_convert",
+    "mixprec.fp8.convert": "mixprec.precision.convert",
     "mixprec.fp8.emulation": "mixprec.formats.emulation",
     "mixprec.fp8.linear": "mixprec.formats.fp8_linear",
     "mixprec.fp8.quantize": "mixprec.formats.fp8_quantize",
@@ -43,12 +43,15 @@ MOVED_MODULES = {
     "mixprec.train.objective": "mixprec.models.objective",
     "mixprec.train.schedule": "mixprec.optim.schedule",
     # moved in 0.4 so that the core never imports a tool (docs/ARCHITECTURE.md)
-    "mixprec.formats.mx_convert": "mixprec.precision.mx_convert",
+    "mixprec.formats.mx_convert": "mixprec.precision.convert",
     "mixprec.estimate.flops": "mixprec.models.flops",
     "mixprec.plan.guard": "mixprec.monitor.guard",
     "mixprec.plan.guard_state": "mixprec.monitor.guard_state",
     "mixprec.plan.replan": "mixprec.monitor.replan",
     "mixprec.plan.gates": "mixprec.monitor.gates",
+    # FP8 and micro-format conversion in one module, one walk, one report type (#38, item 3)
+    "mixprec.precision.fp8_convert": "mixprec.precision.convert",
+    "mixprec.precision.mx_convert": "mixprec.precision.convert",
 }
 """Old module path -> its new home."""
 
@@ -57,11 +60,14 @@ MOVED_NAMES = {
     "mixprec.amp.autocast": "mixprec.precision.autocast",
     "mixprec.formats.convert_to_fp8": "mixprec.precision.convert_to_fp8",
     "mixprec.formats.prepare_fp8": "mixprec.precision.prepare_fp8",
-    "mixprec.formats.Fp8ConversionReport": "mixprec.precision.Fp8ConversionReport",
+    "mixprec.formats.Fp8ConversionReport": "mixprec.precision.ConversionReport",
     # the conversion to micro formats moved to the decider, beside the FP8 conversion
     "mixprec.formats.convert_to_micro": "mixprec.precision.convert_to_micro",
-    "mixprec.formats.MicroConversionReport": "mixprec.precision.MicroConversionReport",
+    "mixprec.formats.MicroConversionReport": "mixprec.precision.ConversionReport",
     "mixprec.formats.block_index": "mixprec.precision.block_index",
+    # one report type for both conversions (#38, item 3)
+    "mixprec.precision.Fp8ConversionReport": "mixprec.precision.ConversionReport",
+    "mixprec.precision.MicroConversionReport": "mixprec.precision.ConversionReport",
     # training-time re-planning and the guard are the core's (mixprec.monitor), planning is a tool
     "mixprec.plan.LayerReplanner": "mixprec.monitor.LayerReplanner",
     "mixprec.plan.FormatSwitch": "mixprec.monitor.FormatSwitch",

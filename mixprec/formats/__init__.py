@@ -31,7 +31,7 @@ from mixprec.formats.fp8_quantize import Fp8Tensor, compute_amax, dequantize, qu
 from mixprec.formats.micro_config import BF16_SHARE, MICRO_RECIPES, MicroConfig
 from mixprec.formats.mx import (E2M1_VALUES, ELEMENTS, BlockScaledTensor, ElementFormat, quantize_mx,
                                 quantize_nvfp4, round_to_grid)
-from mixprec.formats.mx_linear import MicroLinear, hadamard_matrix, quantize_operand
+from mixprec.formats.mx_linear import MicroLinear, hadamard_matrix, plan_micro_gemms, quantize_operand
 
 __all__ = [
     # configuration
@@ -48,7 +48,7 @@ __all__ = [
     "MicroConfig", "MICRO_RECIPES", "BF16_SHARE",
     "quantize_mx", "quantize_nvfp4", "BlockScaledTensor", "ElementFormat", "ELEMENTS", "E2M1_VALUES",
     "round_to_grid",
-    "MicroLinear", "quantize_operand", "hadamard_matrix",
+    "MicroLinear", "quantize_operand", "hadamard_matrix", "plan_micro_gemms",
 ]
 
 

@@ -20,9 +20,11 @@ unchanged up to rounding, outliers are spread over 16 elements). With ``stochast
 output gradient is rounded stochastically (its own generator, seeded from the recipe's seed and
 the layer's name; not checkpointed: a resumed run draws a different stream).
 
-Execution path: always ``emulated`` here: operands are quantized with their real scales
-(:mod:`mixprec.formats.mx`), dequantized and multiplied in FP32, so every quantization error is
-real and only the accumulation order differs from a Blackwell tensor core. ``execution_path`` and
+Execution path: decided once, at construction, by :func:`plan_micro_gemms` (the one decider for
+micro formats, as :func:`mixprec.formats.plan_gemms` is for FP8): always ``emulated`` here:
+operands are quantized with their real scales (:mod:`mixprec.formats.mx`), dequantized and
+multiplied in FP32, so every quantization error is real and only the accumulation order differs
+from a Blackwell tensor core. ``execution_path`` and
 ``execution_reason`` say so, as :class:`mixprec.formats.Fp8Linear`'s do; the conversion logs it.
 """
 from __future__ import annotations
@@ -35,10 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.formats.fp8_path import GemmPlan
 from mixprec.formats.micro_config import MicroConfig
 from mixprec.formats.mx import BlockScaledTensor, quantize_mx, quantize_nvfp4
 
-__all__ = ["MicroLinear", "hadamard_matrix", "quantize_operand"]
+__all__ = ["MicroLinear", "hadamard_matrix", "quantize_operand", "plan_micro_gemms"]
 
 log = logging.getLogger("mixprec.formats")
 
@@ -83,6 +86,15 @@ _EMULATED = ("no block-scaled GEMM kernel in mixprec yet: operands quantized wit
              "scales, multiplied in FP32 (numerics, not speed)")
 
 
+def plan_micro_gemms(config: MicroConfig, device: torch.device | str | None, in_features: int,
+                     out_features: int) -> GemmPlan:
+    """The path of a micro-format layer's three GEMMs (``in_features -> out_features`` with
+    ``config`` on ``device``): the one decider for micro formats, asked by :class:`MicroLinear`
+    at construction and by the conversion's report. ``emulated`` on every device and shape: no
+    block-scaled GEMM kernel is used yet (a Blackwell kernel would be chosen here)."""
+    return GemmPlan("emulated", _EMULATED)
+
+
 class MicroLinear(nn.Linear):
     """``nn.Linear`` with block-scaled forward, input-gradient and weight-gradient GEMMs.
 
@@ -96,9 +108,10 @@ class MicroLinear(nn.Linear):
         self.config = config or MicroConfig.from_recipe("mxfp8")
         self.fqn = ""
         """Qualified name in the model (set by the conversion), used in logs."""
-        self.execution_path: str = "emulated"
-        """``emulated``: decided at construction (no block-scaled GEMM kernel is used yet)."""
-        self.execution_reason: str = _EMULATED
+        plan = plan_micro_gemms(self.config, device, in_features, out_features)
+        self.execution_path: str = plan.path
+        """Decided at construction by :func:`plan_micro_gemms` (``emulated``)."""
+        self.execution_reason: str = plan.reason
         self._generator: torch.Generator | None = None
         self._hadamard: torch.Tensor | None = None
 
@@ -110,8 +123,8 @@ class MicroLinear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias
         new.fqn = fqn
         new.train(linear.training)
-        log.info("MicroLinear %s (%d->%d, %s): emulated path (%s)", fqn or "<unnamed>",
-                 new.in_features, new.out_features, config.recipe, new.execution_reason)
+        log.info("MicroLinear %s (%d->%d, %s): %s path (%s)", fqn or "<unnamed>", new.in_features,
+                 new.out_features, config.recipe, new.execution_path, new.execution_reason)
         return new
 
     def _rng(self, device: torch.device) -> torch.Generator:

@@ -6,7 +6,9 @@ per-layer table it resolves a model into (:meth:`Precision.describe`); and ``aut
 The policy data it reads lives in :mod:`mixprec.policy`; its public names are re-exported here
 (``mixprec.precision.Policy``); its modules are not (``mixprec.policy.dtypes``, not
 ``mixprec.precision.dtypes``: CHANGELOG.md). The conversions the decider applies, to FP8
-(:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here side by side.
+(:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here side by side
+(:mod:`~mixprec.precision.convert`, one report type), both asking the one eligibility function
+(:func:`~mixprec.precision.eligibility.refusal`).
 """
 from mixprec import _moved
 from mixprec.policy import (ALIASES, FP8_E4M3, FP8_E5M2, FP8_RECIPES, PRESETS, FormatInfo, Policy,
@@ -15,8 +17,8 @@ from mixprec.policy import (ALIASES, FP8_E4M3, FP8_E5M2, FP8_RECIPES, PRESETS, F
 from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
 from mixprec.precision.cast import cast_module, mark_fp32_params
-from mixprec.precision.fp8_convert import Fp8ConversionReport, convert_to_fp8
-from mixprec.precision.mx_convert import MicroConversionReport, block_index, convert_to_micro
+from mixprec.precision.convert import ConversionReport, convert_to_fp8, convert_to_micro
+from mixprec.precision.eligibility import block_index, refusal
 from mixprec.precision.precision import OptimizerSpec, Precision, StepTaken, prepare_fp8
 from mixprec.precision.rules import is_gate, is_norm, keep_fp32_reason
 from mixprec.precision.table import LayerRow, LayerTable
@@ -26,8 +28,7 @@ __all__ = [
     "Precision", "OptimizerSpec", "StepTaken", "autocast", "LayerTable", "LayerRow",
     # the rule book and applying it
     "rules", "is_norm", "is_gate", "keep_fp32_reason", "cast_module", "mark_fp32_params",
-    "convert_to_fp8", "prepare_fp8", "Fp8ConversionReport",
-    "convert_to_micro", "MicroConversionReport", "block_index",
+    "refusal", "convert_to_fp8", "prepare_fp8", "convert_to_micro", "ConversionReport", "block_index",
     # policy (data, from mixprec.policy)
     "Policy", "get_policy", "PRESETS", "ALIASES", "FP8_RECIPES",
     # dtype facts

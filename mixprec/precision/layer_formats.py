@@ -5,12 +5,16 @@
 layer's Parameters (checkpoints, FP32 masters and optimizer state stay valid):
 
 * FP8 formats -> :class:`mixprec.formats.Fp8Linear` (asked per module through
-  ``convert_to_fp8(config_fn=...)``, so the FP8 rules keep the head, gates and odd shapes out),
+  ``convert_to_fp8(config_fn=...)``),
 * micro formats (``mxfp8``, ``mxfp4``, ``nvfp4``) -> :class:`mixprec.formats.MicroLinear`
-  (through ``convert_to_micro``: the same rules, plus NVFP4's first/last blocks in BF16 under
-  the preset),
+  (through ``convert_to_micro``),
 * a 16/32-bit format other than the surrounding one -> :class:`mixprec.nn.FormatLinear`,
 * the surrounding format -> a plain ``nn.Linear``.
+
+Whether a layer may take an FP8 or micro format is the one eligibility function's answer
+(:func:`mixprec.precision.eligibility.refusal`), asked by the conversions at set-up and by
+:func:`swap_layer` for a later switch (re-planning, the guard): a refused layer keeps the
+surrounding format.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from torch import nn
 from mixprec.errors import ConfigError
 from mixprec.nn.swap import replace_module
 from mixprec.policy.overrides import is_micro
-from mixprec.precision.rules import embedding_weights, fp8_skip_reason, is_gemm_layer
+from mixprec.precision.eligibility import model_facts, refusal
+from mixprec.precision.rules import is_gemm_layer
 
 __all__ = ["apply_formats", "swap_layer", "is_gemm_layer"]
 
@@ -39,7 +44,7 @@ class Precision(Protocol):
 
     def format_for(self, qualified_name: str, module: nn.Module) -> str: ...
 
-    def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool: ...
+    def keep_fp32_reason(self, qualified_name: str, module: nn.Module) -> str | None: ...
 
 
 
@@ -50,18 +55,18 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
     wanted = {n: precision.requested_format(n) for n, m in model.named_modules() if is_gemm_layer(m)}
     if any(f.startswith("fp8-") for f in wanted.values()):
         from mixprec.formats import Fp8Config
-        from mixprec.precision.fp8_convert import convert_to_fp8
+        from mixprec.precision.convert import convert_to_fp8
         configs = {f: Fp8Config.from_recipe(f) for f in set(wanted.values()) if f.startswith("fp8-")}
         base = precision.fp8_config or next(iter(configs.values()))
         precision.fp8_report = convert_to_fp8(
             model, config=base, policy=precision.policy,
             config_fn=lambda module, name: configs.get(wanted.get(name, "")))
     if any(is_micro(f) for f in wanted.values()):
-        from mixprec.precision.mx_convert import convert_to_micro
+        from mixprec.precision.convert import convert_to_micro
         configs = {f: precision.micro_config(f) for f in set(wanted.values()) if is_micro(f)}
         precision.micro_report = convert_to_micro(
             model, config_fn=lambda name: configs.get(wanted.get(name, "")),
-            keeps_fp32=precision.keeps_fp32,
+            keeps_fp32=precision.keep_fp32_reason,
             explicit={n for n in wanted if precision.policy.override_for(n) is not None})
     modules = dict(model.named_modules())
     for name, module in list(modules.items()):
@@ -82,7 +87,7 @@ def apply_formats(precision: Precision, model: nn.Module) -> dict[str, str]:
 
 def swap_layer(precision: Precision, model: nn.Module, qualified_name: str, fmt: str) -> str:
     """Replace the Linear ``qualified_name`` by the module ``fmt`` needs; return its format."""
-    from mixprec.formats import Fp8Config, Fp8Linear
+    from mixprec.formats import Fp8Config, Fp8Linear, MicroLinear
     from mixprec.nn import FormatLinear
     from mixprec.policy.overrides import parse_format
     fmt = parse_format(fmt)
@@ -97,19 +102,15 @@ def swap_layer(precision: Precision, model: nn.Module, qualified_name: str, fmt:
     plain.weight, plain.bias = old.weight, old.bias
     plain.train(old.training)
     new: nn.Module = plain
-    if is_micro(fmt):
-        from mixprec.formats import MicroLinear
-        from mixprec.precision.mx_convert import micro_skip_reason
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        config = precision.micro_config(fmt)
-        why = micro_skip_reason(qualified_name, plain, parent, config, embeddings)
-        if why is None and not precision.keeps_fp32(qualified_name, plain):
-            new = MicroLinear.from_linear(plain, config, fqn=qualified_name)
-    elif fmt.startswith("fp8-"):
-        # The FP8 rules of setup (head, tied weights, gates, shape, policy exemptions).
-        why = fp8_skip_reason(qualified_name, plain, parent, embedding_weights(model))
-        if why is None and not precision.keeps_fp32(qualified_name, plain):
-            new = Fp8Linear.from_linear(plain, Fp8Config.from_recipe(fmt), fqn=qualified_name)
+    config = (precision.micro_config(fmt) if is_micro(fmt) else
+              Fp8Config.from_recipe(fmt) if fmt.startswith("fp8-") else None)
+    if config is not None:
+        # Asked for this layer by name: a recipe's first/last-blocks rule does not apply.
+        why = refusal(qualified_name, plain, config, model_facts(model),
+                      keeps_fp32=precision.keep_fp32_reason, explicit=True)
+        if why is None:
+            make = MicroLinear.from_linear if is_micro(fmt) else Fp8Linear.from_linear
+            new = make(plain, config, fqn=qualified_name)
     elif fmt != precision.base_format:
         new = FormatLinear.from_linear(plain, fmt)
     replace_module(parent, child, new)

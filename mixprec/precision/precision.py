@@ -171,7 +171,7 @@ class Precision:
         """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
         self.fp8_report = None
         self.micro_report = None
-        """What the micro-format conversion did (:class:`mixprec.formats.MicroConversionReport`)."""
+        """What the micro-format conversion did (:class:`mixprec.precision.ConversionReport`)."""
         self.table: LayerTable | None = None
         """The per-layer table of the model :meth:`setup` set up (:meth:`resolve` at the end of
         it, refreshed when a layer's format changes); what FSDP2's islands are read from."""
@@ -466,17 +466,16 @@ class Precision:
     def resolve(self, model: nn.Module) -> LayerTable:
         """Every decision for ``model``, one row per parameter-owning module (before or after
         :meth:`setup`; after it, the formats the layers actually run). See :mod:`mixprec.precision.table`."""
-        from mixprec.formats import Fp8Conv1D, Fp8Linear
+        from mixprec.formats import Fp8Config
         from mixprec.policy.overrides import is_micro
-        embeddings = rules.embedding_weights(model)
-        modules = dict(model.named_modules())
-        blocks = None                        # the model's blocks, for a micro recipe's first/last rule
+        from mixprec.precision.eligibility import model_facts, refusal, swappable
+        facts = model_facts(model)
         rows = []
-        for name, module in modules.items():
+        for name, module in facts.modules.items():
             own = list(module.parameters(recurse=False))
             if not own:
                 continue
-            kind = rules.layer_kind(name, module, embeddings)
+            kind = rules.layer_kind(name, module, facts.embeddings)
             keep = self.keep_fp32_reason(name, module)
             why = [f"kept FP32: {keep}"] if keep else []
             storage = _F32 if keep else self.param_dtype
@@ -487,22 +486,12 @@ class Precision:
                 asked = self.requested_format(name)
                 if self.policy.override_for(name):
                     why.append(f"per-layer format {asked}")
-                if asked.startswith("fp8-") and not isinstance(module, (Fp8Linear, Fp8Conv1D)):
-                    # Not (or not yet) an FP8 layer: would the FP8 rules grant it?
-                    parent = modules.get(name.rpartition(".")[0]) if name else None
-                    shape = None if isinstance(module, nn.Linear) else tuple(module.weight.shape)
-                    refused = keep or rules.fp8_skip_reason(name, module, parent, embeddings, shape)
-                    if refused:
-                        why.append(f"{asked} refused: {refused}")
-                    compute = self.base_format if refused else asked
-                elif is_micro(asked) and type(module) is nn.Linear:
-                    # Not (or not yet) a MicroLinear: the conversion's own answer, recipe blocks included.
-                    from mixprec.precision.mx_convert import block_index, micro_refusal
-                    blocks = blocks or block_index(model)
-                    parent = modules.get(name.rpartition(".")[0]) if name else None
-                    refused = micro_refusal(name, module, parent, self.micro_config(asked), embeddings,
-                                            blocks, keeps_fp32=self.keeps_fp32,
-                                            explicit=self.policy.override_for(name) is not None)
+                config = (Fp8Config.from_recipe(asked) if asked.startswith("fp8-") else
+                          self.micro_config(asked) if is_micro(asked) else None)
+                if config is not None and swappable(module, config):
+                    # Not (or not yet) converted: the conversion's own answer (the one function).
+                    refused = refusal(name, module, config, facts, keeps_fp32=self.keep_fp32_reason,
+                                      explicit=self.policy.override_for(name) is not None)
                     if refused:
                         why.append(f"{asked} refused: {refused}")
                     compute = self.base_format if refused else asked

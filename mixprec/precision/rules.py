@@ -1,7 +1,8 @@
 """The rule book: what kind of layer a module is, and what that means for its precision.
 
-Every "is this a norm / a gate / the output head / FP8-eligible / kept in FP32" question in
-mixprec is answered here and nowhere else. Casting and master weights (through
+Every "is this a norm / a gate / the output head / kept in FP32" question in mixprec is answered
+here and nowhere else; "may this layer run in FP8 / a micro format" is answered from these kinds by
+:func:`mixprec.precision.eligibility.refusal`. Casting and master weights (through
 :meth:`mixprec.Precision.resolve`'s per-layer table), FSDP2's FP32 islands, FP8 conversion, the
 audit, the planner, the memory estimator and the monitor all ask these functions.
 
@@ -31,7 +32,7 @@ import fnmatch
 from torch import nn
 
 __all__ = ["TORCH_NORM_TYPES", "GATE_NAMES", "HEAD_NAMES", "is_norm", "is_gate", "is_head",
-           "is_embedding", "is_gemm_layer", "layer_kind", "keep_fp32_reason", "fp8_skip_reason",
+           "is_embedding", "is_gemm_layer", "layer_kind", "keep_fp32_reason",
            "embedding_weights"]
 
 TORCH_NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -125,28 +126,4 @@ def keep_fp32_reason(policy, qualified_name: str, module: nn.Module) -> str | No
     for pattern in policy.keep_fp32_names:
         if fnmatch.fnmatchcase(qualified_name, pattern):
             return f"keep_fp32_names '{pattern}'"
-    return None
-
-
-def fp8_skip_reason(qualified_name: str, module: nn.Module, parent: nn.Module | None,
-                    embeddings: set[int], shape: tuple[int, int] | None = None) -> str | None:
-    """Why a Linear (or Conv1D) of GEMM shape ``(in, out)`` stays out of FP8 (None: eligible).
-
-    DeepSeek-V3's recipe: the output head, gates/routers and modules kept FP32 (``keep_in_fp32``
-    on the module or its parent) stay in high precision, and FP8 GEMM kernels need features that
-    are multiples of 16 (tiny layers gain nothing). ``shape`` defaults to a Linear's
-    ``(in_features, out_features)``."""
-    if shape is None:
-        shape = (module.in_features, module.out_features)
-    last = _last(qualified_name)
-    if id(getattr(module, "weight", None)) in embeddings:
-        return "output head tied to an embedding"
-    if last in HEAD_NAMES:
-        return f"output head (named '{last}')"
-    if getattr(module, "keep_in_fp32", False) or getattr(parent, "keep_in_fp32", False):
-        return "kept in FP32 (keep_in_fp32, e.g. an MoE gate)"
-    if is_gate(qualified_name, module):
-        return f"MoE gate/router ('{last}', {type(module).__name__})"
-    if shape[0] % 16 or shape[1] % 16:
-        return f"shape {shape[0]}->{shape[1]}: FP8 GEMMs need features that are multiples of 16"
     return None
