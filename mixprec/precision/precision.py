@@ -57,6 +57,7 @@ from mixprec.policy.policy import Policy, get_policy
 from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
 from mixprec.precision.cast import cast_module
+from mixprec.precision.recipe import Recipe
 from mixprec.precision.table import LayerRow, LayerTable
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW = (torch.bfloat16, torch.float16)
 _PEAK_RANK = {"fp4": 0, "fp8": 1, "bf16": 2, "fp16": 2, "tf32": 3, "fp32": 4}
 """Matmul formats from the fastest dense peak to the slowest (FP16 and BF16 share theirs)."""
-_TRUE_MODE = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters, a factory ``params -> optimizer``, or None."""
@@ -132,7 +132,8 @@ class Precision:
     Args:
         precision: a preset name (``"bf16-mixed"``), an alias, the compact form
             (``"p=f32,c=bf16,o=f32"``), ``True``/``"auto"`` (best safe mode for ``device``), or a
-            :class:`~mixprec.precision.Policy`.
+            :class:`~mixprec.precision.Policy`, or a ready :class:`~mixprec.precision.recipe.Recipe`
+            (which holds every other choice below: pass none of them with it).
         device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
             available, else CPU); decides ``auto`` and the autocast device type.
         overrides: per-module compute formats ``{pattern: format}`` or ``((pattern, format), ...)``
@@ -141,34 +142,41 @@ class Precision:
             from a plan file.
         micro_options: changes to the micro-format recipes (``"hadamard_wgrad=false"``, a dict,
             or pairs; fields of :class:`mixprec.formats.MicroConfig`), checked here.
+        optimizer: an optimizer that already stores the parameters in 16 bits
+            (``fp16_params=True``): ``auto`` becomes the matching ``*-true`` mode (and says so in
+            :attr:`notes`), another mode with FP32 parameters is refused in one line.
+        split_masters, moments, fp8_activations: the optimizer's master layout and moments
+            storage (:meth:`make_optimizer`), activations saved in FP8 (``fit()``); see
+            :class:`~mixprec.precision.recipe.Recipe`.
         **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
             on only when the mode needs it (FP16); the non-finite check and skip are always on.
     """
 
-    def __init__(self, precision: str | Policy | bool | None = "auto", *,
+    def __init__(self, precision: str | Policy | Recipe | bool | None = "auto", *,
                  device: torch.device | str | None = None, overrides: Any = None,
-                 micro_options: Any = None, **scaler_options: Any) -> None:
-        self._auto = precision is True or (isinstance(precision, str)
-                                           and precision.strip().lower() in ("auto", "true", "best"))
+                 micro_options: Any = None, optimizer: torch.optim.Optimizer | None = None,
+                 split_masters: bool = True, moments: str = "fp32", fp8_activations: bool = False,
+                 **scaler_options: Any) -> None:
         self.device = torch.device(device) if device is not None else hardware.default_device()
-        self.policy: Policy = get_policy(precision, device=self.device)
-        extra = normalize_overrides(overrides)
-        if extra:
-            # A pair given twice (a resumed plan run's [overrides] and the same plan:PATH again)
-            # is kept once: first match wins, so a later identical pair never decided anything.
-            self.policy = self.policy.replace(name=self.policy.name, overrides=extra + tuple(
-                o for o in self.policy.overrides if o not in extra))
-        if micro_options:
-            from mixprec.formats.micro_config import parse_micro_options
-            self.policy = self.policy.replace(name=self.policy.name,
-                                              micro_options=parse_micro_options(micro_options))
-        for fmt in self.micro_formats:      # refuse an option that does not fit a recipe, now
-            self.micro_config(fmt)
-        self._scaler_options = dict(scaler_options)
+        if isinstance(precision, Recipe):
+            given = [n for n, v in (("overrides", overrides), ("micro_options", micro_options),
+                                    ("optimizer", optimizer), ("split_masters", not split_masters),
+                                    ("moments", moments != "fp32"),
+                                    ("fp8_activations", fp8_activations)) if v] + sorted(scaler_options)
+            if given:
+                raise ConfigError(f"Precision(recipe) takes every choice from the recipe; build the "
+                                  f"recipe with {given[0]}=: Recipe.build(mode, {given[0]}=...)")
+            recipe = precision
+        else:
+            recipe = Recipe.build(precision, device=self.device, overrides=overrides,
+                                  micro_options=micro_options, optimizer=optimizer,
+                                  split_masters=split_masters, moments=moments,
+                                  fp8_activations=fp8_activations, **scaler_options)
+        self._recipe = recipe
         self._scaler: GradScaler | None = None   # built on first use: cheap questions need none
-        self.notes: list[str] = []
-        """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
+        self.notes: list[str] = list(recipe.notes)
+        """What building the recipe and :meth:`setup` chose on the user's behalf, for the run log."""
         self.fp8_report = None
         self.micro_report = None
         """What the micro-format conversion did (:class:`mixprec.precision.ConversionReport`)."""
@@ -186,8 +194,19 @@ class Precision:
     def scaler(self) -> GradScaler:
         """The loss scaler of the step (disabled unless the mode scales), built on first use."""
         if self._scaler is None:
-            self._scaler = GradScaler(enabled=self.scales_loss, **self._scaler_options)
+            self._scaler = GradScaler(enabled=self.scales_loss, **self.recipe.scaler_options)
         return self._scaler
+
+    @property
+    def recipe(self) -> Recipe:
+        """Every precision choice of this run (:class:`~mixprec.precision.recipe.Recipe`), fixed
+        when this object was built: no mode changes afterwards."""
+        return self._recipe
+
+    @property
+    def policy(self) -> Policy:
+        """The recipe's policy: the dtypes, formats, exemptions and per-layer overrides."""
+        return self._recipe.policy
 
     # ------------------------------------------------------------------ the decisions
 
@@ -282,23 +301,17 @@ class Precision:
     @property
     def fp8_config(self):
         """The :class:`mixprec.formats.Fp8Config` of ``fp8-*`` modes, else None."""
-        if not self.policy.fp8_recipe:
-            return None
-        from mixprec.formats import Fp8Config
-        return Fp8Config.from_recipe(self.policy.fp8_recipe)
+        return self.recipe.fp8
 
     @property
     def micro_formats(self) -> list[str]:
         """The micro formats some layer may run in (the mode's and the overrides')."""
-        from mixprec.policy.overrides import is_micro
-        asked = [self.policy.micro_format, *(f for _, f in self.policy.overrides)]
-        return list(dict.fromkeys(f for f in asked if f and is_micro(f)))
+        return [f for f, _ in self.recipe.micro]
 
     def micro_config(self, fmt: str):
         """The :class:`mixprec.formats.MicroConfig` of micro format ``fmt`` with the mode's
         ``micro_options``."""
-        from mixprec.formats import MicroConfig
-        return MicroConfig.from_recipe(fmt, **dict(self.policy.micro_options))
+        return self.recipe.micro_config(fmt)
 
     @property
     def matmul_format(self) -> str:
@@ -553,31 +566,16 @@ class Precision:
         mode returns the same objects; another mode is refused.
         """
         built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        self.reconcile_with_optimizer(built)
+        self.check_optimizer(built)
         model = self.setup_module(model, optimizer=built)
         return model, self.setup_optimizer(optimizer, model)
 
-    def reconcile_with_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Honour an optimizer that already stores the model's parameters in 16 bits.
-
-        ``mixprec.optim.AdamW(..., fp16_params=True)`` converts parameters and keeps masters. With
-        ``auto`` precision the run switches to the matching ``*-true`` mode (and says so); an
-        explicitly requested mode with FP32 parameters is a conflict, refused with the fix.
-        """
-        stored = getattr(optimizer, "param_dtype", None)
-        if stored not in _LOW or stored == self.param_dtype:
-            return
-        wanted = _TRUE_MODE[stored]
-        if not self._auto:
-            raise ConfigError(
-                f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
-                f"precision '{self.name}' keeps {dtype_name(self.param_dtype)} parameters; use "
-                f"precision '{wanted}', or build the optimizer without fp16_params")
-        self.policy = get_policy(wanted).replace(name=wanted, overrides=self.policy.overrides,
-                                                  plan=self.policy.plan)
-        self._scaler = None   # the new mode's
-        self.notes.append(f"precision {wanted}: the optimizer stores parameters in "
-                          f"{dtype_name(stored)} (fp16_params=True) and keeps FP32 masters")
+    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Refuse, in one line, an optimizer that stores the model's parameters in a 16-bit dtype
+        this mode does not (``mixprec.optim.AdamW(..., fp16_params=True)``). The mode is fixed
+        when the Precision is built: for ``auto`` to follow such an optimizer, build it with the
+        optimizer, ``Precision("auto", optimizer=optimizer)`` (``fit()`` does)."""
+        self.recipe.check_optimizer(optimizer)
 
     def setup_module(self, model: nn.Module, *, sharded: bool = False,
                      optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
@@ -663,7 +661,7 @@ class Precision:
         return MasterWeights(type(optimizer), groups, master_params=self.master_params(model), **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
-                       split_masters: bool = True, moments: str = "fp32",
+                       split_masters: bool | None = None, moments: str | None = None,
                        model: nn.Module | None = None,
                        **adamw_options: Any) -> torch.optim.Optimizer:
         """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
@@ -678,8 +676,11 @@ class Precision:
         (:meth:`step`). Not on a CPU: there torch's fused kernel rounds differently from the
         foreach one (1 ulp), and a step on the CPU stays the bits it was (a hand loop with torch's
         default AdamW equals ``fit()``). The state dicts of the two are alike: a checkpoint
-        resumes across them (docs/performance.md)."""
+        resumes across them (docs/performance.md). ``split_masters`` and ``moments`` default to
+        the recipe's."""
         from mixprec.optim.moments import MOMENTS
+        split_masters = self.recipe.split_masters if split_masters is None else split_masters
+        moments = self.recipe.moments if moments is None else moments
         if moments not in MOMENTS:
             raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
         if sharded or self.loses_small_updates:

@@ -20,6 +20,7 @@ from mixprec.monitor.guard import GuardConfig
 from mixprec.optim.moments import MOMENTS
 from mixprec.policy.overrides import normalize_overrides
 from mixprec.precision import get_policy
+from mixprec.precision.recipe import Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -180,6 +181,17 @@ class FitConfig:
     def scaler_options(self) -> dict[str, Any]:
         """The loss-scaler settings as :class:`mixprec.Precision` / ``GradScaler`` arguments."""
         return {fit: getattr(self, name) for name, fit in _SCALER_OPTIONS.items()}
+
+    def recipe(self, precision: Any = None, *, device: Any = None, optimizer: Any = None) -> Recipe:
+        """The run's :class:`~mixprec.precision.recipe.Recipe`: ``precision`` (default: the
+        ``precision`` field) with this config's overrides, micro options, loss-scaler settings,
+        master layout, moments and activation storage; ``optimizer`` one that already stores the
+        parameters in 16 bits decides ``auto``."""
+        return Recipe.build(self.precision if precision is None else precision, device=device,
+                            overrides=self.precision_overrides,
+                            micro_options=self.micro_options or None, optimizer=optimizer,
+                            split_masters=self.split_masters, moments=self.moments,
+                            fp8_activations=self.fp8_activations, **self.scaler_options())
 
     def guard_config(self):
         """The :class:`mixprec.monitor.guard.GuardConfig` of the ``guard_*`` fields."""
@@ -453,6 +465,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
                 table = tomllib.load(f)
             # [overrides] maps layer patterns to formats: a table of data, not a group of settings.
             layer_table = table.pop("overrides", None)
+            # [recipe]: the record of every precision choice a run made (Recipe.to_toml); the
+            # settings above rebuild the same one, so it is checked, not read as settings.
+            recorded = table.pop("recipe", None)
+            if isinstance(recorded, dict):
+                Recipe.from_dict(recorded)
             flat = _flatten(table, tables=tables)
             if layer_table is not None:
                 flat["precision_overrides"] = layer_table
@@ -507,6 +524,13 @@ def refuse_changes_to_ready_precision(precision: Any, cfg: FitConfig, given: set
     if "precision_overrides" in given and tuple(cfg.precision_overrides) != tuple(precision.policy.overrides):
         raise ConfigError("precision_overrides with a ready Precision: pass them to it, "
                           f"mixprec.Precision({mode!r}, overrides=...)")
+    recipe = precision.recipe
+    for name in ("split_masters", "moments", "fp8_activations"):
+        value, own = getattr(cfg, name), getattr(recipe, name)
+        if name in given and value != own:
+            raise ConfigError(f"{name}={value!r} would change the ready Precision({mode!r}), whose "
+                              f"{name} is {own!r}; pass it to the Precision: "
+                              f"mixprec.Precision({mode!r}, {name}={value!r})")
     have = precision.scaler.config
     for name, option in _SCALER_OPTIONS.items():
         value, own = getattr(cfg, name), getattr(have, _SCALER_CONFIG[option])

@@ -102,10 +102,13 @@ class Trainer:
                                   "mixprec.Precision(mode, micro_options=...)")
         elif mixed_precision is not None and "precision" in given:
             refuse_two_modes(mixed_precision, cfg.precision, self.device)
-        # Scaling only when the mode needs it (FP16); the non-finite check is always on.
+        # An optimizer the user built for this model (docs/sources.md: build one, call fit()); one
+        # that stores the parameters in 16 bits decides `auto` now, when the recipe is built.
+        self._found_optimizer = find_optimizer_for(model.parameters()) if optimizer is None else None
+        # Every precision choice of the run, fixed here (scaling only where the mode needs it).
         self.precision = choice if isinstance(choice, Precision) else Precision(
-            choice, device=self.device, overrides=cfg.precision_overrides,
-            micro_options=cfg.micro_options or None, **cfg.scaler_options())
+            cfg.recipe(choice, device=self.device, optimizer=optimizer or self._found_optimizer),
+            device=self.device)
         self.loss_fn = loss_fn
         self.raw_model = model
         self._user_optimizer = optimizer
@@ -182,10 +185,9 @@ class Trainer:
         model = self.raw_model.to(self.device)
         found = None
         if self._user_optimizer is None:
-            # An optimizer the user built for this model (docs/sources.md: build one, call fit()).
-            found = self._user_optimizer = find_optimizer_for(model.parameters())
-        asked = precision.name
-        precision.reconcile_with_optimizer(self._user_optimizer)
+            found = self._user_optimizer = self._found_optimizer
+        precision.check_optimizer(self._user_optimizer)   # a ready Precision's mode is its own
+        asked = precision.recipe.resolved_from or precision.name
         if found is not None and strategy.is_main:   # one line: what was found, and what it changed
             change = (f"; it stores parameters in 16 bits, so precision {asked} -> {precision.name}"
                       if precision.name != asked else "")
@@ -219,10 +221,9 @@ class Trainer:
                     (decay if p.dim() >= 2 else no_decay).append(p)
             groups = [{"params": decay, "weight_decay": cfg.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}]
+            # Master layout and moments: the recipe's (split_masters, moments).
             self.optimizer = precision.make_optimizer(groups, sharded=sharded, lr=cfg.lr,
                                                       betas=(cfg.beta1, cfg.beta2),
-                                                      split_masters=cfg.split_masters,
-                                                      moments=cfg.moments,
                                                       model=strategy.unwrap(self.model))
             # What a restore must not take from the checkpoint: this run's settings win (also
             # the kernel: a CPU run's checkpoint resumed on CUDA steps fused, and back).
@@ -274,13 +275,13 @@ class Trainer:
         # What Linear layers save for backward, kept in FP8 (opt-in; mixprec/nn/fp8_activations.py).
         if self.fp8_store is not None:
             self.fp8_store.remove()
-        self.fp8_store = store_activations_in_fp8(unwrapped) if cfg.fp8_activations else None
+        self.fp8_store = store_activations_in_fp8(unwrapped) if precision.recipe.fp8_activations else None
         if self.fp8_store is not None:
             self._notes.append((f"activations: what {len(self.fp8_store.modules)} Linear layers save "
                                 "for backward kept in FP8 E4M3 with per-block scales, widened in "
                                 "backward (fp8_activations; docs/lean.md)", "memory"))
         if cfg.replan_every:
-            if cfg.fp8_activations:
+            if precision.recipe.fp8_activations:
                 raise ConfigError("replan_every swaps Linear modules, which drops the FP8-activation "
                                   "hooks on them; use fp8_activations=false or replan_every=0")
             self.replanner = LayerReplanner(precision, unwrapped, every=cfg.replan_every,
@@ -626,8 +627,14 @@ class Trainer:
             if main:  # the resolved precision ("auto" means something else on another machine)
                 # A plan's layers (plan:PATH, precision_overrides) are kept as the [overrides]
                 # table beside its base mode: what a resume rebuilds the same Precision from.
+                recipe = self.precision.recipe     # the [recipe] table below records all of it
                 resolved = dataclasses.replace(cfg, precision=self.precision.name,
-                                               precision_overrides=self.precision.policy.overrides,
+                                               precision_overrides=recipe.policy.overrides,
+                                               micro_options=",".join(
+                                                   f"{k}={'none' if v is None else v}"
+                                                   for k, v in recipe.policy.micro_options),
+                                               split_masters=recipe.split_masters, moments=recipe.moments,
+                                               fp8_activations=recipe.fp8_activations,
                                                **_optimizer_settings(self._user_optimizer))
                 mine = self._user_optimizer
                 used = ("" if mine is None else
@@ -638,7 +645,7 @@ class Trainer:
                        if self.precision.has_plan or self.precision.switched else "")
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used
-                    + ran)
+                    + ran + "\n" + self.precision.recipe.to_toml())
                 if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
                     keep_run_config(cfg.model, self.run_dir)
         except OSError as e:

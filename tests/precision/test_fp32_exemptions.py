@@ -70,7 +70,7 @@ def test_gpt2_layernorm_stays_fp32_with_fp16_params_and_no_mark_fp32_params(tmp_
     model = tiny_gpt2()
     ln_before = model.transformer.h[0].ln_1.weight.detach().clone()
     opt = mp.optim.AdamW(model.parameters(), lr=1e-3, fp16_params=True)   # the seed's style
-    precision = mp.Precision(True)
+    precision = mp.Precision(True, optimizer=opt)    # auto follows the optimizer, when built
     precision.setup(model, opt)
     assert precision.name == "16-true"
     ln = model.transformer.h[0].ln_1.weight

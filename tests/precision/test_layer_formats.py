@@ -177,7 +177,7 @@ def test_fit_logs_formats_and_resume_refuses_other_overrides(tmp_path):
 def test_auto_switching_to_a_true_mode_keeps_the_overrides():
     model = _model()
     optimizer = mp.optim.AdamW(model.parameters(), fp16_params=True, param_dtype=torch.bfloat16)
-    p = mp.Precision("auto", overrides={"head": "fp32"})
+    p = mp.Precision("auto", overrides={"head": "fp32"}, optimizer=optimizer)
     model, _ = p.setup(model, optimizer)
     assert p.name == "bf16-true" and p.policy.overrides == (("head", "fp32"),)
     assert p.layer_formats["head"] == "fp32"

@@ -94,13 +94,25 @@ def test_setup_refuses_an_optimizer_that_has_stepped():
         mp.Precision("bf16-true").setup(model, opt)
 
 
-def test_fp16_params_optimizer_with_auto_precision_switches_to_16_true_and_says_so():
+def test_fp16_params_optimizer_with_auto_precision_builds_16_true_and_says_so():
     model = _model()
     opt = mp.optim.AdamW(model.parameters(), lr=1e-3, fp16_params=True)
-    p = mp.Precision(True)
-    p.setup(model, opt)
+    p = mp.Precision(True, optimizer=opt)          # decided when the recipe is built
     assert p.name == "16-true" and p.keeps_masters and p.scales_loss
     assert any("fp16_params=True" in n for n in p.notes)
+    p.setup(model, opt)
+    assert p.name == "16-true"
+
+
+def test_auto_precision_built_without_the_fp16_params_optimizer_refuses_it_at_setup():
+    """No mode change after construction: the mode `auto` resolved to stays, the optimizer is refused."""
+    model = _model()
+    opt = mp.optim.AdamW(model.parameters(), lr=1e-3, fp16_params=True)
+    p = mp.Precision(True, device="cpu")
+    before = p.recipe
+    with pytest.raises(ConfigError, match="Precision\\('auto', optimizer=optimizer\\)") as e:
+        p.setup(model, opt)
+    assert "\n" not in str(e.value) and p.recipe is before
 
 
 def test_fp16_params_optimizer_conflicting_with_an_explicit_mode_is_refused():
