@@ -547,8 +547,10 @@ def refuse_two_modes(mixed_precision: Any, precision: str, device: Any) -> None:
                           "disagree; pass one of them")
 
 
-def config_to_toml(config: FitConfig) -> str:
-    """The resolved config as TOML (None values are written as comments)."""
+def config_to_toml(config: FitConfig, more: str = "") -> str:
+    """The resolved config as TOML (None values are written as comments); ``more``: further
+    ``key = value`` lines, written before the ``[overrides]`` table (keys after a table belong
+    to it)."""
     lines = []
     table: list[str] = []
     for f in dataclasses.fields(config):
@@ -565,4 +567,6 @@ def config_to_toml(config: FitConfig) -> str:
             lines.append(f"{f.name} = {v!r}")
         else:
             lines.append(f'{f.name} = "{v}"')
+    if more:
+        lines.append(more.rstrip("\n"))
     return "\n".join(lines + (table if len(table) > 2 else [])) + "\n"

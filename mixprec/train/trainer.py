@@ -644,8 +644,8 @@ class Trainer:
                 ran = (f"# ran: {self.precision.ran()}\n"
                        if self.precision.has_plan or self.precision.switched else "")
                 (self.run_dir / "config.toml").write_text(
-                    config_to_toml(resolved) + _what_fit_trained(cfg, self.raw_model, train_loader) + used
-                    + ran + "\n" + self.precision.recipe.to_toml())
+                    config_to_toml(resolved, _what_fit_trained(cfg, self.raw_model, train_loader)) + used
+                    + ran + "\n" + recipe.to_toml())
                 if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
                     keep_run_config(cfg.model, self.run_dir)
         except OSError as e:
