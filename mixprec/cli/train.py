@@ -181,14 +181,15 @@ def _step_memory(model, cfg: TrainConfig, on_cpu: bool):
     model runs (fused SDPA: no seq_len^2 score matrix is kept)."""
     from mixprec.estimate.memory import ModelShape, estimate_memory
     shape = ModelShape.from_config(model.config)
+    from mixprec.precision import Precision
     kwargs = dict(batch=cfg.batch_size, seq=cfg.seq_len, checkpointing=cfg.gradient_checkpointing,
-                  split_masters=cfg.split_masters, moments_dtype=cfg.moments,
-                  fp8_activations=cfg.fp8_activations, loss_chunk=cfg.loss_chunk,
-                  device="cpu" if on_cpu else None)
-    try:
-        return shape, estimate_memory(shape, cfg.precision, **kwargs)
+                  loss_chunk=cfg.loss_chunk, device="cpu" if on_cpu else None)
+    try:   # the run's recipe: its mode, master layout, moments and activation storage
+        return shape, estimate_memory(shape, Precision(cfg.recipe()), **kwargs)
     except (ConfigError, ValueError):     # a plan file or a mode the estimator does not model
-        return shape, estimate_memory(shape, "32-true", **kwargs)
+        return shape, estimate_memory(shape, "32-true", split_masters=cfg.split_masters,
+                                      moments_dtype=cfg.moments, fp8_activations=cfg.fp8_activations,
+                                      **kwargs)
 
 
 class _NoDrawsOnMeta(TorchFunctionMode):

@@ -357,10 +357,10 @@ def _largest_param(shape: ModelShape) -> int:
 
 
 def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq: int, optimizer: str = "adamw",
-                    moments_dtype: str = "fp32", checkpointing: bool = False, shards: int = 1, tp: int = 1,
-                    pp: int = 1, num_parameters: int | None = None, split_masters: bool = True,
-                    device: str | None = None, fp8_activations: bool = False,
-                    loss_chunk: int = 0) -> MemoryEstimate:
+                    moments_dtype: str | None = None, checkpointing: bool = False, shards: int = 1,
+                    tp: int = 1, pp: int = 1, num_parameters: int | None = None,
+                    split_masters: bool | None = None, device: str | None = None,
+                    fp8_activations: bool | None = None, loss_chunk: int = 0) -> MemoryEstimate:
     """Bytes per device of a training step of ``shape`` under ``precision``.
 
     ``batch`` is the micro-batch per device. The states (parameters, gradients, masters, moments)
@@ -373,6 +373,9 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
 
     ``shape=None`` with ``num_parameters`` estimates the states alone (activations 0): for a model
     known only by its parameter count.
+
+    ``moments_dtype``, ``split_masters`` and ``fp8_activations`` default to the precision's recipe
+    (:attr:`mixprec.Precision.recipe`; for a mode's name: ``fp32``, split, off).
 
     ``split_masters`` (mixprec's default): the FP32 master of a BF16 parameter is stored as the
     parameter plus a 16-bit remainder (2 bytes) and the step widens one chunk at a time (FP32
@@ -397,6 +400,10 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     from mixprec.precision import Precision
     from mixprec.policy.dtypes import parse_dtype
     policy = precision if isinstance(precision, Precision) else Precision(precision)
+    recipe = policy.recipe
+    moments_dtype = recipe.moments if moments_dtype is None else moments_dtype
+    split_masters = recipe.split_masters if split_masters is None else split_masters
+    fp8_activations = recipe.fp8_activations if fp8_activations is None else fp8_activations
     if optimizer not in ("adamw", "sgd"):
         raise ConfigError(f"--optimizer must be adamw or sgd, got '{optimizer}'")
     if batch < 1 or seq < 1 or shards < 1:

@@ -57,9 +57,10 @@ def reference_words(ref: dict[str, Any]) -> str:
 _NOT_SETTINGS = frozenset({
     "precision", "run_dir", "overwrite", "resume", "progress", "audit", "log_interval",
     "ckpt_interval", "keep_last", "export_hf", "profile", "monitor_every", "trace_nonfinite",
-    "overlap_optimizer", "num_workers"})
+    "overlap_optimizer", "num_workers", "recipe"})
 """``config.toml`` keys that are not a difference in training: where it was written and what was
-logged (``precision`` has its own column; ``overlap_optimizer`` is bit-identical)."""
+logged (``precision`` has its own column; ``overlap_optimizer`` is bit-identical; ``[recipe]``
+records the precision choices whose keys above already show)."""
 
 
 def _setting(value: Any) -> str:

@@ -97,8 +97,12 @@ def run_label(config: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str
 
 
 def run_scales_loss(config: dict[str, Any]) -> bool | None:
-    """Whether the run's precision scales the loss (asked of ``Precision``); None when the
-    config does not name a mode that can be asked (``auto`` recorded unresolved, or unknown)."""
+    """Whether the run's precision scales the loss: its ``[recipe]`` table's ``loss_scaling``,
+    for runs written before it asked of ``Precision``; None when the config does not name a mode
+    that can be asked (``auto`` recorded unresolved, or unknown)."""
+    recorded = config.get("recipe")
+    if isinstance(recorded, dict) and isinstance(recorded.get("loss_scaling"), bool):
+        return recorded["loss_scaling"]
     name = config.get("precision")
     if not isinstance(name, str) or name == "auto":
         return None
