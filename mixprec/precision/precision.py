@@ -6,6 +6,8 @@ data become decisions, each made here and nowhere else:
 ==========================  =====================================================================
 decision                    made by
 ==========================  =====================================================================
+every choice of the run     the frozen :class:`~mixprec.precision.recipe.Recipe` it is built
+                            from (:attr:`Precision.recipe`), fixed at construction
 what each layer is         the rule book, :mod:`mixprec.precision.rules`
 every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model)
 storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
