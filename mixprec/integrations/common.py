@@ -156,8 +156,9 @@ class RunRecord:
                                                   "(it continues this folder), choose another run_dir, "
                                                   + (f"or pass {overwrite_hint} to write over it"
                                                      if overwrite_hint else "or delete the folder to start over"))
-            (self.run_dir / "config.toml").write_text(
-                _toml({"precision": precision.name, **(config or {})}), encoding="utf-8")
+            (self.run_dir / "config.toml").write_text(   # the [recipe] table last: every choice
+                _toml({"precision": precision.name, **(config or {})}) + "\n" + precision.recipe.to_toml(),
+                encoding="utf-8")
         self.logger = MetricsLogger(self.run_dir or ".", enabled=self.run_dir is not None,
                                     resume_step=resume_step)
         self.events = RunEvents(host, precision, self.logger, progress=False)

@@ -123,6 +123,9 @@ def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_wi
     assert all(r["grad_norm"] > 0 for r in rows)
     numerics = read_numerics(tmp_path / "run")
     assert {r["step"] for r in numerics} == {2, 4}
+    # config.toml records the run's recipe, the one the callback's Precision holds
+    recorded = mp.precision.Recipe.from_toml((tmp_path / "run" / "config.toml").read_text())
+    assert recorded == callback.mixprec.recipe and recorded.name == "bf16-true"
     assert {r["kind"] for r in numerics} == {"act", "grad", "update"}
     from mixprec.report import write_report
     assert write_report(tmp_path / "run").is_file()
