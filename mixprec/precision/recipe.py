@@ -53,8 +53,9 @@ MASTER_LAYOUTS = ("none", "full", "split")
 in place), full (an FP32 copy per parameter), split (the BF16 parameter + a 16-bit remainder)."""
 
 _SCALER_ARGS = {n: p.default for n, p in inspect.signature(GradScaler.__init__).parameters.items()
-                if n not in ("self", "enabled", "device", "check_finite", "process_group")}
-"""The loss-scale settings a recipe holds (``GradScaler``'s), with their defaults."""
+                if n not in ("self", "enabled", "device")}
+"""The loss-scale settings a recipe holds (``GradScaler``'s), with their defaults (``enabled`` is
+the policy's ``loss_scaling``; ``device`` the Precision's)."""
 
 
 def is_auto(precision: Any) -> bool:

@@ -95,6 +95,14 @@ def test_a_recipe_is_validated_once_when_built_in_one_line(kwargs, message):
     assert "\n" not in str(e.value)
 
 
+def test_every_gradscaler_setting_but_enabled_and_device_is_a_recipe_setting():
+    p = mp.Precision("16-mixed", check_finite=False, backoff_factor=0.25, max_scale=2.0**20)
+    assert p.recipe.scaler_options == {"check_finite": False, "backoff_factor": 0.25, "max_scale": 2.0**20}
+    assert p.scaler.config.backoff_factor == 0.25 and p.scaler.config.max_scale == 2.0**20
+    with pytest.raises(ConfigError, match="unknown loss-scaler setting 'enabled'"):
+        Recipe.build("16-mixed", enabled=False)
+
+
 def test_moments_without_masters_are_refused_when_the_recipe_is_built():
     no_masters = mp.get_policy("bf16-true").replace(master_weights=False)
     with pytest.raises(ConfigError, match="moments=int8 needs mixprec's AdamW"):
