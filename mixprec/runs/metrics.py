@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import closest
+from mixprec.runs.owned import TB_DIR
 
 __all__ = [
     "METRICS_COLUMNS",
@@ -52,7 +53,6 @@ _TEXT_COLUMNS = {"module", "kind", "dtype"}
 METRICS_FILE = "metrics.csv"
 NUMERICS_FILE = "numerics.csv"
 EVENTS_FILE = "events.jsonl"
-TB_DIR = "tb"
 
 
 def _scalar(value: Any) -> Any:
