@@ -4,8 +4,8 @@ the rule book it asks (:mod:`~mixprec.precision.rules`: what kind of layer a mod
 per-layer table it resolves a model into (:meth:`Precision.describe`); and ``autocast``.
 
 The policy data it reads lives in :mod:`mixprec.policy`; its public names are re-exported here
-(``mixprec.precision.Policy``); its modules are not (``mixprec.policy.dtypes``, not
-``mixprec.precision.dtypes``: CHANGELOG.md). The conversions the decider applies, to FP8
+(``mixprec.precision.Policy``), its modules are not (``mixprec.policy.dtypes``; the old module
+paths under ``mixprec.precision`` were retired in 0.4: CHANGELOG.md). The conversions the decider applies, to FP8
 (:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here side by side.
 """
 from mixprec import _moved

@@ -171,7 +171,7 @@ class Precision:
         """What :meth:`setup` changed or chose on the user's behalf, for the run log."""
         self.fp8_report = None
         self.micro_report = None
-        """What the micro-format conversion did (:class:`mixprec.formats.MicroConversionReport`)."""
+        """What the micro-format conversion did (:class:`mixprec.precision.MicroConversionReport`)."""
         self.table: LayerTable | None = None
         """The per-layer table of the model :meth:`setup` set up (:meth:`resolve` at the end of
         it, refreshed when a layer's format changes); what FSDP2's islands are read from."""
