@@ -4,6 +4,7 @@ import importlib
 import importlib.machinery
 import re
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,18 @@ def test_the_changelog_lists_every_old_path_with_its_new_home():
         assert homes and all(f"`{h}`" in rows[old] for h in homes), (old, rows[old])
     for package, split in SPLIT.items():          # and which of a split package's names went where
         assert all(f"`{n}`" in rows[package] for names in split.values() for n in names), rows[package]
+
+
+def test_the_changelog_shows_the_last_traceback_line_users_see():
+    shown = re.search(r"^    (mixprec\._moved\.MovedPathError: .+)$", CHANGELOG.read_text(), re.M).group(1)
+    with pytest.raises(ImportError) as caught:
+        exec("import mixprec.train.checkpoint", {})
+    assert traceback.format_exception_only(caught.value)[-1].rstrip("\n") == shown
+    with pytest.raises(AttributeError) as caught:
+        mixprec.train.checkpoint  # noqa: B018
+    assert traceback.format_exception_only(caught.value)[-1].rstrip("\n") == shown.replace(
+        "MovedPathError", "MovedAttributeError")
+    assert "`mixprec._moved.MovedAttributeError: ...`, an `AttributeError`" in " ".join(CHANGELOG.read_text().split())
 
 
 def test_a_missing_name_that_never_existed_is_a_plain_attribute_error():
