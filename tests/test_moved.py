@@ -98,6 +98,14 @@ def test_an_old_path_named_as_an_attribute_is_an_attribute_error_with_the_line(o
     assert not hasattr(module, name) and getattr(module, name, None) is None
 
 
+@pytest.mark.parametrize("old", sorted(ROWS))
+def test_the_finder_hides_no_module_that_exists(old):
+    """The finder refuses old names as module paths too (``from mixprec import plan_precision``
+    asks for ``mixprec.plan_precision``): none of them may be a file of the package."""
+    root = Path(mixprec.__file__).parent.parent
+    assert not (root / f"{old.replace('.', '/')}.py").exists() and not (root / old.replace(".", "/")).exists()
+
+
 def test_hasattr_and_getattr_with_a_default_answer_for_retired_names():
     assert not hasattr(mixprec, "fp8") and not hasattr(mixprec.amp, "autocast")
     assert getattr(mixprec, "plan_precision", None) is None
