@@ -106,12 +106,19 @@ MOVED_NAMES = {
 
 
 
+def _shown(home: str, name: str) -> str:
+    """``name``, with its new name where it was renamed in its new home too."""
+    renamed = MOVED_NAMES.get(f"{home}.{name}")
+    return f"{name} (now {renamed.rpartition('.')[2]})" if renamed else name
+
+
 def message(old: str) -> str:
     """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES` or :data:`MOVED_NAMES`)."""
     split = SPLIT.get(old)
     if split is None:
         return f"{old} moved to {MOVED_MODULES.get(old) or MOVED_NAMES[old]} in {RELEASE}; see CHANGELOG.md"
-    names = [f"{', '.join(n) or 'its other names'} -> {home}" for home, n in split.items()]
+    names = [f"{', '.join(_shown(home, name) for name in n) or 'its other names'} -> {home}"
+             for home, n in split.items()]
     modules = [f"{m} -> {new}" for m, new in MOVED_MODULES.items() if m.startswith(f"{old}.")]
     return f"{old} was split in {RELEASE}: {'; '.join(names + modules)}; see CHANGELOG.md"
 
