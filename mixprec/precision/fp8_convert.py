@@ -67,9 +67,28 @@ class Fp8ConversionReport:
         return ", ".join(f"{n} {self.configs[r].describe() if r in self.configs else 'fp8-' + r}"
                          for r, n in counts.items())
 
+    def kept_summary(self) -> str:
+        """What was kept out of FP8, by kind: ``1 Linear (head), 2 embeddings, 5 norms`` (the
+        Linears named, up to three). It said ``8 modules kept in high precision`` beside ``Linear
+        layers: 8 fp8-tensorwise, 1 bf16``, which read as a contradiction (found by a new-user
+        trial): the 8 were the head, the embeddings and the norms."""
+        kinds = {"embedding": [], "norm": [], "linear": []}
+        for name, why in self.skipped:
+            kind = ("embedding" if why.startswith("embedding") else
+                    "norm" if why.startswith("normalization") else "linear")
+            kinds[kind].append(name)
+        parts = []
+        if linears := kinds["linear"]:
+            named = ", ".join(linears[:3]) + (", ..." if len(linears) > 3 else "")
+            parts.append(f"{len(linears)} Linear{'s' if len(linears) != 1 else ''} ({named})")
+        for kind, word in (("embedding", "embedding"), ("norm", "norm")):
+            if n := len(kinds[kind]):
+                parts.append(f"{n} {word}{'s' if n != 1 else ''}")
+        return ", ".join(parts)
+
     def __str__(self) -> str:
-        lines = [f"{self.what_runs()}: {len(self.converted)} Linear layers converted, "
-                 f"{len(self.skipped)} modules kept in {self.high_precision}; path: "
+        kept = f"; kept in {self.high_precision}: {self.kept_summary()}" if self.skipped else ""
+        lines = [f"{self.what_runs()}: {len(self.converted)} Linear layers converted{kept}; path: "
                  f"{self.expected_path}"]
         lines += [f"  fp8   {name}" + (f" ({self.recipes[name]})" if self.recipes.get(name, self.config.recipe)
                                             != self.config.recipe else "") for name in self.converted]
