@@ -167,7 +167,9 @@ class GuardHook(StepHook):
     def after_step(self, trainer, step, out, origin):
         event = trainer.step_event
         outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
-                              event.module if event is not None else None)
+                              event.module if event is not None else None,
+                              event.direction if event is not None else None,
+                              float(out.scale_before) if trainer.precision.scales_loss else None)
         for action in self.guard.after_step(outcome, probe=trainer.replay_forward):
             trainer.events.guard(action)
             if action.kind == "give-up":
