@@ -128,13 +128,21 @@ class MasterWeights(torch.optim.Optimizer):
     checkpoint live in its own file; this class holds full FP32 masters only.
     """
 
+    _split_layout: type[MasterWeights] | None = None
+    """The split-master layout's class (mixprec.optim.split_masters; it names itself with
+    ``split_layout=True``, and ``import mixprec.optim`` imports it)."""
+
+    def __init_subclass__(cls, *, split_layout: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if split_layout:
+            MasterWeights._split_layout = cls
+
     def __new__(cls, optimizer_cls: Any = None, *args: Any, split: bool | None = None,
-                master_dtype: torch.dtype = torch.float32, **kwargs: Any) -> "MasterWeights":
-        if cls is MasterWeights and isinstance(optimizer_cls, type) \
+                master_dtype: torch.dtype = torch.float32, **kwargs: Any) -> MasterWeights:
+        if cls is MasterWeights and cls._split_layout is not None and isinstance(optimizer_cls, type) \
                 and issubclass(optimizer_cls, torch.optim.Optimizer) and isinstance(master_dtype, torch.dtype) \
                 and master_dtype.is_floating_point and _split.resolve_split(split, optimizer_cls, master_dtype):
-            from mixprec.optim.split_masters import SplitMasterWeights   # the layout one room over
-            cls = SplitMasterWeights
+            cls = cls._split_layout
         return super().__new__(cls)
 
     def __init__(

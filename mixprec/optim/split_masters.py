@@ -44,7 +44,7 @@ from mixprec.optim.master import MasterWeights
 __all__ = ["SplitMasterWeights"]
 
 
-class SplitMasterWeights(MasterWeights):
+class SplitMasterWeights(MasterWeights, split_layout=True):
     """:class:`MasterWeights` with the FP32 master of each BF16 param stored split (2 bytes, not 4).
 
     Built by ``MasterWeights(...)`` (and :class:`mixprec.optim.AdamW`) where split masters are
