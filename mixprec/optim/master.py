@@ -225,9 +225,9 @@ class MasterWeights(torch.optim.Optimizer):
         master = p.detach().to(self.master_dtype, copy=True).requires_grad_(p.requires_grad)
         if p.dtype == self.master_dtype:  # convert the model param in place, keep the exact master
             # The one ``.data`` assignment left: the model, the user and their schedulers hold this
-            # very Parameter, and only ``.data`` changes a tensor's dtype under outstanding
-            # references (``torch.utils.swap_tensors`` refuses weakly referenced tensors and
-            # tensors whose autograd node holds them, e.g. after a forward).
+            # very Parameter, so its dtype must change in place; ``torch.utils.swap_tensors`` (the
+            # other way to keep the object) refuses any tensor with a weak reference (weak-keyed
+            # registries, torch.compile's guards), which ``.data`` does not care about.
             p.data = p.data.to(self.param_dtype)
             p.grad = None
         master = self._store_master(p, master)
