@@ -27,20 +27,20 @@ plus 4 bytes of FP32 master gradient during the step.
 
 **Split masters** (``split=None``, the default, turns them on wherever they are exact): the FP32
 master of a BF16 param is stored as the BF16 param itself plus a 16-bit remainder
-(mixprec.optim.split), 2 bytes instead of 4, and no FP32 master gradients are kept: the step widens
+(mixprec.optim.split_masters, the arithmetic in mixprec.optim.split), 2 bytes instead of 4, and no FP32 master gradients are kept: the step widens
 one bounded chunk of masters and BF16 gradients at a time, steps it with the inner optimizer and
 splits it back, bit-identical to the FP32-master step. The loss-scale division and the clip
 coefficient are deferred into that widening (``deferred_grads()``, used by mixprec's scaler and
 ``clip_grad_norm_``). ``master_grads()`` still works for other callers (``torch.amp.GradScaler``):
-it widens everything for that step, as before. Gradient accumulation is unchanged: autograd sums
+it widens everything for that step into FP32 tensors that stand in the param groups until the step. Gradient accumulation is unchanged: autograd sums
 the micro-batches into the BF16 ``.grad``, exactly as with full masters.
 
 The step itself is flat (:mod:`mixprec.optim.flat`): the masters of each param group and device
 are stepped as a few flat FP32 chunks by a twin of the inner optimizer, a fixed number of ops
 whatever the number of parameters, no host sync, and a non-finite step can be skipped on the device
 (``step(inputs=StepInputs(found_inf=...))``, :mod:`mixprec.optim.inputs`). The per-master step
-below (the inner optimizer over the masters, split masters widened chunk by chunk) is the
-fallback for what the flat step cannot do (see flat's docstring); both give the same bits.
+(``_step_per_master``: the inner optimizer over the masters; split masters widened chunk by chunk
+into FP32 tensors of the inner optimizer's own, mixprec.optim.split_masters) is the fallback for what the flat step cannot do (see flat's docstring); both give the same bits.
 
 The classes, one storage layout each, each whole in its own file (no mixins):
 :class:`MasterWeights` here (full FP32 masters around any inner optimizer: what it stores, its

@@ -12,7 +12,8 @@ to an even ``hi``, and ``-2**15`` at a tie that rounded *up* to an even ``hi``, 
 ``hi`` there are 2**16 + 1 masters and no 16-bit code can tell them all apart. The remainder is
 stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the ties that rounded down are marked:
 in the step's dense tie bitmap (mixprec.optim.flat: one bit per element, no data-dependent
-shape, no host sync), or, on the per-master paths here, in a short ``int64`` list of flat indices
+shape, no host sync), or, on the per-master paths (mixprec.optim.split_masters, the layout's
+optimizer class; this module holds its arithmetic as plain functions), in a short ``int64`` list of flat indices
 per tensor (about one element in 2**17 per step; finding them is one ``nonzero``). Modulo 2**16,
 ``d`` is just the low half of ``w``'s bit pattern (``hi``'s low half is zero), so splitting is a
 rounding copy and a copy of half of ``w``'s bytes, with no integer arithmetic. ``join`` reverses it
@@ -20,7 +21,7 @@ bit for bit, infinities included; a NaN master stays NaN (its payload may change
 
 Cost: 2 bytes per parameter instead of 4 (plus a bit for the tie bitmap). The optimizer step
 widens one bounded chunk of masters and gradients to FP32 at a time (mixprec.optim.flat; the
-per-master fallback here uses ``CHUNK_NUMEL`` chunks), steps it with the inner optimizer's own
+per-master fallback in mixprec.optim.split_masters uses ``CHUNK_NUMEL`` chunks), steps it with the inner optimizer's own
 math and splits it back, so the update is the FP32 update bit for bit
 (tests/optim/test_split_masters.py).
 
