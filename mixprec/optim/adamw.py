@@ -357,6 +357,11 @@ class AdamW(SplitMasterWeights):
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).
+
+    The layout chain: a :class:`mixprec.optim.split_masters.SplitMasterWeights` (itself a
+    :class:`MasterWeights`) whose inner optimizer is torch's AdamW (FP32 moments) or this file's
+    FP32-math AdamW (BF16 / 8-bit moments); with ``split_masters=False`` it splits nothing and
+    steps and saves as full FP32 masters do.
     """
 
     def __init__(
