@@ -58,8 +58,9 @@ Why the twin is driven once per chunk, not once per step: one ``twin.step()`` ov
 flat tensor needs the FP32 values and gradients of every chunk at once, 8 bytes per trainable
 parameter during the step (the scratch of full FP32 masters and grads, which split masters exist
 to avoid), where the shared per-device slots cost at most about one byte per parameter and
-512 MiB. Within that bound one twin step would save nothing: a group has several chunks only when
-it is too large for them to coexist, and chunks of different groups (other hyper-parameters) get
+512 MiB. Within that bound one twin step would save nothing: on an accelerator a group has
+several chunks only when it is too large for them to coexist (on a CPU they are cache-sized by
+choice), and chunks of different groups (other hyper-parameters) get
 one pass of the optimizer's math per group anyway. So each chunk costs its own twin step (12 dispatched ops for torch's AdamW, 33 for BF16
 moments) and gather/scatter (7 to 24 ops); docs/performance.md has the counts. Frozen parameters (``requires_grad=False``) are left out of the
 chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
