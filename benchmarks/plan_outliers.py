@@ -76,7 +76,7 @@ def _config(args, mode: str, seed: int, run_dir: str, guard: bool = False):
 
 
 GUARDED = {"guard-fp8-tensorwise": "fp8-tensorwise", "guard-fp8-blockwise": "fp8-blockwise"}
-"""Uniform FP8 with ``guard=true`` (mixprec/plan/guard.py)."""
+"""Uniform FP8 with ``guard=true`` (mixprec/monitor/guard.py)."""
 
 KEPT = {"keep-fp8-tensorwise": "fp8-tensorwise", "keep-fp8-blockwise": "fp8-blockwise"}
 """Uniform FP8 with the outlier layer in bf16 from step 1 (a precision override): the formats a

@@ -8,11 +8,10 @@ The tools (``mixprec.plan``, ``mixprec.estimate``, ``mixprec.report``, ``mixprec
 ``mixprec.integrations``, ``mixprec.cli``) import the core, never the reverse.
 
 Import paths retired in 0.4 (``mixprec.fp8``, ``mixprec.engine``, ``mixprec.train.checkpoint``, ...)
-fail in one line naming their new home (:mod:`mixprec._moved`, CHANGELOG.md).
+fail in one line naming their new home (:mod:`mixprec._moved`, CHANGELOG.md). ``dir(mixprec)`` lists
+the public names and the sub-packages; the helpers of this file start with ``_``.
 """
-from __future__ import annotations
-
-import importlib
+from importlib import import_module as _import_module
 
 from mixprec import _moved
 from mixprec._version import __version__
@@ -39,11 +38,11 @@ _HOMES = {
 }
 """Each public name -> the core package that holds it."""
 
-CORE = ("policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies",
-        "monitor", "runs", "train")
+_CORE = ("policy", "amp", "optim", "nn", "formats", "precision", "models", "data", "strategies",
+         "monitor", "runs", "train")
 """The library's rooms, lowest first (docs/ARCHITECTURE.md)."""
 
-TOOLS = ("estimate", "plan", "integrations", "report", "bench", "cli")
+_TOOLS = ("estimate", "plan", "integrations", "report", "bench", "cli")
 """Rooms that use the library (they import the core; the core never imports them)."""
 
 __all__ = [
@@ -55,13 +54,15 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
+        value = getattr(_import_module(_HOMES[name]), name)
         globals()[name] = value                 # once: later lookups are plain attribute reads
         return value
-    if name in CORE or name in TOOLS:           # ``mixprec.formats`` without ``import mixprec.formats``
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in _CORE or name in _TOOLS:         # ``mixprec.formats`` without ``import mixprec.formats``
+        return _import_module(f"{__name__}.{name}")
     _moved.refuse(__name__, name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *CORE, *TOOLS})
+    """The public names, the sub-packages and the module's dunders (``__version__``), not the
+    helpers or modules this file imports."""
+    return sorted({*(n for n in globals() if n.startswith("__")), *__all__, *_CORE, *_TOOLS})

@@ -1,9 +1,14 @@
 """Old import paths, retired in 0.4: each fails in one line naming its new home.
 
-:data:`MOVED_MODULES` (module paths) are refused by :class:`MovedFinder`, the first finder on
-``sys.meta_path`` once ``mixprec`` is imported: no module is kept at an old path. :data:`MOVED_NAMES`
-(names a package no longer holds), and old modules named as attributes, are refused by the
-package's ``__getattr__`` through :func:`refuse`. CHANGELOG.md's migration table lists the same
+:data:`MOVED_MODULES` (module paths) and :data:`MOVED_NAMES` (names a package no longer holds) are
+refused by :class:`MovedFinder`, the first finder on ``sys.meta_path`` once ``mixprec`` is
+imported, with :class:`MovedPathError` (a ``ModuleNotFoundError``): no module is kept at an old
+path. Named as an attribute (``mixprec.fp8``, ``mixprec.amp.autocast``), the same paths are refused
+by the package's ``__getattr__`` through :func:`refuse`, with :class:`MovedAttributeError` (an
+``AttributeError``: ``hasattr`` is False, ``getattr``'s default is returned); ``from package import
+name`` then asks the finder for ``package.name``, so it shows the line too. A package that was
+split (:data:`SPLIT`) is refused before Python looks at what is imported from it, so its line
+names the home of each of its names and modules. CHANGELOG.md's migration table lists the same
 paths (tests/test_moved.py checks both).
 """
 from __future__ import annotations
@@ -11,19 +16,39 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__all__ = ["MOVED_MODULES", "MOVED_NAMES", "MovedFinder", "MovedPathError", "install", "refuse"]
+__all__ = ["MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder", "MovedPathError",
+           "install", "message", "refuse"]
 
 RELEASE = "0.4"
 
+SPLIT = {
+    "mixprec.fp8": {
+        "mixprec.precision": ("convert_to_fp8", "prepare_fp8", "Fp8ConversionReport", "convert_to_micro",
+                              "MicroConversionReport", "block_index"),
+        "mixprec.formats": (),
+    },
+    "mixprec.engine": {
+        "mixprec.precision": ("Precision", "OptimizerSpec"),
+        "mixprec.optim": ("OverlappedUpdate",),
+    },
+}
+"""A retired package whose names went to more than one home: home -> its names (``()``: every
+other name the package held)."""
+
+
+def _homes(split: dict[str, tuple[str, ...]]) -> str:
+    return " and ".join(f"{home} ({', '.join(names) or 'every other name'})" for home, names in split.items())
+
+
 MOVED_MODULES = {
-    # shim packages
-    "mixprec.fp8": "mixprec.formats",
+    # shim packages (their names: SPLIT)
+    "mixprec.fp8": _homes(SPLIT["mixprec.fp8"]),
     "mixprec.fp8.config": "mixprec.formats.fp8_config",
     "mixprec.fp8.convert": "mixprec.precision.convert",
     "mixprec.fp8.emulation": "mixprec.formats.emulation",
     "mixprec.fp8.linear": "mixprec.formats.fp8_linear",
     "mixprec.fp8.quantize": "mixprec.formats.fp8_quantize",
-    "mixprec.engine": "mixprec.precision (Precision, OptimizerSpec) and mixprec.optim (OverlappedUpdate)",
+    "mixprec.engine": _homes(SPLIT["mixprec.engine"]),
     "mixprec.engine.precision": "mixprec.precision.precision",
     "mixprec.engine.layer_formats": "mixprec.precision.layer_formats",
     "mixprec.engine.overlap": "mixprec.optim.overlap",
@@ -80,22 +105,51 @@ MOVED_NAMES = {
 """Old ``package.name`` -> its new home."""
 
 
+
+def _shown(home: str, name: str) -> str:
+    """``name``, with its new name where it was renamed in its new home too."""
+    renamed = MOVED_NAMES.get(f"{home}.{name}")
+    return f"{name} (now {renamed.rpartition('.')[2]})" if renamed else name
+
+
+def message(old: str) -> str:
+    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES` or :data:`MOVED_NAMES`)."""
+    split = SPLIT.get(old)
+    if split is None:
+        return f"{old} moved to {MOVED_MODULES.get(old) or MOVED_NAMES[old]} in {RELEASE}; see CHANGELOG.md"
+    names = [f"{', '.join(_shown(home, name) for name in n) or 'its other names'} -> {home}"
+             for home, n in split.items()]
+    modules = [f"{m} -> {new}" for m, new in MOVED_MODULES.items() if m.startswith(f"{old}.")]
+    return f"{old} was split in {RELEASE}: {'; '.join(names + modules)}; see CHANGELOG.md"
+
+
 class MovedPathError(ModuleNotFoundError):
     """An import of a path retired in 0.4. ``old`` and ``new`` name both ends; ``name`` is None so
     that ``from package import old_module`` reports this line, not a bare "cannot import name"."""
 
-    def __init__(self, old: str, new: str) -> None:
-        super().__init__(f"{old} moved to {new} in {RELEASE}; see CHANGELOG.md")
-        self.old, self.new = old, new
+    def __init__(self, old: str) -> None:
+        super().__init__(message(old))
+        self.old, self.new = old, MOVED_MODULES.get(old) or MOVED_NAMES[old]
+
+
+class MovedAttributeError(AttributeError):
+    """A path retired in 0.4 named as an attribute of its package (``mixprec.fp8``): the line of
+    :class:`MovedPathError`, as an ``AttributeError`` so that ``hasattr`` and ``getattr(x, name,
+    default)`` work as for any missing name."""
+
+    def __init__(self, old: str) -> None:
+        super().__init__(message(old))
+        self.old, self.new = old, MOVED_MODULES.get(old) or MOVED_NAMES[old]
 
 
 class MovedFinder(importlib.abc.MetaPathFinder):
-    """Refuses the module paths of :data:`MOVED_MODULES`; every other import passes on."""
+    """Refuses the paths of :data:`MOVED_MODULES` and :data:`MOVED_NAMES` (``from mixprec import
+    plan_precision`` imports ``mixprec.plan_precision`` once the attribute is missing); every other
+    import passes on."""
 
     def find_spec(self, fullname, path=None, target=None):
-        new = MOVED_MODULES.get(fullname)
-        if new is not None:
-            raise MovedPathError(fullname, new)
+        if fullname in MOVED_MODULES or fullname in MOVED_NAMES:
+            raise MovedPathError(fullname)
         return None
 
 
@@ -107,11 +161,10 @@ def install() -> None:
 
 
 def refuse(package: str, name: str):
-    """A package's ``__getattr__``: :class:`MovedPathError` for a name of :data:`MOVED_NAMES` or
-    a module of :data:`MOVED_MODULES` named as an attribute (``mixprec.train.metrics``; an
-    ImportError, so ``from package import name`` shows it), AttributeError otherwise."""
+    """A package's ``__getattr__``: :class:`MovedAttributeError` for a name of :data:`MOVED_NAMES`
+    or a module of :data:`MOVED_MODULES` named as an attribute (``mixprec.train.metrics``), a plain
+    AttributeError otherwise."""
     old = f"{package}.{name}"
-    new = MOVED_NAMES.get(old) or MOVED_MODULES.get(old)
-    if new is not None:
-        raise MovedPathError(old, new)
+    if old in MOVED_MODULES or old in MOVED_NAMES:
+        raise MovedAttributeError(old)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")

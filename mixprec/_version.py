@@ -1,3 +1,3 @@
 """The version of mixprec: the one place it is written (pyproject.toml reads it from here)."""
 
-__version__ = "0.3.0"
+__version__ = "0.4.0.dev0"

@@ -232,7 +232,7 @@ def test_the_checker_catches_the_core_importing_a_tool(tmp_path):
 def test_every_room_of_the_package_is_placed():
     rooms = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
     assert rooms == set(ORDER)
-    assert (tuple(CORE), tuple(TOOLS)) == (mixprec.CORE, mixprec.TOOLS)
+    assert (tuple(CORE), tuple(TOOLS)) == (mixprec._CORE, mixprec._TOOLS)
 
 
 def _loaded_after(code: str) -> list[str]:

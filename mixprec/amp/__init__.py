@@ -6,11 +6,13 @@ from mixprec.amp.clip import clip_grad_norm_
 from mixprec.amp.grad_scaler import GradScaler
 from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
 from mixprec.amp.unscale import optimizer_grads
-from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, Transition, transition
+from mixprec.amp.loss_scale import (DynamicLossScaler, LossScaleConfig, LossScaleState, StuckLossScaleWarning,
+                                    Transition, transition)
 
 __all__ = [
     # scaling
     "GradScaler", "DynamicLossScaler", "LossScaleConfig", "LossScaleState", "Transition", "transition",
+    "StuckLossScaleWarning",
     # gradients
     "clip_grad_norm_", "optimizer_grads", "HasMasterGrads", "HasDeferredGrads",
 ]

@@ -43,7 +43,14 @@ from typing import Any, Literal
 
 from mixprec.errors import CheckpointError, ConfigError, NumericsError
 
-__all__ = ["LossScaleConfig", "LossScaleState", "Transition", "transition", "DynamicLossScaler"]
+__all__ = ["LossScaleConfig", "LossScaleState", "Transition", "transition", "DynamicLossScaler",
+           "StuckLossScaleWarning"]
+
+
+class StuckLossScaleWarning(RuntimeWarning):
+    """A backoff was due at ``min_scale`` with ``on_min_scale="warn"`` (one per such step).
+    ``fit()`` keeps it off the terminal: its stuck-scale watch reports the same, once, with the
+    cause (:class:`mixprec.monitor.ScaleWatch`)."""
 
 # Bounds that keep both the scale and 1/scale normal and finite in float32.
 _F32_TINY = 2.0 ** -126
@@ -231,7 +238,7 @@ class DynamicLossScaler:
                    + (", or lower min_scale" if self.config.min_scale > _F32_TINY else ""))
             if self.config.on_min_scale == "raise":
                 raise NumericsError(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            warnings.warn(msg, StuckLossScaleWarning, stacklevel=2)
         return t
 
     # --- checkpoints -------------------------------------------------------------------------

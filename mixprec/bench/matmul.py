@@ -16,11 +16,17 @@ from collections.abc import Callable
 
 import torch
 
+from mixprec.errors import ConfigError, closest
 from mixprec.policy.dtypes import dtype_name, parse_dtype
 from mixprec.policy.hardware import cuda_supports_fp8
 from mixprec.policy.peak import time_matmul
 
-__all__ = ["bench_matmul"]
+__all__ = ["bench_matmul", "BENCH_DTYPES", "plan_dtypes"]
+
+BENCH_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+"""What ``bench matmul`` can time (``--help`` lists these, and so does the error for a name that is
+none of them). Other spellings of fp32/bf16/fp16 (``float16``, ``half``) and ``e4m3`` for fp8 are
+accepted too."""
 
 
 _PROBE_N = 128
@@ -44,6 +50,48 @@ def estimate_seconds(probe_flops: float, n: int, *, repeats: int, min_time: floa
     runs 2 warm-up products, then at least 3 timed ones and at least ``min_time``."""
     t = 2.0 * n**3 / probe_flops
     return repeats * (max(min_time, 3 * t) + 2 * t)
+
+
+def plan_dtypes(names: list[str], device: torch.device,
+                fp8_here: Callable[[], bool] = cuda_supports_fp8
+                ) -> tuple[list[tuple[str, torch.dtype | None]], list[tuple[str, str]]]:
+    """The ``(label, dtype)`` pairs to time on ``device``, and ``(label, why)`` for each dtype
+    asked for that cannot run there. A name that is no dtype here is refused (ConfigError, with the
+    valid names: :data:`BENCH_DTYPES`, the list ``--help`` shows).
+
+    It dropped tf32 and fp8 without a word on a CPU, so ``--dtypes fp8,tf32`` printed an empty
+    table and exited 0 (found by a new-user trial)."""
+    plan: list[tuple[str, torch.dtype | None]] = []
+    cannot: list[tuple[str, str]] = []
+    for raw in names:
+        key = raw.strip().lower()
+        if key == "tf32":
+            if device.type != "cuda":
+                cannot.append(("tf32", "TF32 is a CUDA tensor-core feature"))
+                continue
+            label, dt = "tf32", torch.float32
+        elif key in ("fp8", "e4m3"):
+            if device.type != "cuda":
+                cannot.append(("fp8", f"no FP8 tensor cores on a {device.type.upper()} (they need a "
+                                      "GPU of compute capability 8.9+)"))
+                continue
+            if not fp8_here():
+                cannot.append(("fp8", "this GPU has no FP8 tensor cores (they need compute "
+                                      "capability 8.9+)"))
+                continue
+            label, dt = "fp8", None
+        else:
+            try:
+                dt = parse_dtype(key)
+            except ConfigError:
+                dt = None
+            if dt not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ConfigError(f"unknown dtype '{raw}' for bench matmul{closest(key, BENCH_DTYPES)}; "
+                                  f"valid: {', '.join(BENCH_DTYPES)}")
+            label = dtype_name(dt)
+        if all(label != done for done, _ in plan):
+            plan.append((label, dt))
+    return plan, cannot
 
 
 def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = None,
@@ -71,19 +119,7 @@ def bench_matmul(dtypes: list[str], sizes: list[int], *, device: str | None = No
     """
     t0 = clock()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    plan = []
-    for name in dtypes:
-        if name == "tf32":
-            if dev.type != "cuda":
-                continue
-            plan.append(("tf32", torch.float32))
-        elif name in ("fp8", "e4m3"):
-            if not (dev.type == "cuda" and cuda_supports_fp8()):
-                continue
-            plan.append(("fp8", None))
-        else:
-            dt = parse_dtype(name)
-            plan.append((dtype_name(dt), dt))
+    plan, _ = plan_dtypes(dtypes, dev)
     # label -> (FLOP/s, where it was measured): the worst rate seen so far for that dtype
     rate: dict[str, tuple[float, str]] = {}
     pn = probe_size(dev, sizes)

@@ -6,14 +6,15 @@ import sys
 
 import torch
 
-from mixprec.bench.matmul import bench_matmul
+from mixprec.bench.matmul import BENCH_DTYPES, bench_matmul, plan_dtypes
 
 __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtypes", default="fp32,tf32,bf16,fp16,fp8",
-                        help="comma-separated: fp32, tf32 (CUDA), bf16, fp16, fp8 (CUDA FP8 GPUs)")
+    parser.add_argument("--dtypes", default=",".join(BENCH_DTYPES),
+                        help="comma-separated: fp32, tf32 (CUDA only), bf16, fp16, fp8 (GPUs of compute "
+                             "capability 8.9+); one that cannot run here is named with why")
     parser.add_argument("--sizes", default=None, help="comma-separated n for n x n GEMMs "
                         "(default: 512,1024,2048 on CPU; 4096,8192 on CUDA)")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per (dtype, size); the median is shown")
@@ -36,6 +37,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--repeats must be >= 1 and every size >= 16")
     if args.max_seconds < 0:
         raise ConfigError("--max-seconds must be >= 0 (0: no cap)")
+    device = torch.device(args.device or ("cuda" if cuda else "cpu"))
+    plan, cannot = plan_dtypes(args.dtypes.split(","), device)
+    if not plan:        # it printed an empty table and exited 0, as if something had run
+        raise ConfigError(f"nothing to measure on {device.type}: "
+                          + "; ".join(f"{label}: {why}" for label, why in cannot)
+                          + "; ask for fp32, bf16 or fp16")
+    for label, why in cannot:
+        print(f"  note: {label} not measured: {why}", flush=True)
     unit, div = ("TFLOPS", 1e3) if cuda else ("GFLOPS", 1.0)
     print(f"{'dtype':>6} {'n':>6} {unit + ' median':>14} {'min-max':>17} {'vs fp32':>8}", flush=True)
 
@@ -52,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
         budget = "" if est is None else f" (~{est:.2g} s estimated, {left:.3g} s of the budget left)"
         print(f"  measuring n={n}: {', '.join(labels)} x {args.repeats}{budget} ...", flush=True)
 
-    bench_matmul(args.dtypes.split(","), sizes, device=args.device, repeats=args.repeats,
-                 min_time=args.min_time, max_seconds=args.max_seconds or None, on_size=show,
-                 on_start=start)
+    rows = bench_matmul(args.dtypes.split(","), sizes, device=args.device, repeats=args.repeats,
+                        min_time=args.min_time, max_seconds=args.max_seconds or None, on_size=show,
+                        on_start=start)
+    if not rows:        # every (dtype, size) was over the time cap: each said so in a note
+        raise ConfigError(f"nothing was measured: every size of every dtype was estimated over the "
+                          f"{args.max_seconds:g} s budget (notes above); raise --max-seconds or "
+                          "ask for smaller --sizes")
     return 0

@@ -267,8 +267,11 @@ def _check_hardware(precision: Precision, device: torch.device, findings: list[F
                    f"'{precision.name}' stays")
         findings.append(Finding(
             code="fp8-unsupported", severity="warning",
-            message=f"precision {precision} uses FP8 ({what}) but {device} has no FP8 tensor "
-                    "cores (compute capability 8.9+): FP8 is emulated, correct but slower than bf16",
+            message=f"precision {precision} uses FP8 ({what}) but " + (
+                f"{device} has no FP8 tensor cores (compute capability 8.9+): FP8 GEMMs run "
+                "emulated" if on_gpu else
+                f"FP8 GEMMs run emulated on the {device.type.upper()} (FP8 tensor cores need a GPU "
+                "of compute capability 8.9+)") + ": correct but slower than bf16",
             fix=fix))
     micro = sorted({f for f in asked if is_micro(f)} | ({precision.policy.micro_format} - {None}))
     if micro:

@@ -7,7 +7,11 @@ three signals, each pointing at one Linear layer:
 
 * **non-finite origin** -- the same Linear traced (:func:`mixprec.monitor.locate_nonfinite`) as
   the origin of the inf/NaN on ``patience`` consecutive skipped steps. A skipped step changed no
-  weight, so the guard promotes the layer and training simply continues.
+  weight, so the guard promotes the layer and training simply continues. Skips that are the loss
+  scaler's search for its level do not count (:meth:`TrainingGuard.scaler_searching`): before the
+  run's first taken step, at a scale above ``min_scale``, with the inf/NaN arising in the
+  backward, the layer the trace finds is only where a too-large scale overflowed first. A forward
+  origin, any skip after a step was taken, and a skip at ``min_scale`` count.
 * **low sampled SQNR** -- at the first step and then every ``every`` steps the guard replays the
   step's forward (no backward) with a hook on each Linear not in FP32 and measures its output
   against the same GEMM in FP32 on the same input; every layer below its format's SQNR limit (or
@@ -135,6 +139,10 @@ class StepOutcome:
     skipped: bool
     origin: str | None = None
     """Module traced as the origin of this skipped step's inf/NaN (None: not skipped, not traced)."""
+    direction: str | None = None
+    """Where the origin's inf/NaN arose: ``forward`` or ``backward`` (None: not traced)."""
+    scale_before: float | None = None
+    """The loss scale this step ran at (None: the mode does not scale the loss)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,8 @@ class TrainingGuard:
         self._snapshot: dict | None = None
         self._sampled = False
         """Whether the first SQNR sample (at the first step) was taken."""
+        self._taken_any = False
+        """Whether a step of the run was taken (the loss scaler found a level it can step at)."""
         self._passed: dict[str, int] = {}
         """Per watched layer, the step of its last passing SQNR sample."""
         self.last_sqnr: dict[str, float] = {}
@@ -210,7 +220,7 @@ class TrainingGuard:
         done: list[GuardAction] = []
         if outcome.skipped:
             self._healthy = 0
-            if outcome.origin is None:
+            if outcome.origin is None or self.scaler_searching(outcome):
                 return done
             name = self.linear_of(outcome.origin)
             if name is None:
@@ -223,6 +233,7 @@ class TrainingGuard:
                                                       f"{cfg.patience} consecutive skipped steps"))
             return self._record(done)
         self._origin, self._origin_count = None, 0
+        self._taken_any = True
         if self.agree is not None:          # the worst rank's loss: every rank holds one window
             outcome = dataclasses.replace(outcome, loss=float(
                 self.agree(torch.tensor([outcome.loss], dtype=torch.float64))[0]))
@@ -371,6 +382,18 @@ class TrainingGuard:
         return GuardAction("restore", step, f"guard: {what}: weights, optimizer state and LR "
                                             f"schedule restored to step {snap['step']}")
 
+    def scaler_searching(self, outcome: StepOutcome) -> bool:
+        """Whether a skipped step is the loss scaler's normal search for its level, not a layer's
+        fault (module docstring): no step of the run was taken yet, the step ran at a scale above
+        ``min_scale`` (so it backed off), and the inf/NaN arose in the backward (the scale
+        multiplies only the backward: a forward origin is the layer's whatever the scale).
+
+        ``16-mixed guard=true init_scale=1e6`` moved two layers to FP32 in its first 4 steps while
+        the scale halved from 1e6 to 62500, and the loss ended worse (a new-user trial)."""
+        if outcome.scale_before is None or self._taken_any or outcome.direction == "forward":
+            return False
+        return outcome.scale_before > self.precision.scaler.config.min_scale
+
     def _record(self, done: list[GuardAction]) -> list[GuardAction]:
         self.actions += done
         return done
@@ -386,7 +409,8 @@ class TrainingGuard:
         (``torch.load(weights_only=True)`` reads it)."""
         return {"losses": list(self.losses), "origin": self._origin,
                 "origin_count": self._origin_count, "healthy": self._healthy,
-                "snapshot": self._snapshot, "sampled": self._sampled, "passed": dict(self._passed)}
+                "snapshot": self._snapshot, "sampled": self._sampled, "passed": dict(self._passed),
+                "taken_any": self._taken_any}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a window longer than ``window`` keeps its newest)."""
@@ -396,4 +420,5 @@ class TrainingGuard:
         self._healthy = int(state["healthy"])
         self._snapshot = state["snapshot"]
         self._sampled = bool(state.get("sampled", True))      # (older checkpoints: sampled)
+        self._taken_any = bool(state.get("taken_any", True))  # (older checkpoints: past the search)
         self._passed = {str(n): int(v) for n, v in state.get("passed", {}).items()}

@@ -58,7 +58,8 @@ class ScaleWatch:
         self._origins.append(origin if skipped else None)
         n_skip = sum(self._skips)
         reasons = []
-        if skipped and scale <= self.min_scale:
+        at_floor = skipped and scale <= self.min_scale * (1 + 1e-6)     # (the scale is float32)
+        if at_floor:
             reasons.append(f"loss scale {scale:g} is at its minimum {self.min_scale:g} and the step "
                            "was still skipped")
         if len(self._skips) == self.window and n_skip > self.max_skip_fraction * self.window:
@@ -66,7 +67,7 @@ class ScaleWatch:
                            f"(limit {self.max_skip_fraction:.0%})")
         if not reasons:
             return None
-        msg = f"step {step}: loss scale stuck: {'; '.join(reasons)}; {self._blame()}"
+        msg = f"step {step}: loss scale stuck: {'; '.join(reasons)}; {self._blame(at_floor)}"
         if self.on_stuck == "raise":
             raise NumericsError(msg)
         if self._last_warned is None or step - self._last_warned >= self.window:
@@ -78,7 +79,13 @@ class ScaleWatch:
         """The modules most often at the origin of a skipped step in the window."""
         return Counter(o for o in self._origins if o is not None).most_common(n)
 
-    def _blame(self) -> str:
+    def _blame(self, at_floor: bool = False) -> str:
+        """The cause and its fix. At a floor above 1 that is the floor: gradients scaled by it
+        overflow whatever a layer does, and the layer a trace finds first is only where the
+        overflow shows (``min_scale=1e10`` was blamed on the head, with layer fixes)."""
+        if at_floor and self.min_scale > 1:
+            return (f"the floor is the cause: gradients scaled by {self.min_scale:g} overflow and the "
+                    "scale may not go lower; fix: lower min_scale (e.g. min_scale=1, the default)")
         top = self.most_common_origins()
         fix = ("fix: keep these layers in fp32 (keep_in_fp32 / Policy.keep_fp32_names), clamp their "
                "activations (mixprec.nn.clamp_activations), lower the learning rate, or train in bf16")

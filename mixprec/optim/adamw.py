@@ -28,8 +28,9 @@ from torch import Tensor
 
 from mixprec.errors import ConfigError
 from mixprec.optim import moments as _moments, registry, sharded as _sharded
-from mixprec.optim.master import MasterWeights, _normalise_groups
+from mixprec.optim.master import _normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
+from mixprec.optim.split_masters import SplitMasterWeights
 
 __all__ = ["AdamW", "sharded_adamw"]
 
@@ -331,7 +332,7 @@ def sharded_adamw(params: Iterable[Tensor] | Iterable[dict[str, Any]], *, moment
                           stochastic_rounding=True, seed=seed, moments=moments if quantized else None)
 
 
-class AdamW(MasterWeights):
+class AdamW(SplitMasterWeights):
     """AdamW with FP32 master weights of low-precision params and optional BF16 moments.
 
     Args:
@@ -356,6 +357,11 @@ class AdamW(MasterWeights):
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).
+
+    The layout chain: a :class:`mixprec.optim.split_masters.SplitMasterWeights` (itself a
+    :class:`MasterWeights`) whose inner optimizer is torch's AdamW (FP32 moments) or this file's
+    FP32-math AdamW (BF16 / 8-bit moments); with ``split_masters=False`` it splits nothing and
+    steps and saves as full FP32 masters do.
     """
 
     def __init__(

@@ -46,11 +46,23 @@ and draw the same noise; the per-master step cuts ``CHUNK_NUMEL`` chunks, the sa
 param group under ``FLAT_CHUNKS * CHUNK_NUMEL`` (32 Mi) elements on an accelerator and under
 ``CPU_CHUNK_NUMEL`` elements on a CPU, other (equally distributed) noise above.
 
-What falls back to the per-master step (mixprec.optim.master, unchanged): an optimizer that is not
-elementwise, 8-bit moments (their blocks follow each matrix's rows), a step issued in parts (the
-overlap engine), masters whose grads were widened by ``master_grads()`` for torch's scaler, and any
-step in which some trainable master has no gradient (torch then skips only that master; the flat
-state would advance it too). Frozen parameters (``requires_grad=False``) are left out of the
+What falls back to the per-master step (``MasterWeights._step_per_master`` in
+mixprec.optim.master; for split masters ``SplitMasterWeights._step_split`` in
+mixprec.optim.split_masters, which steps FP32 tensors of the inner optimizer's own, no ``.data``
+swap): an optimizer that is not elementwise, a step issued in parts (the overlap engine), masters
+whose grads were widened by ``master_grads()`` for torch's scaler, and any step in which some
+trainable master has no gradient (torch then skips only that master; the flat state would advance
+it too). 8-bit moments step flat: their codes are decoded into FP32 scratch around the twin's step.
+
+Why the twin is driven once per chunk, not once per step: one ``twin.step()`` over every chunk's
+flat tensor needs the FP32 values and gradients of every chunk at once, 8 bytes per trainable
+parameter during the step (the scratch of full FP32 masters and grads, which split masters exist
+to avoid), where the shared per-device slots cost at most about one byte per parameter and
+512 MiB. Within that bound one twin step would save nothing: on an accelerator a group has
+several chunks only when it is too large for them to coexist (on a CPU they are cache-sized by
+choice), and chunks of different groups (other hyper-parameters) get
+one pass of the optimizer's math per group anyway. So each chunk costs its own twin step (12 dispatched ops for torch's AdamW, 33 for BF16
+moments) and gather/scatter (7 to 24 ops); docs/performance.md has the counts. Frozen parameters (``requires_grad=False``) are left out of the
 chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
 unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
 masters' step counts now differ (a param unfrozen after others stepped, a step that skipped a
@@ -170,7 +182,8 @@ class Chunk:
 
 
 class FlatSteps:
-    """The flat step of a :class:`mixprec.optim.MasterWeights` (its chunks, scratch and twin).
+    """The flat step of a :class:`mixprec.optim.MasterWeights` (its chunks, scratch and twin), of
+    any layout: a chunk holds split, full and self-mastered members side by side.
 
     Built from the owner's param groups once (again after ``add_param_group``); the owner decides
     each step whether the flat step applies (``MasterWeights._flat_ready``)."""

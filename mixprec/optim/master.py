@@ -27,24 +27,28 @@ plus 4 bytes of FP32 master gradient during the step.
 
 **Split masters** (``split=None``, the default, turns them on wherever they are exact): the FP32
 master of a BF16 param is stored as the BF16 param itself plus a 16-bit remainder
-(mixprec.optim.split), 2 bytes instead of 4, and no FP32 master gradients are kept: the step widens
+(mixprec.optim.split_masters, the arithmetic in mixprec.optim.split), 2 bytes instead of 4, and no FP32 master gradients are kept: the step widens
 one bounded chunk of masters and BF16 gradients at a time, steps it with the inner optimizer and
 splits it back, bit-identical to the FP32-master step. The loss-scale division and the clip
 coefficient are deferred into that widening (``deferred_grads()``, used by mixprec's scaler and
 ``clip_grad_norm_``). ``master_grads()`` still works for other callers (``torch.amp.GradScaler``):
-it widens everything for that step, as before. Gradient accumulation is unchanged: autograd sums
+it widens everything for that step into FP32 tensors that stand in the param groups until the step. Gradient accumulation is unchanged: autograd sums
 the micro-batches into the BF16 ``.grad``, exactly as with full masters.
 
 The step itself is flat (:mod:`mixprec.optim.flat`): the masters of each param group and device
 are stepped as a few flat FP32 chunks by a twin of the inner optimizer, a fixed number of ops
 whatever the number of parameters, no host sync, and a non-finite step can be skipped on the device
 (``step(inputs=StepInputs(found_inf=...))``, :mod:`mixprec.optim.inputs`). The per-master step
-below (the inner optimizer over the masters, split masters widened chunk by chunk) is the
-fallback for what the flat step cannot do (see flat's docstring); both give the same bits.
+(``_step_per_master``: the inner optimizer over the masters; split masters widened chunk by chunk
+into FP32 tensors of the inner optimizer's own, mixprec.optim.split_masters) is the fallback for what the flat step cannot do (see flat's docstring); both give the same bits.
 
-Where the rest lives: the per-master split step in :mod:`mixprec.optim.split` (``SplitSteps``),
-saving and loading in :mod:`mixprec.optim.master_state` (``MasterState``); both are mixins of
-:class:`MasterWeights`, which holds the bookkeeping they read.
+The classes, one storage layout each, each whole in its own file (no mixins):
+:class:`MasterWeights` here (full FP32 masters around any inner optimizer: what it stores, its
+grads, its step, its checkpoint), :class:`mixprec.optim.split_masters.SplitMasterWeights` (the
+same, with the masters of BF16 params stored split; ``MasterWeights(...)`` builds one wherever
+split masters are exact) and :class:`mixprec.optim.AdamW` (mixprec's AdamW over the masters, with
+BF16 or 8-bit moments). The flat step's chunks live in :mod:`mixprec.optim.flat`, the split
+arithmetic in :mod:`mixprec.optim.split` (plain functions).
 """
 from __future__ import annotations
 
@@ -56,14 +60,15 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
+from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import inputs as _inputs, registry, sharded as _sharded, split as _split
-from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
+from mixprec.optim.flat import FlatSteps
 from mixprec.optim.inputs import StepInputs
-from mixprec.optim.master_state import MasterState
-from mixprec.optim.split import SplitSteps, resolve_split
-from mixprec.errors import ConfigError
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "STATE_KEY"]
+
+STATE_KEY = "master_weights"
+"""Where a ``MasterWeights`` state dict keeps its masters."""
 
 
 def _normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -86,7 +91,7 @@ def _normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> li
     return out
 
 
-class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
+class MasterWeights(torch.optim.Optimizer):
     """Step any ``torch.optim`` optimizer on FP32 masters of low-precision model parameters.
 
     Args:
@@ -117,7 +122,28 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
     ``param_groups[i]["lr"]`` reaches the inner optimizer. Params with ``requires_grad=False`` or
     without a grad are skipped by ``step()`` like torch does; they still get a master, so pass
     only trainable params if frozen ones are large.
+
+    ``MasterWeights(...)`` returns a :class:`mixprec.optim.split_masters.SplitMasterWeights`
+    (a subclass) where split masters are on (``split``): that layout's storage, step and
+    checkpoint live in its own file; this class holds full FP32 masters only.
     """
+
+    _split_layout: type[MasterWeights] | None = None
+    """The split-master layout's class (mixprec.optim.split_masters; it names itself with
+    ``split_layout=True``, and ``import mixprec.optim`` imports it)."""
+
+    def __init_subclass__(cls, *, split_layout: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if split_layout:
+            MasterWeights._split_layout = cls
+
+    def __new__(cls, optimizer_cls: Any = None, *args: Any, split: bool | None = None,
+                master_dtype: torch.dtype = torch.float32, **kwargs: Any) -> MasterWeights:
+        if cls is MasterWeights and cls._split_layout is not None and isinstance(optimizer_cls, type) \
+                and issubclass(optimizer_cls, torch.optim.Optimizer) and isinstance(master_dtype, torch.dtype) \
+                and master_dtype.is_floating_point and _split.resolve_split(split, optimizer_cls, master_dtype):
+            cls = cls._split_layout
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -144,10 +170,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                               "use torch.float16 or torch.bfloat16")
         self.master_dtype = master_dtype
         self.param_dtype = param_dtype
-        self.split = resolve_split(split, optimizer_cls, master_dtype)
-        self._lo: dict[int, Tensor] = {}      # id(placeholder master) -> int16 remainder
-        self._ties: dict[int, Tensor] = {}    # id(placeholder master) -> flat indices of the ties
-        self._deferred: _split.DeferredGrads | None = None
+        self.split = self._resolve_split(split, optimizer_cls, master_dtype)
         # Pairs (model param, separate master); self-mastered params are not listed here.
         self._model_params: list[Tensor] = []
         self._masters: list[Tensor] = []
@@ -156,8 +179,6 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         self._grads_ready = False
         self._stepped: tuple[list[Tensor], list[Tensor]] = ([], [])  # (model params, masters) to copy back
         self._model_of: dict[int, Tensor] = {}  # id(separate master) -> model param
-        self._pending: set[int] = set()   # split masters with a grad, not yet widened this step
-        self._wide: set[int] = set()      # split masters holding FP32 values right now
         self._wanted: set[int] | None = None if master_params is None else {id(p) for p in master_params}
         self._grad_of: dict[int, Tensor] = {}    # id(separate master) -> its FP32 grad, allocated once
         self._twin_args = (optimizer_cls, dict(optimizer_kwargs))
@@ -173,6 +194,15 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         self._constructing = False
         self._alias_inner()
         registry.remember(self, self._all_model_params)
+
+    @staticmethod
+    def _resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
+                       master_dtype: torch.dtype) -> bool:
+        """Full masters: ``split=True`` is refused where it cannot be exact (``split.resolve_split``
+        raises), else there is nothing to split in this layout."""
+        if split:
+            _split.resolve_split(split, optimizer_cls, master_dtype)
+        return False
 
     # ------------------------------------------------------------------ construction helpers
     def _make_master_group(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -194,15 +224,23 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             return p
         master = p.detach().to(self.master_dtype, copy=True).requires_grad_(p.requires_grad)
         if p.dtype == self.master_dtype:  # convert the model param in place, keep the exact master
+            # The one ``.data`` assignment left: the model, the user and their schedulers hold this
+            # very Parameter, so its dtype must change in place; ``torch.utils.swap_tensors`` (the
+            # other way to keep the object) refuses any tensor with a weak reference (weak-keyed
+            # registries, torch.compile's guards), which ``.data`` does not care about.
             p.data = p.data.to(self.param_dtype)
             p.grad = None
-        if self.split and _split.splits(p.dtype, self.master_dtype):
-            master = self._make_split(p, master)
+        master = self._store_master(p, master)
         self._model_params.append(p)
         self._masters.append(master)
         self._model_of[id(master)] = p
         self._master_of[id(p)] = master
         return master
+
+    def _store_master(self, p: Tensor, exact: Tensor) -> Tensor:
+        """The master the inner optimizer steps for ``p``, given its exact value: here ``exact``
+        itself (a full FP32 tensor); the split layout stores it differently."""
+        return exact
 
     def _needs_master(self, p: Tensor) -> bool:
         """A separate master for ``p``: the given set decides; without one, its dtype does (and,
@@ -245,41 +283,42 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
     @property
     def split_count(self) -> int:
         """How many parameters keep a split master (the parameter + a 16-bit remainder)."""
-        return len(self._lo)
+        return 0
 
     def master_of(self, param: Tensor) -> Tensor:
         """The FP32 master of a model param (the param itself when it is already in the master
-        dtype). For a split master outside the step this is a fresh FP32 tensor joined from the
-        param and its remainder: read it again after a step to see the new value."""
+        dtype)."""
         try:
-            m = self._master_of[id(param)]
+            return self._master_of[id(param)]
         except KeyError:
             raise ConfigError("this tensor is not one of the optimizer's parameters") from None
-        if self._is_split(m) and id(m) not in self._wide:
-            self._unpack_ties()
-            return self._join(param, m)
-        return m
 
     def updates(self, param: Tensor) -> bool:
         """Whether ``param`` is one of the model params this optimizer steps (no copy made)."""
         return id(param) in self._master_of
 
     def step_grads(self, param: Tensor) -> list[Tensor]:
-        """The gradient tensors the step reads for ``param``: its master's FP32 ``.grad`` and,
-        for a split master, the model param's own (BF16) grad, which the step widens itself."""
+        """The gradient tensors the step reads for ``param``: its master's FP32 ``.grad``."""
         m = self._master_of.get(id(param))
-        out = [g for g in (m.grad if m is not None else None,) if g is not None]
-        if m is not None and self._is_split(m) and param.grad is not None:
-            out.append(param.grad)
-        return out
+        return [g for g in (m.grad if m is not None else None,) if g is not None]
+
+    def deferred_grads(self) -> _split.DeferredGrads | None:
+        """None: full masters defer nothing, their FP32 grads are ``master_grads()`` (split
+        masters return the step's gradients here, mixprec.optim.split_masters)."""
+        return None
+
+    def _is_split(self, m: Tensor) -> bool:
+        """Whether master ``m`` is stored split (never in this layout)."""
+        return False
 
     @torch.no_grad()
     def _prepare_grads(self) -> None:
-        """Once per step: copy the grads of full (non-split) masters into their FP32 ``.grad`` and
-        note which split masters have a grad (their BF16 grad is read by the step itself)."""
+        """Once per step: copy the grads of full masters into their FP32 ``.grad`` (buffers
+        allocated once), and note which masters the step reads (``_stepped``); a master whose
+        model grad the step reads itself (``_reads_model_grad``: split ones) is only noted."""
         if self._grads_ready:
             return
-        src, dst, stepped_params, stepped_masters, pending = [], [], [], [], []
+        src, dst, stepped_params, stepped_masters, deferred = [], [], [], [], []
         for p, m in zip(self._model_params, self._masters):
             if p.grad is None:
                 m.grad = None
@@ -289,9 +328,8 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                                   "use a dense embedding (sparse=False)")
             stepped_params.append(p)
             stepped_masters.append(m)
-            if self._is_split(m):
-                if id(m) not in self._wide:
-                    pending.append(m)
+            if self._reads_model_grad(m):
+                deferred.append(m)
                 continue
             if m.grad is None or m.grad.shape != m.shape:
                 buf = self._grad_of.get(id(m))
@@ -307,8 +345,15 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             with record_function("mixprec.master_grad_copy"):
                 torch._foreach_copy_(dst, src)  # one cast-copy launch per (device, dtype) bucket
         self._stepped = (stepped_params, stepped_masters)
-        self._pending = {id(m) for m in pending}
+        self._note_deferred(deferred)
         self._grads_ready = True
+
+    def _reads_model_grad(self, m: Tensor) -> bool:
+        """Whether the step reads the model param's own grad for master ``m`` (no FP32 copy)."""
+        return False
+
+    def _note_deferred(self, masters: list[Tensor]) -> None:
+        """The masters of this step whose model grads the step reads itself (none here)."""
 
     @torch.no_grad()
     def master_grads(self) -> list[Tensor]:
@@ -317,19 +362,10 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         The returned tensors are the ones ``step()`` will use: unscale, check or clip them in
         place. The copy happens once per step; later calls return the same tensors without copying
         again, until ``step()`` or ``zero_grad()``. Params whose grad is ``None`` are left out (and
-        their master's grad is set to ``None`` so the inner optimizer skips them). With split
-        masters this widens every split master and its grad to FP32 for this step (the memory of
-        full masters); mixprec's scaler and clipping use :meth:`deferred_grads` instead.
+        their master's grad is set to ``None`` so the inner optimizer skips them).
         """
         self._prepare_grads()
-        if self._pending:
-            wide = [m for m in self._masters if id(m) in self._pending]
-            self._widen(wide)
-            if self._deferred is not None:
-                self._deferred.closed = True
-                self._deferred = None
         return [m.grad for group in self.param_groups for m in group["params"] if m.grad is not None]
-
 
     def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
              parts: Sequence[Sequence[Tensor]] | None = None,
@@ -354,6 +390,10 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         state is the inner optimizer's own, shared, never copied; for an elementwise optimizer
         (mixprec.optim.parts.check_separable) the result is bit-identical to one whole step.
         Params in no part are not stepped.
+
+        The whole step, in order: the grads (``_prepare_grads``); the flat step when it applies
+        (``_flat_ready``; mixprec.optim.flat), else the per-master step (``_step_per_master``);
+        the step's transient memory dropped (``_end_step``).
         """
         loss = None
         if closure is not None:
@@ -361,7 +401,6 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 loss = closure()
             self._grads_ready = False
         self._prepare_grads()
-        params, masters = self._stepped
         found = inputs.found_inf if inputs is not None else None
         if parts is None and self._flat_ready():
             try:
@@ -372,28 +411,50 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         self._leave_flat()
         # torch's fused inner optimizer (fused=True) skips on the device itself, given the flag
         # (mixprec.optim.inputs); else the per-master step reads the flag on the host first.
-        on_device = found is not None and parts is None and not self._lo and _inputs.skips_on_device(self._inner)
-        if found is not None and not on_device and bool(found.item() > 0):   # a host read
-            self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
-            self._end_step()
-            return loss
+        on_device = found is not None and parts is None and not self.split_count \
+            and _inputs.skips_on_device(self._inner)
         try:
-            if self._lo:
-                self._step_split(parts, around)
-            elif parts is None:
-                if on_device:     # skipped: masters unchanged, so the copy-back rewrites the same bits
-                    _inputs.step_skipping_on_device(self._inner, found)
-                else:
-                    self._inner.step()
-                if params:
-                    with torch.no_grad(), record_function("mixprec.master_copy_back"):
-                        torch._foreach_copy_(params, masters)  # round-to-nearest into the model dtype
-            else:
-                self._step_parts(parts, around, {id(p) for p in params})
+            if found is not None and not on_device and bool(found.item() > 0):   # a host read
+                return loss
+            self._step_per_master(parts, around, found if on_device else None)
         finally:
-            self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
             self._end_step()
         return loss
+
+    def _step_per_master(self, parts: Sequence[Sequence[Tensor]] | None,
+                         around: Callable[[int], contextlib.AbstractContextManager] | None,
+                         found_on_device: Tensor | None) -> None:
+        """The inner optimizer over the masters themselves (whole, or a view per part), then the
+        copy-back into the model params."""
+        params, masters = self._stepped
+        if parts is not None:
+            self._step_parts(parts, around, {id(p) for p in params})
+            return
+        if found_on_device is not None:   # skipped: masters unchanged, so the copy-back rewrites the same bits
+            _inputs.step_skipping_on_device(self._inner, found_on_device)
+        else:
+            self._inner.step()
+        if params:
+            with torch.no_grad(), record_function("mixprec.master_copy_back"):
+                torch._foreach_copy_(params, masters)  # round-to-nearest into the model dtype
+
+    def _step_parts(self, parts: Sequence[Sequence[Tensor]],
+                    around: Callable[[int], contextlib.AbstractContextManager] | None,
+                    stepped: set[int]) -> None:
+        from mixprec.optim.parts import restricted_groups
+        inner, whole = self._inner, self._inner.param_groups
+        try:
+            for i, part in enumerate(parts):
+                masters = [self._master_of[id(p)] for p in part]
+                with (around(i) if around is not None else contextlib.nullcontext()):
+                    inner.param_groups = restricted_groups(whole, masters)
+                    inner.step()
+                    back = [p for p in part if id(p) in stepped and self._master_of[id(p)] is not p]
+                    if back:
+                        with torch.no_grad(), record_function("mixprec.master_copy_back"):
+                            torch._foreach_copy_(back, [self._master_of[id(p)] for p in back])
+        finally:
+            inner.param_groups = whole
 
     # ------------------------------------------------------------------ the flat step
     def _flat_members(self) -> list[list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]:
@@ -411,9 +472,13 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 kind = "split" if self._is_split(m) else ("self" if p is m else "full")
                 st = self.state.get(m)
                 step = float(st["step"]) if st and isinstance(st.get("step"), Tensor) else None
-                mems.append((m, p, kind, self._lo.get(id(m)), step))
+                mems.append((m, p, kind, self._remainder_of(m), step))
             out.append(mems)
         return out
+
+    def _remainder_of(self, m: Tensor) -> Tensor | None:
+        """The int16 remainder of a split master (none in this layout)."""
+        return None
 
     def _make_twin(self, params: list[Tensor]) -> torch.optim.Optimizer:
         cls, kwargs = self._twin_args
@@ -429,7 +494,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         every trainable master with a gradient (frozen ones without), plain tensors, no FP32
         copies widened by ``master_grads()``; prepares the chunks (made or made again, state
         adopted, ties packed) when it does."""
-        if not self._flat_capable or self._wide:
+        if not self._flat_capable or self._widened():
             return False
         if not self._masters and _inputs.takes_found_inf(self._inner):
             # Only params that are their own master, and torch's fused kernel (fused=True) steps
@@ -474,57 +539,20 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
                 self._flat_capable = False
                 return False
         assert self._flat is not None
-        for chunk in self._flat.chunks:
-            if chunk.split_idx and not chunk.ties_packed:
-                self._pack_ties(chunk)
+        self._enter_flat(self._flat)
         return True
 
-    def _flat_batches(self, low: list[Tensor]) -> list[tuple[list[int], list[Tensor]]] | None:
-        """For the norms of deferred gradients (``split.DeferredGrads``): per chunk, positions of
-        its split grads in ``low`` and their FP32 scratch views; None when this step is not flat."""
-        if not self._flat_ready():
-            return None
-        assert self._flat is not None
-        pos = {id(g): i for i, g in enumerate(low)}
-        out = []
-        for chunk in self._flat.chunks:
-            if chunk.split_idx:
-                idx = [pos.get(id(p.grad)) for p in chunk.split_models]
-                if any(i is None for i in idx):
-                    return None
-                out.append((idx, chunk.split_g))
-        return out
+    def _widened(self) -> bool:
+        """Whether some master holds FP32 values made for this step only (split masters widened
+        by ``master_grads()``); never in this layout."""
+        return False
 
-    @torch.no_grad()
-    def _pack_ties(self, chunk: Any) -> None:
-        """The per-master tie lists of ``chunk`` into its bitmap (once after a load or a
-        per-master step: the lists are host-sized, the bitmap is not)."""
-        chunk.flags.zero_()
-        for i in chunk.split_idx:
-            ties = self._ties[id(chunk.masters[i])]
-            if ties.numel():
-                chunk.flags[chunk.starts[i] + ties] = True
-        pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
-        chunk.ties_packed = True
-
-    @torch.no_grad()
-    def _unpack_ties(self) -> None:
-        """Bitmaps back into per-master tie lists, for the per-master paths (slow paths only)."""
-        if self._flat is None:
-            return
-        for chunk in self._flat.chunks:
-            if not chunk.ties_packed:
-                continue
-            flags = unpack_ties(chunk.ties, chunk.numel, chunk.shifts)
-            for i in chunk.split_idx:
-                a, n = chunk.starts[i], chunk.numels[i]
-                self._ties[id(chunk.masters[i])] = flags[a:a + n].nonzero().squeeze(1)
-            chunk.ties_packed = False
+    def _enter_flat(self, flat: FlatSteps) -> None:
+        """Before a flat step: what the chunks need from this layout's per-master form (nothing)."""
 
     def _leave_flat(self) -> None:
-        """Before a per-master step: tie lists and per-master step counters back."""
+        """Before a per-master step: per-master step counters back (the chunks share one)."""
         if self._flat is not None:
-            self._unpack_ties()
             self._flat.unshare(self.state)
 
     def _drop_flat(self) -> None:
@@ -534,7 +562,7 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             self._flat = None
 
     def _step_flat(self, found_inf: Tensor | None = None) -> None:
-        factors = self._deferred.factors if self._deferred is not None else []
+        factors = self._grad_factors()
         flat = self._flat
         assert flat is not None
         skips: dict[torch.device, Tensor] = {}
@@ -560,38 +588,19 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
         for hook in list(inner._optimizer_step_post_hooks.values()):
             hook(inner, (), {})
 
+    def _grad_factors(self) -> list[Tensor]:
+        """Pending FP32 multipliers of the grads the step reads from the model (none here)."""
+        return []
+
     def _end_step(self) -> None:
+        """After a step (taken or skipped) or ``zero_grad``: the step's transient memory goes."""
         if self._flat is not None:
             self._flat.release()              # the flat step's scratch holds no memory between steps
         self._grads_ready = False
         self._stepped = ([], [])
-        self._pending = set()
-        if self._deferred is not None:
-            self._deferred.closed = True
-            self._deferred = None
-
-
-    def _step_parts(self, parts: Sequence[Sequence[Tensor]],
-                    around: Callable[[int], contextlib.AbstractContextManager] | None,
-                    stepped: set[int]) -> None:
-        from mixprec.optim.parts import restricted_groups
-        inner, whole = self._inner, self._inner.param_groups
-        try:
-            for i, part in enumerate(parts):
-                masters = [self._master_of[id(p)] for p in part]
-                with (around(i) if around is not None else contextlib.nullcontext()):
-                    inner.param_groups = restricted_groups(whole, masters)
-                    inner.step()
-                    back = [p for p in part if id(p) in stepped and self._master_of[id(p)] is not p]
-                    if back:
-                        with torch.no_grad(), record_function("mixprec.master_copy_back"):
-                            torch._foreach_copy_(back, [self._master_of[id(p)] for p in back])
-        finally:
-            inner.param_groups = whole
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the grads of the model params and of the masters."""
-        self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
         self._end_step()
         tensors = self._all_model_params + self._masters
         if set_to_none:
@@ -608,7 +617,84 @@ class MasterWeights(MasterState, SplitSteps, torch.optim.Optimizer):
             with torch.no_grad():
                 torch._foreach_zero_(grads)
 
+    # ------------------------------------------------------------------ the checkpoint
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Overwrite the masters with the model params (after loading model weights only)."""
+        self._drop_flat()
+        full = [(m, p) for p, m in zip(self._model_params, self._masters) if not self._is_split(m)]
+        if full:
+            torch._foreach_copy_([m for m, _ in full], [p for _, p in full])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus the masters (by flat param index), in FP32.
+
+        Like torch's, the returned tensors are references, not copies (split masters are joined
+        into fresh FP32 tensors, so the file is the same with and without split masters). Everything
+        in it loads with ``torch.load(..., weights_only=True)``.
+        """
+        sd = self._inner.state_dict()
+        # The flat step's per-master state views share one step counter per chunk
+        # (mixprec.optim.flat): save each its own, as torch's optimizers do.
+        sd["state"] = {i: {k: (v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+                           for k, v in st.items()} for i, st in sd["state"].items()}
+        index = {id(p): i for i, p in enumerate(self._all_model_params)}
+        sd[STATE_KEY] = {
+            "dtype": str(self.master_dtype).removeprefix("torch."),
+            "index": [index[id(p)] for p in self._model_params],
+            "tensors": self.masters,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the inner state and the masters, and round the masters into the model params.
+
+        A plain torch optimizer state dict (no masters in it) also loads: the masters are then
+        left as they are (call ``sync_masters_from_model()`` after loading the model weights).
+        """
+        sd = dict(state_dict)
+        saved = sd.pop(STATE_KEY, None)
+        self.zero_grad()
+        self._drop_flat()        # new state and masters: the chunks adopt them at the next step
+        try:
+            self._inner.load_state_dict(sd)
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"optimizer state does not match this optimizer ({exc}); load it into "
+                                  "an optimizer built over the same parameters in the same order") from None
+        self._alias_inner()
+        self._grads_ready = False
+        if saved is None:
+            return
+        n = len(self._all_model_params)
+        tensors, index = saved["tensors"], saved["index"]
+        if len(tensors) != len(index) or any(not 0 <= i < n for i in index):
+            raise CheckpointError("the saved master weights index params this optimizer does not have; "
+                                  "load the checkpoint into an optimizer over the same model")
+        dst_masters, src, model_params = [], [], []
+        with torch.no_grad():
+            for i, t in zip(index, tensors):
+                p = self._all_model_params[i]
+                if t.shape != p.shape:
+                    raise CheckpointError(f"saved master #{i} has shape {tuple(t.shape)} but the param has "
+                                          f"{tuple(p.shape)}; load the checkpoint into the same model architecture")
+                m = self._master_of[id(p)]
+                if self._load_master(p, m, t):
+                    continue
+                dst_masters.append(m)
+                src.append(t)
+                if m is not p:
+                    model_params.append(p)
+            if not dst_masters:
+                return
+            torch._foreach_copy_(dst_masters, src)
+            if model_params:
+                torch._foreach_copy_(model_params, [self._master_of[id(p)] for p in model_params])
+
+    def _load_master(self, p: Tensor, m: Tensor, saved: Tensor) -> bool:
+        """Load a saved FP32 master the layout stores its own way; False: a plain copy does."""
+        return False
+
     def __repr__(self) -> str:
-        kind = f"{len(self._lo)} split" if self._lo else str(len(self._masters))
+        kind = f"{self.split_count} split" if self.split_count else str(len(self._masters))
         return (f"{type(self).__name__}({type(self._inner).__name__}, {kind} masters in "
                 f"{self.master_dtype}, {len(self._all_model_params)} params)")

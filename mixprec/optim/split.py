@@ -12,7 +12,8 @@ to an even ``hi``, and ``-2**15`` at a tie that rounded *up* to an even ``hi``, 
 ``hi`` there are 2**16 + 1 masters and no 16-bit code can tell them all apart. The remainder is
 stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the ties that rounded down are marked:
 in the step's dense tie bitmap (mixprec.optim.flat: one bit per element, no data-dependent
-shape, no host sync), or, on the per-master paths here, in a short ``int64`` list of flat indices
+shape, no host sync), or, on the per-master paths (mixprec.optim.split_masters, the layout's
+optimizer class; this module holds its arithmetic as plain functions), in a short ``int64`` list of flat indices
 per tensor (about one element in 2**17 per step; finding them is one ``nonzero``). Modulo 2**16,
 ``d`` is just the low half of ``w``'s bit pattern (``hi``'s low half is zero), so splitting is a
 rounding copy and a copy of half of ``w``'s bytes, with no integer arithmetic. ``join`` reverses it
@@ -20,7 +21,7 @@ bit for bit, infinities included; a NaN master stays NaN (its payload may change
 
 Cost: 2 bytes per parameter instead of 4 (plus a bit for the tie bitmap). The optimizer step
 widens one bounded chunk of masters and gradients to FP32 at a time (mixprec.optim.flat; the
-per-master fallback here uses ``CHUNK_NUMEL`` chunks), steps it with the inner optimizer's own
+per-master fallback in mixprec.optim.split_masters uses ``CHUNK_NUMEL`` chunks), steps it with the inner optimizer's own
 math and splits it back, so the update is the FP32 update bit for bit
 (tests/optim/test_split_masters.py).
 
@@ -33,18 +34,16 @@ same kernel that ``torch.nn.utils.get_total_norm`` uses.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from torch.autograd.profiler import record_function
 
 from mixprec.errors import ConfigError
 
 __all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "FLAT_CHUNK_MAX", "CPU_CHUNK_NUMEL", "flat_chunk_numel", "chunks", "chunk_exact",
-           "SplitSteps", "resolve_split"]
+           "resolve_split"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
 FLAT_CHUNKS = 8
@@ -305,129 +304,6 @@ def _tensor_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None)
             foreach and _device_has_foreach_support(device)):
         return list(torch._foreach_norm(tensors, norm_type))
     return [torch.linalg.vector_norm(g, norm_type) for g in tensors]
-
-
-class SplitSteps:
-    """The split-master half of ``mixprec.optim.master.MasterWeights`` (a mixin: it reads and
-    writes the wrapper's bookkeeping, ``_lo``/``_ties``/``_pending``/``_wide``/``_model_of``/
-    ``_deferred``): making a split master, widening chunks to FP32, the chunked step and
-    splitting the result back."""
-
-    def _make_split(self, p: Tensor, exact: Tensor) -> Tensor:
-        """Keep ``exact`` as ``p`` + remainder; return the (storage-free) placeholder master the
-        inner optimizer keys its state by. It holds FP32 values only inside the step."""
-        lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
-        ties = split_(exact, p.data, lo)
-        holder = torch.empty(0, dtype=self.master_dtype, device=p.device).requires_grad_(p.requires_grad)
-        self._lo[id(holder)], self._ties[id(holder)] = lo, ties
-        return holder
-
-    def _is_split(self, m: Tensor) -> bool:
-        return id(m) in self._lo
-
-    def _join(self, p: Tensor, m: Tensor) -> Tensor:
-        return join(p.detach(), self._lo[id(m)], self._ties[id(m)])
-
-
-    def deferred_grads(self) -> DeferredGrads | None:
-        """The step's gradients without FP32 copies of the split ones (mixprec.optim.split), or
-        None when nothing is deferred (no split masters with a grad): then use ``master_grads()``.
-        Same object until ``step()`` or ``zero_grad()``."""
-        if self._deferred is not None:
-            return self._deferred
-        self._prepare_grads()
-        if not self._pending:
-            return None
-        entries = []
-        for group in self.param_groups:
-            for m in group["params"]:
-                if id(m) in self._pending:
-                    entries.append(("low", self._model_of[id(m)].grad))
-                elif m.grad is not None:
-                    entries.append(("own", m.grad))
-        low = [g for k, g in entries if k == "low"]
-        self._deferred = DeferredGrads(low=low, own=[g for k, g in entries if k == "own"], entries=entries,
-                                       batches=self._flat_batches(low))
-        return self._deferred
-
-    def _widen(self, masters: list[Tensor]) -> None:
-        """Give split ``masters`` their FP32 values and FP32 grads (unscale/clip factors applied)."""
-        todo = [m for m in masters if id(m) in self._pending]
-        if not todo:
-            return
-        self._leave_flat()
-        params = [self._model_of[id(m)] for m in todo]
-        factors = self._deferred.factors if self._deferred is not None else []
-        with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
-            grads = widen([p.grad for p in params], factors)
-        for dev in {p.device for p in params}:
-            idx = [i for i, p in enumerate(params) if p.device == dev]
-            ws = join_many([params[i].detach() for i in idx], [self._lo[id(todo[i])] for i in idx],
-                                  [self._ties[id(todo[i])] for i in idx])
-            for i, w in zip(idx, ws):
-                todo[i].data = w
-        for m, g in zip(todo, grads):
-            m.grad = g
-            self._wide.add(id(m))
-            self._pending.discard(id(m))
-
-    @torch.no_grad()
-    def _narrow(self, masters: list[Tensor], *, store: bool) -> None:
-        """Split wide masters back into their params (``store``) or just drop the FP32 copies."""
-        wide = [m for m in masters if id(m) in self._wide]
-        for m in wide:
-            m.grad = None                  # freed before the split's temporaries are made
-        if store and wide:
-            for dev in {m.device for m in wide}:
-                ms = [m for m in wide if m.device == dev]
-                ties = split_many_([m.data for m in ms], [self._model_of[id(m)].data for m in ms],
-                                          [self._lo[id(m)] for m in ms])
-                for m, t in zip(ms, ties):
-                    self._ties[id(m)] = t
-        for m in wide:
-            m.data = torch.empty(0, dtype=m.dtype, device=m.device)
-            self._wide.discard(id(m))
-
-    def _step_split(self, parts: Sequence[Sequence[Tensor]] | None,
-                    around: Callable[[int], contextlib.AbstractContextManager] | None) -> None:
-        """The step with split masters: per param group and device, chunks of at most
-        ``split.CHUNK_NUMEL`` elements are widened, stepped by the inner optimizer over a view of
-        the groups holding only that chunk, and split back (the BF16-moment AdamW draws its
-        rounding noise per chunk of the same boundaries, so it steps bit-identically too)."""
-        inner, whole = self._inner, self._inner.param_groups
-        units: Sequence[Sequence[Tensor] | None] = [None] if parts is None else parts
-        stepped = {id(m) for m in self._stepped[1]}
-        try:
-            for i, unit in enumerate(units):
-                keep = None if unit is None else {id(self._master_of[id(p)]) for p in unit}
-                with (around(i) if around is not None else contextlib.nullcontext()):
-                    for gi, group in enumerate(whole):
-                        ms = [m for m in group["params"] if (keep is None or id(m) in keep)
-                              and (m.grad is not None or id(m) in self._pending)]
-                        by_device: dict[torch.device, list[Tensor]] = {}
-                        for m in ms:
-                            by_device.setdefault(m.device, []).append(m)
-                        for dev_ms in by_device.values():
-                            numels = [self._model_of[id(m)].numel() if id(m) in self._model_of else m.numel()
-                                      for m in dev_ms]
-                            for a, b in chunks(numels):
-                                chunk = dev_ms[a:b]
-                                self._widen(chunk)
-                                inner.param_groups = [{**g, "params": chunk if j == gi else []}
-                                                      for j, g in enumerate(whole)]
-                                inner.step()
-                                self._store_chunk(chunk, stepped)
-        finally:
-            inner.param_groups = whole
-
-    @torch.no_grad()
-    def _store_chunk(self, chunk: list[Tensor], stepped: set[int]) -> None:
-        with record_function("mixprec.master_copy_back"):
-            self._narrow([m for m in chunk if id(m) in self._wide], store=True)
-            full = [m for m in chunk if id(m) in stepped and not self._is_split(m)
-                    and self._model_of.get(id(m)) is not None]
-            if full:
-                torch._foreach_copy_([self._model_of[id(m)] for m in full], full)
 
 
 def chunk_exact(optimizer_cls: type[torch.optim.Optimizer]) -> bool:

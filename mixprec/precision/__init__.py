@@ -5,11 +5,11 @@ the rule book it asks (:mod:`~mixprec.precision.rules`: what kind of layer a mod
 per-layer table it resolves a model into (:meth:`Precision.describe`); and ``autocast``.
 
 The policy data it reads lives in :mod:`mixprec.policy`; its public names are re-exported here
-(``mixprec.precision.Policy``); its modules are not (``mixprec.policy.dtypes``, not
-``mixprec.precision.dtypes``: CHANGELOG.md). The conversions the decider applies, to FP8
-(:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here side by side
-(:mod:`~mixprec.precision.convert`, one report type), both asking the one eligibility function
-(:func:`~mixprec.precision.eligibility.refusal`).
+(``mixprec.precision.Policy``); its modules are not (``mixprec.policy.dtypes``; the old module
+paths under ``mixprec.precision`` were retired in 0.4: CHANGELOG.md). The conversions the decider
+applies, to FP8 (:func:`convert_to_fp8`) and to micro formats (:func:`convert_to_micro`), live here
+side by side (:mod:`~mixprec.precision.convert`, one report type), both asking the one eligibility
+function (:func:`~mixprec.precision.eligibility.refusal`).
 """
 from mixprec import _moved
 from mixprec.policy import (ALIASES, FP8_E4M3, FP8_E5M2, FP8_RECIPES, PRESETS, FormatInfo, Policy,

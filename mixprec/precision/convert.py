@@ -79,10 +79,30 @@ class ConversionReport:
             return only.describe() if only is not None else "no micro format"
         return ", ".join(f"{n} {self.configs[r].describe()}" for r, n in counts.items())
 
+    def kept_summary(self) -> str:
+        """What was kept out of the format, by kind: ``1 Linear (head), 2 embeddings, 5 norms``
+        (the Linears named, up to three). It said ``8 modules kept in high precision`` beside
+        ``Linear layers: 8 fp8-tensorwise, 1 bf16``, which read as a contradiction (found by a
+        new-user trial): the 8 were the head, the embeddings and the norms."""
+        kinds: dict[str, list[str]] = {"embedding": [], "norm": [], "linear": []}
+        for name, why in self.skipped:
+            kind = ("embedding" if why.startswith("embedding") else
+                    "norm" if why.startswith("normalization") else "linear")
+            kinds[kind].append(name)
+        parts = []
+        if linears := kinds["linear"]:
+            named = ", ".join(linears[:3]) + (", ..." if len(linears) > 3 else "")
+            parts.append(f"{len(linears)} Linear{'s' if len(linears) != 1 else ''} ({named})")
+        for kind in ("embedding", "norm"):
+            if n := len(kinds[kind]):
+                parts.append(f"{n} {kind}{'s' if n != 1 else ''}")
+        return ", ".join(parts)
+
     def __str__(self) -> str:
         base = self.config.recipe if self.config is not None else ""
-        lines = [f"{self.what_runs()}: {len(self.converted)} Linear layers converted, "
-                 f"{len(self.skipped)} modules kept in {self.high_precision}; path: {self.expected_path}"]
+        kept = f"; kept in {self.high_precision}: {self.kept_summary()}" if self.skipped else ""
+        lines = [f"{self.what_runs()}: {len(self.converted)} Linear layers converted{kept}; path: "
+                 f"{self.expected_path}"]
         for name in self.converted:
             recipe = self.recipes[name]
             label = ("fp8", f" ({recipe})" if recipe != base else "") if self._fp8 else (recipe, "")

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 
 from mixprec import hints
 from mixprec.errors import CheckpointError, excerpt
+from mixprec.runs.owned import LATEST_FILE, META_FILE, MODEL_FILE, STATE_FILE, delete_checkpoint
 
 __all__ = [
     "save_checkpoint",
@@ -52,10 +53,6 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.pt"
-META_FILE = "meta.json"
-LATEST_FILE = "latest"
 _ALIAS_KEY = "mixprec.aliases"
 _PREFIX = "step-"
 
@@ -376,7 +373,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model_state: dict[
             aside = ckpt_dir / f".tmp-old-{name}-{os.getpid()}"
             os.replace(final, aside)
             os.replace(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
+            if delete_checkpoint(aside):   # a file of yours in the old folder: kept, renamed
+                os.replace(aside, _free_name(ckpt_dir / f"replaced-{name}"))
         else:
             os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
@@ -407,11 +405,13 @@ def _prune(ckpt_dir: Path, keep_last: int, *, newest: int) -> None:
     """Delete complete checkpoints older than the newest ``keep_last`` (up to ``newest``).
 
     Folders with a step above ``newest`` (left by a run that went further before being resumed
-    from an earlier step) are never deleted here: they are someone's data, not ours to judge.
+    from an earlier step) are never deleted here: they are someone's data, not ours to judge. A
+    checkpoint's folder loses only the files a save wrote (:func:`mixprec.runs.owned.delete_checkpoint`):
+    anything else in it stays, with the folder.
     """
     older = [(s, p) for s, p in list_checkpoints(ckpt_dir) if s <= newest]
     for _, path in older[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        delete_checkpoint(path)      # its own files; a folder that also holds yours stays
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ class Checkpointer:
             # The current per-layer formats (re-planning changes them) and the re-planner's state.
             "layer_formats": dict(precision.layer_formats),
             "replan": replanner.state_dict() if replanner is not None else None,
-            # The training guard's windows, counters and snapshot (mixprec/plan/guard.py).
+            # The training guard's windows, counters and snapshot (mixprec/monitor/guard.py).
             "guard": guard.state_dict() if guard is not None else None,
             "optimizer": strategy.optimizer_state_dict(model, optimizer),
             # Skip counts live outside a disabled scaler's (torch-compatible, empty) state dict.

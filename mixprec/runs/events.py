@@ -47,6 +47,10 @@ class RunEvents:
         self._t0, self._initial = time.perf_counter(), 0
         self._listed_layers = False    # the start lines listed every Linear's format
 
+    def say(self, message: str) -> None:
+        """One line on the terminal only (rank 0), above the progress bar if there is one."""
+        self._say(message)
+
     def _say(self, message: str) -> None:
         if not self.strategy.is_main:
             return

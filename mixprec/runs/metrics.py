@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.errors import closest
+from mixprec.runs.owned import TB_DIR
 
 __all__ = [
     "METRICS_COLUMNS",
@@ -41,7 +42,8 @@ METRICS_COLUMNS: tuple[str, ...] = (
 )
 """``loss`` (their mean), ``tokens_per_s``, ``mfu`` and ``time_s`` (seconds) cover the row's
 ``steps`` training steps: the ones since the previous row, fewer than the log interval after a
-resume from mid-interval. ``lr``, ``loss_scale``, ``grad_norm`` are the row's last step's. An
+resume from mid-interval; ``skipped`` counts the skipped steps among them (``skipped_total``: the
+run's so far). ``lr``, ``loss_scale``, ``grad_norm`` are the row's last step's. An
 evaluation's seconds are ``eval_s``, kept out of ``time_s``, ``tokens_per_s`` and ``mfu``."""
 # The monitor defines what a per-layer statistics row holds; the logger writes it as is.
 from mixprec.monitor.stats import NUMERICS_COLUMNS  # noqa: E402
@@ -52,7 +54,6 @@ _TEXT_COLUMNS = {"module", "kind", "dtype"}
 METRICS_FILE = "metrics.csv"
 NUMERICS_FILE = "numerics.csv"
 EVENTS_FILE = "events.jsonl"
-TB_DIR = "tb"
 
 
 def _scalar(value: Any) -> Any:

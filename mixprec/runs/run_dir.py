@@ -3,9 +3,10 @@
 A new run never writes into a folder that already holds something: that would truncate the old
 run's metrics and move its ``latest`` checkpoint pointer. It is refused with the ways out that
 work (resume it, or ``overwrite=true``; hints in the caller's own syntax, mixprec/hints.py).
-A folder *is* a run only when it holds a run's own files (:data:`RUN_ENTRIES`); ``overwrite``
-deletes only those, and refuses in one line a folder that holds anything else (a project folder
-with ``train.py`` and ``.git``, a run folder where the user kept notes): mixprec never deletes a
+A folder *is* a run only when it holds a run's own files (:data:`RUN_MARKERS`); ``overwrite``
+deletes only the files a run writes (:mod:`mixprec.runs.owned`, at any depth), and refuses in one
+line a folder that holds anything else (a project folder with ``train.py`` and ``.git``, a run
+folder where the user kept notes, a file of yours in ``checkpoints/``): mixprec never deletes a
 file it did not write.
 Default folder names cannot collide: the folder is created atomically and a ``-2``, ``-3``, ...
 suffix is added when the name is taken (two runs started in the same second). The run that
@@ -13,25 +14,19 @@ claims a folder holds its lock (mixprec/runs/lock.py) until it ends: one folder,
 """
 from __future__ import annotations
 
-import shutil
 from datetime import datetime
 from pathlib import Path
 
 from mixprec import hints
 from mixprec.errors import ConfigError
+from mixprec.runs import owned as _owned
 from mixprec.runs.lock import LOCK_FILE, RunLock
 
 __all__ = ["claim_run_dir", "claim_locked_run_dir", "deleted_note", "default_run_dir_name", "holds_a_run",
-           "RUN_ENTRIES", "RUN_MARKERS"]
+           "RUN_MARKERS"]
 
 RUN_MARKERS = frozenset({"config.toml", "metrics.csv", "events.jsonl", "checkpoints"})
 """Entries only a run writes at its start or first save: one of them makes a folder a run."""
-RUN_ENTRIES = RUN_MARKERS | frozenset({
-    LOCK_FILE, "numerics.csv", "tb", "hf", "hf_config.json", "report", "compare", "trace.json",
-    "profile.txt"})
-"""Every entry a run (``fit()``, ``mixprec train``, a framework callback) or ``mixprec report``
-(``report/``, and ``compare/`` in the first of the runs compared) writes into a run folder: what
-``overwrite`` may delete, and nothing else."""
 
 
 def default_run_dir_name(precision: str) -> str:
@@ -52,12 +47,12 @@ def holds_a_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).exists() for name in RUN_MARKERS)
 
 
-def _foreign(path: Path) -> list[str]:
-    """What the folder holds that no run wrote, sorted (``.git``, ``train.py``, ...)."""
+def _scan(path: Path) -> tuple[list[Path], list[str]]:
+    """The run's files in the folder, and what no run wrote (``.git/``, ``train.py``,
+    ``checkpoints/best.pt``, ...), sorted: :func:`mixprec.runs.owned.scan`."""
     if not path.is_dir():
-        return []
-    return sorted(child.name + ("/" if child.is_dir() else "") for child in path.iterdir()
-                  if child.name not in RUN_ENTRIES)
+        return [], []
+    return _owned.scan(path)
 
 
 def _listing(names: list[str], limit: int = 4) -> str:
@@ -103,10 +98,12 @@ def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: 
         return path, RunLock.acquire(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run_dir {path} is a file; pass a folder")
-    run, foreign = holds_a_run(path), _foreign(path)
+    run = holds_a_run(path)
+    files, foreign = _scan(path)
     if foreign:
         # Not mixprec's to delete or to mix a run into: refused whatever overwrite says.
-        what = "holds a run and also " if run else "is not empty and holds no run: it has "
+        what = ("holds a run and also " if run else
+                "is not empty and holds no run: it has ")
         raise ConfigError(
             f"run folder {path} {what}{_listing(foreign)}; mixprec writes a run only into a new "
             "or empty folder (or a run's own) and never deletes what it did not write: choose "
@@ -118,16 +115,11 @@ def claim_locked_run_dir(run_dir: str | Path | None, *, precision: str, resume: 
             f"continue it with `{hints.resume(path)}`, choose another run_dir, or pass "
             f"{hints.overwrite()} to delete it and start over")))
     lock = RunLock.acquire(_writable(path))
-    if overwrite:
-        for child in path.iterdir():   # the user asked for it: remove the old run's files
-            if child.name == LOCK_FILE or child.name not in RUN_ENTRIES:
-                continue
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-            if deleted is not None:
-                deleted.append(child.name)
+    if overwrite:                      # the user asked for it: remove the old run's files
+        old = [f for f in files if f != path / LOCK_FILE]
+        _owned.remove(path, old)
+        if deleted is not None:
+            deleted.extend(sorted({f.relative_to(path).parts[0] for f in old}))
     return path, lock
 
 

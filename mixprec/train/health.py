@@ -44,6 +44,40 @@ class RunHealth:
                     f"non-finite gradients (max_skipped_fraction={self.limit:g})")
         return None
 
+    def scaler_cause(self, *, scales_loss: bool, scale: float, init_scale: float, min_scale: float,
+                     growth_interval: int, hysteresis: int, loss_finite: bool, skipped: int) -> str | None:
+        """When the skipped steps that stop a run come from the loss scaler's settings while the
+        loss is finite (not divergence): the one that is the cause and its fix, one clause; None
+        otherwise. In this order:
+
+        * the scale is at a floor above 1 (``min_scale``): gradients scaled by it overflow and it
+          may not go lower -- lower ``min_scale`` (it said "lower lr" for ``min_scale=1e10``);
+        * a step was taken and ``growth_interval`` is so short that the overflows of each growth
+          alone (``hysteresis`` skips per ``growth_interval`` clean steps) exceed
+          ``max_skipped_fraction`` -- raise ``growth_interval`` (it said "still backing off from
+          init_scale" of a scale that had grown back to 156250 with ``growth_interval=3``);
+        * the scale is still halving its way down from a too-large ``init_scale``
+          (:meth:`still_backing_off`) -- lower ``init_scale``.
+
+        A floor of 1 is no setting to blame: gradients overflow unscaled, the run diverges."""
+        if not (scales_loss and loss_finite):
+            return None
+        if scale <= min_scale * (1 + 1e-6) and min_scale > 1:     # (the scale is float32)
+            return (f"the loss scale is stuck at its floor min_scale={min_scale:g} while the loss is "
+                    f"finite ({skipped} skipped steps): gradients scaled by {min_scale:g} overflow and "
+                    "the scale may not go lower; this is not divergence; lower min_scale (e.g. "
+                    "min_scale=1, the default)")
+        if self.taken_any and self.limit < 1.0 and hysteresis > self.limit * (growth_interval + hysteresis):
+            return (f"the loss scale doubles after every growth_interval={growth_interval} clean steps "
+                    f"and the doubled scale overflows (now {scale:g}, {skipped} skipped steps) while "
+                    f"the loss is finite: that setting alone skips up to {hysteresis} step"
+                    f"{'s' if hysteresis != 1 else ''} in {growth_interval + hysteresis}; this is not "
+                    "divergence; raise growth_interval (e.g. growth_interval=2000, the default)")
+        if self.still_backing_off(scales_loss=scales_loss, scale=scale, init_scale=init_scale,
+                                  min_scale=min_scale, loss_finite=loss_finite):
+            return self.backing_off_message(init_scale=init_scale, scale=scale, skipped=skipped)
+        return None
+
     @staticmethod
     def still_backing_off(*, scales_loss: bool, scale: float, init_scale: float, min_scale: float,
                           loss_finite: bool) -> bool:

@@ -105,15 +105,22 @@ class ReplanHook(StepHook):
 
 
 class ScaleWatchHook(StepHook):
-    """A loss scale stuck at its floor (:class:`mixprec.monitor.ScaleWatch`)."""
+    """A loss scale stuck at its floor (:class:`mixprec.monitor.ScaleWatch`): every stuck step is
+    an ``events.jsonl`` record; the terminal gets the first one, saying so (it got one line per
+    step, each after a raw Python warning: ``fit()`` keeps the watch's and the scaler's own
+    warnings of it off the terminal)."""
 
     def __init__(self, watch: Any) -> None:
         self.watch = watch
+        self.said = False
 
     def after_step(self, trainer, step, out, origin):
         warning = self.watch.observe(step, trainer.precision.scale, out.skipped, origin)
         if warning:
-            trainer.events.note(warning, step, "stuck-scale")
+            trainer.events.note(warning, step, "stuck-scale", say=False)
+            if not self.said:
+                self.said = True
+                trainer.events.say(f"{warning} (further stuck steps: events.jsonl only)")
 
 
 class ProfilerHook(StepHook):
@@ -160,7 +167,9 @@ class GuardHook(StepHook):
     def after_step(self, trainer, step, out, origin):
         event = trainer.step_event
         outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
-                              event.module if event is not None else None)
+                              event.module if event is not None else None,
+                              event.direction if event is not None else None,
+                              float(out.scale_before) if trainer.precision.scales_loss else None)
         for action in self.guard.after_step(outcome, probe=trainer.replay_forward):
             trainer.events.guard(action)
             if action.kind == "give-up":

@@ -57,6 +57,9 @@ class IntervalMeter:
         self.last_tps: float | None = 0.0
         self.last_sps: float | None = None   # samples/s, for batches without token ids
         self.last_steps = 0                  # steps the last row averaged
+        # The skipped-step count at the last row (a host counter, no read): a row's ``skipped``
+        # is the difference, the skips among its ``steps``, whichever step of them skipped.
+        self.skipped_before = precision.num_skipped_steps
         self._reset()
 
     def _reset(self) -> None:
@@ -119,14 +122,18 @@ class IntervalMeter:
                       f"peak (measured while other jobs ran?) or the FLOPs per token ({counted}) "
                       "is not this run's")
             self.peak = mfu = None
+        # The row's steps were concluded before it (fit() does so at a log interval): the total is
+        # the host's count, read with the step's flag, no extra read.
+        skipped_total = precision.num_skipped_steps
         self.logger.log(step, epoch=epoch, loss=loss, val_loss=val_loss,
                         lr=lr, loss_scale=precision.scale,
-                        skipped=int(out.skipped), skipped_total=precision.num_skipped_steps,
+                        skipped=skipped_total - self.skipped_before, skipped_total=skipped_total,
                         grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
                         tokens_per_s=tps, mfu=mfu,
                         peak_mem_mb=peak_memory_mb(self.device), time_s=elapsed,
                         steps=steps, eval_s=self.eval_s if self.eval_s else None)
         self.last_tps, self.last_steps = tps, steps
+        self.skipped_before = skipped_total
         self.last_sps = (self.samples * strategy.world_size / elapsed
                          if tokens is None and self.samples else None)
         self._reset()

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,9 @@ from mixprec.errors import (CheckpointError, ConfigError, RunInterrupted, Traini
                             excerpt)
 from mixprec.models.hf import is_hf_model, is_hf_spec, keep_run_config
 from mixprec.models.objective import add_tokens, apply_loss_chunk, make_objective
-from mixprec.monitor import NumericsMonitor, ScaleWatch, audit, audit_after_first_step, locate_nonfinite
+from mixprec.amp import StuckLossScaleWarning
+from mixprec.monitor import (NumericsMonitor, ScaleWatch, StuckScaleWarning, audit, audit_after_first_step,
+                             locate_nonfinite)
 from mixprec.monitor.guard import TrainingGuard
 from mixprec.monitor.profile import StepProfiler
 from mixprec.monitor.replan import LayerReplanner
@@ -694,7 +697,13 @@ class Trainer:
                             steps=meter.last_steps, log_interval=cfg.log_interval)
         try:
             # A lost peer ends the job with one line, not a hang; Ctrl-C/SIGTERM saves, then stops.
-            with self.strategy.guard(), StopRequest(announce=main) as stop:
+            with self.strategy.guard(), StopRequest(announce=main) as stop, warnings.catch_warnings():
+                if self.scale_watch is not None:
+                    # The watch's hook reports a stuck scale (terminal once, events.jsonl each
+                    # step): its own warning and the scaler's would repeat it as raw Python
+                    # warnings, one per step, with a file path.
+                    warnings.filterwarnings("ignore", category=StuckLossScaleWarning)
+                    warnings.filterwarnings("ignore", category=StuckScaleWarning)
                 self._fitting = True
                 while self.step < total:
                     batches = next(groups)
@@ -834,11 +843,14 @@ class Trainer:
                  if done else "no checkpoint was written before it: start over with a lower lr")
         precision, cfg = self.precision, self.config
         loss_finite = last is not None and bool(torch.isfinite(torch.as_tensor(last.loss)).all())  # once
-        if RunHealth.still_backing_off(scales_loss=precision.scales_loss, scale=precision.scale,
-                                       init_scale=cfg.init_scale, min_scale=cfg.min_scale,
-                                       loss_finite=loss_finite):
-            message = (f"training stopped at step {self.step}: {problem}; " + RunHealth.backing_off_message(
-                init_scale=cfg.init_scale, scale=precision.scale, skipped=precision.num_skipped_steps))
+        scaler = precision.scaler.config        # the Precision's own (fit()'s, or a ready one's)
+        health = self.health or RunHealth(cfg, start_step=self.step)
+        cause = health.scaler_cause(scales_loss=precision.scales_loss, scale=precision.scale,
+                                    init_scale=scaler.init_scale, min_scale=scaler.min_scale,
+                                    growth_interval=scaler.scale_window, hysteresis=scaler.hysteresis,
+                                    loss_finite=loss_finite, skipped=precision.num_skipped_steps)
+        if cause is not None:
+            message = f"training stopped at step {self.step}: {problem}; {cause}"
             # not divergence: recorded (and plotted) as what it is; the exit status stays 3
             self.events.note(message, self.step, "loss_scale_stuck", say=False)
             raise TrainingDiverged(message)

@@ -88,7 +88,8 @@ def test_floor_is_respected_and_stuck_policy_raises():
 def test_stuck_policy_warn_keeps_going_at_the_floor():
     s = DynamicLossScaler(init_scale=2, min_scale=1, on_min_scale="warn")
     s.update_scale(True)
-    with pytest.warns(RuntimeWarning, match="stuck at min_scale"):
+    from mixprec.amp import StuckLossScaleWarning     # its own class: fit() can keep it off the terminal
+    with pytest.warns(StuckLossScaleWarning, match="stuck at min_scale"):
         s.update_scale(True)
     assert s.scale == 1.0
     s.update_scale(False)

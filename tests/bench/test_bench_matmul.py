@@ -160,3 +160,73 @@ def test_the_cap_is_on_the_whole_run_not_each_size():
     assert clock.now <= 20
     assert starts[0] == (256, ["fp32", "bf16"], pytest.approx(2 * 4.0, rel=0.01), 18.0)
     assert ("bf16", 1024) not in calls
+
+
+def _cli(argv):
+    import argparse
+    parser = argparse.ArgumentParser()
+    bench_matmul_cmd.configure(parser)
+    return parser, parser.parse_args(argv)
+
+
+def test_a_run_where_no_dtype_can_run_here_exits_non_zero_with_one_line_saying_why(capsys):
+    """``--dtypes fp8,tf32`` on a CPU printed an empty table and exited 0."""
+    from mixprec.errors import ConfigError
+    _, args = _cli(["--dtypes", "fp8,tf32", "--device", "cpu"])
+    with pytest.raises(ConfigError) as e:
+        bench_matmul_cmd.run(args)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("nothing to measure on cpu: ")
+    assert "fp8: no FP8 tensor cores on a CPU (they need a GPU of compute capability 8.9+)" in message
+    assert "tf32: TF32 is a CUDA tensor-core feature" in message
+    assert "dtype" not in capsys.readouterr().out          # no table header for nothing
+
+
+def test_the_default_run_says_which_dtypes_it_cannot_time_here(monkeypatch, capsys):
+    """The default ``--dtypes`` on a CPU dropped tf32 and fp8 without a word."""
+    calls = []
+    _, args = _cli(["--sizes", "64", "--repeats", "1", "--device", "cpu", "--max-seconds", "0"])
+    real = matmul.bench_matmul
+    monkeypatch.setattr(bench_matmul_cmd, "bench_matmul",
+                        lambda *a, **k: real(*a, **k, timer=fake_timer(calls)))
+    assert bench_matmul_cmd.run(args) == 0
+    out = capsys.readouterr().out
+    assert "note: tf32 not measured: TF32 is a CUDA tensor-core feature" in out
+    assert "note: fp8 not measured: no FP8 tensor cores on a CPU" in out
+    assert sorted({label for label, _ in calls}) == ["bf16", "fp16", "fp32"]
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_named_too():
+    import torch
+    plan, cannot = matmul.plan_dtypes(["fp32", "fp8"], torch.device("cuda"), fp8_here=lambda: False)
+    assert plan == [("fp32", torch.float32)]
+    assert cannot == [("fp8", "this GPU has no FP8 tensor cores (they need compute capability 8.9+)")]
+
+
+def test_an_unknown_dtype_suggests_and_lists_what_help_offers():
+    """``--dtypes fp9`` suggested fp64 and listed names without fp8/tf32, which ``--help`` offers."""
+    import torch
+    from mixprec.errors import ConfigError
+    parser, _ = _cli([])
+    help_text = parser.format_help()
+    with pytest.raises(ConfigError) as e:
+        matmul.plan_dtypes(["fp9"], torch.device("cpu"))
+    assert str(e.value) == ("unknown dtype 'fp9' for bench matmul (did you mean 'fp8'?); valid: "
+                            "fp32, tf32, bf16, fp16, fp8")
+    assert all(name in help_text for name in matmul.BENCH_DTYPES)
+    with pytest.raises(ConfigError, match="valid: fp32, tf32, bf16, fp16, fp8$"):
+        matmul.plan_dtypes(["fp64"], torch.device("cpu"))      # a dtype, but not one timed here
+    assert matmul.plan_dtypes(["half", "e4m3"], torch.device("cpu"))[0] == [("fp16", torch.float16)]
+
+
+def test_a_run_whose_every_size_is_over_the_budget_exits_non_zero(monkeypatch, capsys):
+    from mixprec.errors import ConfigError
+    _, args = _cli(["--dtypes", "fp16", "--sizes", "2048", "--repeats", "1", "--device", "cpu",
+                    "--max-seconds", "30"])
+    real = matmul.bench_matmul
+    monkeypatch.setattr(bench_matmul_cmd, "bench_matmul",
+                        lambda *a, **k: real(*a, **k, timer=fake_timer([])))
+    with pytest.raises(ConfigError, match="^nothing was measured: every size of every dtype was "
+                                          "estimated over the 30 s budget"):
+        bench_matmul_cmd.run(args)
+    assert "note: fp16 2048: skipped" in capsys.readouterr().out

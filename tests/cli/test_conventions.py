@@ -31,7 +31,7 @@ def test_version_flag_prints_the_single_sourced_version(flag, capsys):
         main([flag])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"mixprec {mixprec.__version__}"
-    assert mixprec.__version__ == "0.3.0"
+    assert mixprec.__version__ == "0.4.0.dev0"
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'dynamic = ["version"]' in pyproject and "mixprec._version.__version__" in pyproject
 

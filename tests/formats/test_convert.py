@@ -49,6 +49,17 @@ def test_default_rules_convert_only_eligible_linears_and_report_why():
     assert "2 Linear layers converted" in text and "skip  small" in text
 
 
+def test_the_headline_says_what_the_kept_modules_are_by_kind():
+    """Not "N modules kept in high precision" next to a Linear count it does not match (a new-user
+    trial read "8 converted, 8 kept" beside "8 fp8, 1 bf16" as a contradiction)."""
+    report = convert_to_fp8(Toy(), config=Fp8Config.from_recipe("blockwise"),
+                            policy=get_policy("fp8-blockwise"))
+    head = str(report).splitlines()[0]
+    assert ("2 Linear layers converted; kept in high precision (bf16 compute): 5 Linears (small, "
+            "moe.gate, moe.router.proj, ...), 1 embedding, 1 norm; path: emulated") in head
+    assert "modules kept" not in head
+
+
 def test_parameters_are_reused_so_optimizers_stay_valid():
     model = Toy()
     params_before = [id(p) for p in model.parameters()]

@@ -189,6 +189,15 @@ def test_fp16_on_cpu_advises_bf16_only_where_the_cpu_has_bf16_instructions(monke
     assert advice in f.fix
 
 
+def test_fp8_on_a_cpu_says_its_gemms_run_emulated_there_and_what_gpu_has_fp8_tensor_cores():
+    """Not "cpu has no FP8 tensor cores (compute capability 8.9+)": a CPU has no compute capability."""
+    fp8 = Policy(name="custom", fp8_recipe="fp8-blockwise")
+    f = next(f for f in audit(Net(), policy=fp8, device="cpu") if f.code == "fp8-unsupported")
+    assert ("FP8 GEMMs run emulated on the CPU (FP8 tensor cores need a GPU of compute capability "
+            "8.9+): correct but slower than bf16") in f.message
+    assert "cpu has no" not in f.message
+
+
 def test_cpu_advice_names_the_cpus_own_matrix_flags():
     from mixprec.policy.hardware import cpu_matrix_flags
     fp8 = Policy(name="custom", fp8_recipe="fp8-blockwise")

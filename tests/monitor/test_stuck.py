@@ -42,6 +42,18 @@ def test_raises_at_min_scale_when_configured():
         w.observe(1, 1.0, skipped=True, origin="head")
 
 
+def test_at_a_floor_above_1_the_floor_is_named_as_the_cause_not_a_layer():
+    """``min_scale=1e10``: gradients scaled by it overflow whatever a layer does; it blamed the head
+    (where the trace first saw the inf) with layer fixes."""
+    w = ScaleWatch(min_scale=1e10, window=100, on_stuck="raise")
+    w.observe(0, 2e10, skipped=True, origin="head")
+    with pytest.raises(NumericsError) as e:
+        w.observe(1, 1e10, skipped=True, origin="head")
+    assert str(e.value).endswith("the floor is the cause: gradients scaled by 1e+10 overflow and the "
+                                 "scale may not go lower; fix: lower min_scale (e.g. min_scale=1, the default)")
+    assert "keep these layers" not in str(e.value)
+
+
 def test_state_round_trip_and_validation():
     w = ScaleWatch(min_scale=1.0, window=4, max_skip_fraction=0.5)
     for s in range(3):

@@ -349,3 +349,55 @@ def test_a_guarded_run_whose_fp8_layers_all_went_to_bf16_is_labelled_by_what_ran
     trainer, result = _fit(_Net(), quiet, 1)
     assert result.policy == "fp8-tensorwise"
     assert summarize(read_metrics(quiet), read_events(quiet))["ran"] == "fp8-tensorwise"
+
+
+def _fp16_guard(min_scale: float = 1.0):
+    precision = mp.Precision("16-mixed", min_scale=min_scale)
+    net = _Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net, opt = precision.setup(net, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return TrainingGuard(precision, net, opt, sched, config=GuardConfig(every=0, patience=2))
+
+
+def _skip(step, origin="blocks.1.proj", direction="backward", scale=2.0 ** 20):
+    return StepOutcome(step, 2.0, True, origin, direction, scale)
+
+
+def test_skips_of_the_scalers_search_before_the_first_taken_step_promote_nothing():
+    """``16-mixed guard=true init_scale=1e6``: the scale halving to its level overflowed the backward
+    first in one Linear on steps 1-2, and the guard moved it to FP32 (two layers by step 4)."""
+    guard = _fp16_guard()
+    assert [guard.after_step(_skip(s, scale=1e6 / 2 ** s)) for s in range(4)] == [[], [], [], []]
+    assert set(guard.precision.layer_formats.values()) == {"fp16"}
+    # After a taken step the scale has found a level: the same two skips are the layer's.
+    assert guard.after_step(StepOutcome(5, 2.0, False)) == []
+    guard.after_step(_skip(6))
+    (action,) = guard.after_step(_skip(7))
+    assert (action.kind, action.switch.module, action.switch.new) == ("promote", "blocks.1.proj", "fp32")
+
+
+@pytest.mark.parametrize("outcome", [
+    lambda s: _skip(s, direction="forward"),     # the scale multiplies only the backward
+    lambda s: _skip(s, scale=4.0),               # at min_scale: nothing left to search
+    lambda s: StepOutcome(s, 2.0, True, "blocks.1.proj", "backward", None),   # no loss scaling
+])
+def test_skips_the_scale_cannot_explain_count_from_the_first_step(outcome):
+    guard = _fp16_guard(min_scale=4.0)
+    assert guard.after_step(outcome(1)) == []
+    (action,) = guard.after_step(outcome(2))
+    assert action.kind == "promote" and action.switch.module == "blocks.1.proj"
+
+
+def test_whether_a_step_was_taken_is_kept_in_the_guards_state():
+    guard = _fp16_guard()
+    guard.after_step(StepOutcome(1, 2.0, False))
+    again = _fp16_guard()
+    again.load_state_dict(guard.state_dict())
+    again.after_step(_skip(2))
+    assert len(again.after_step(_skip(3))) == 1          # the resumed guard counts them too
+    older = {k: v for k, v in _fp16_guard().state_dict().items() if k != "taken_any"}
+    old = _fp16_guard()
+    old.load_state_dict(older)                   # a checkpoint from before: past the search
+    old.after_step(_skip(1))
+    assert len(old.after_step(_skip(2))) == 1

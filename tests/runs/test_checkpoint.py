@@ -291,6 +291,28 @@ def test_keep_last_prunes_oldest_complete_checkpoints(tmp_path):
     assert [s for s, _ in list_checkpoints(tmp_path)] == [40, 50, 60]
 
 
+def test_rotating_a_checkpoint_out_keeps_a_file_of_yours_in_its_folder(tmp_path):
+    first = save_checkpoint(tmp_path, 1, model_state={"w": torch.ones(1)}, train_state={})
+    (first / "my_eval.json").write_text("mine")
+    save_checkpoint(tmp_path, 2, model_state={"w": torch.ones(1)}, train_state={}, keep_last=1)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]        # step 1 is no checkpoint now
+    assert sorted(p.name for p in first.iterdir()) == ["my_eval.json"]
+    assert (first / "my_eval.json").read_text() == "mine"
+    third = save_checkpoint(tmp_path, 3, model_state={"w": torch.ones(1)}, train_state={}, keep_last=1)
+    assert not (tmp_path / "checkpoints" / "step-00000002").exists()  # nothing of yours: all gone
+    assert third.is_dir()
+
+
+def test_saving_a_step_again_keeps_a_file_of_yours_from_the_old_folder(tmp_path):
+    old = save_checkpoint(tmp_path, 5, model_state={"w": torch.ones(1)}, train_state={})
+    (old / "notes.txt").write_text("mine")
+    new = save_checkpoint(tmp_path, 5, model_state={"w": torch.zeros(1)}, train_state={})
+    assert torch.equal(load_checkpoint(new)[0]["w"], torch.zeros(1))
+    kept = tmp_path / "checkpoints" / "replaced-step-00000005"
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    assert not (new / "notes.txt").exists()
+
+
 def test_keep_last_never_deletes_checkpoints_from_later_steps(tmp_path):
     for step in (100, 200, 300):
         save_checkpoint(tmp_path, step, model_state={"w": torch.ones(1)}, train_state={}, keep_last=None)

@@ -51,3 +51,22 @@ def test_the_guard_is_the_last_step_hook_and_sees_each_step(tmp_path, monkeypatc
         trainer._watch([batch], out, None)
     assert calls == [1, 2]
     assert seen == [(1, 1, None), (2, 1, None)]
+
+
+def test_a_loss_scale_warm_up_in_16_mixed_promotes_no_layer(tmp_path, capsys):
+    """The new-user trial: ``16-mixed guard=true init_scale=1e6`` moved ``blocks.1.mlp.proj`` to
+    FP32 at step 2 and another layer at step 4 while the scale halved to its level. The hook hands
+    the guard the origin's direction and the step's scale, so it tells that search from a layer's
+    fault (TrainingGuard.scaler_searching)."""
+    import json
+
+    from mixprec.cli.main import main
+    run = tmp_path / "r"
+    rc = main(["train", "model=tiny", "seq_len=32", "batch_size=4", "progress=false", "audit=false",
+               "--precision", "16-mixed", "guard=true", "init_scale=1e6", "max_steps=8",
+               f"run_dir={run}"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert [e["step"] for e in events if e["kind"] == "skip"][:2] == [1, 2]     # the search happened
+    assert [e for e in events if e["kind"] == "format"] == [] and "-> fp32" not in err

@@ -17,6 +17,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.errors import ConfigError, RunInterrupted, TrainingDiverged
+from mixprec.runs.owned import scan
 from mixprec.runs.run_dir import claim_run_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -114,9 +115,29 @@ def test_overwrite_removes_every_file_a_run_writes_and_nothing_else(tmp_path, te
     mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={other}")
     mixprec("report", str(run))
     mixprec("report", str(run), str(other))                 # writes run/compare/
+    assert scan(run)[1] == []           # every file a run and its reports write is the run's own
     mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", f"run_dir={run}", "overwrite=true")
     assert (run / "metrics.csv").is_file()
     assert not (run / "report").exists() and not (run / "compare").exists()
+
+
+def test_overwrite_refuses_a_run_whose_subfolders_hold_user_files_and_deletes_nothing(
+        tmp_path, text_corpus):
+    # Found by a new-user trial: overwrite=true used to delete checkpoints/, tb/, ... whole.
+    run = tmp_path / "run"
+    mixprec("train", *TINY, f"data={text_corpus}", "max_steps=2", "ckpt_interval=1",
+            f"run_dir={run}")
+    step = sorted((run / "checkpoints").glob("step-*"))[-1]
+    mine = {run / "checkpoints" / "best.pt": "a", step / "my_eval.json": "b",
+            run / "tb" / "notes.txt": "c"}
+    for path, text in mine.items():
+        path.write_text(text)
+    before = _tree(run)
+    with pytest.raises(ConfigError, match=r"holds a run and also "
+                                          r"checkpoints/best\.pt, checkpoints/step-\d+/my_eval\.json, "
+                                          r"tb/notes\.txt; .* move those files out"):
+        claim_run_dir(run, precision="32-true", resume=False, overwrite=True)
+    assert _tree(run) == before and all(p.read_text() == t for p, t in mine.items())
 
 
 def test_default_run_folders_started_in_the_same_second_do_not_collide(tmp_path):

@@ -1,0 +1,352 @@
+"""Split FP32 masters: the master of a BF16 param stored as the param itself plus a 16-bit remainder.
+
+The layout, whole in this file: what it stores (per BF16 param an ``int16`` remainder and its
+rounding ties, the arithmetic in :mod:`mixprec.optim.split`; the inner optimizer keys its state by
+an empty FP32 *holder* per split master), how it steps and how it saves and loads. The rest of
+the bookkeeping, the full FP32 masters of other params (FP16 ones) and the flat step are
+:class:`mixprec.optim.master.MasterWeights`', which this class extends (single inheritance:
+``MasterWeights(...)`` builds one wherever split masters are exact, see ``resolve_split``).
+
+The step:
+
+* the flat step (mixprec.optim.flat), whenever it applies: the BF16 params, remainders and tie
+  bitmap are gathered into the chunk's FP32 scratch and the BF16 grads widened there, the
+  loss-scale and clip factors recorded by :meth:`deferred_grads` applied on the way; the ties are
+  a dense bitmap per chunk (packed from the per-master tie lists here once, ``_enter_flat``);
+* the per-master fallback (a step in parts for the overlap engine, a step in which some trainable
+  master has no grad, grads widened by ``master_grads()`` for torch's ``GradScaler``): chunks of
+  at most ``split.CHUNK_NUMEL`` elements are widened into **FP32 tensors of the inner optimizer's
+  own** (``_widen``: joined values, widened grads), which stand in the param groups for their
+  holders for the chunk's step, the holder's state moved onto them and back; after the inner
+  step they are split back into the param and its remainder (``_narrow``). No tensor's ``.data``
+  is swapped: the holders stay empty, the inner optimizer steps ordinary FP32 tensors.
+  ``master_grads()`` widens every split master that way until the step (torch's ``GradScaler``
+  unscales the grads it finds in ``param_groups``).
+
+The checkpoint is the full-master one (``MasterWeights.state_dict``): split masters are joined
+into FP32 tensors on save and split again on load (``_load_master``), so files move between the
+two layouts.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.profiler import record_function
+
+from mixprec.optim import split as _split
+from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
+from mixprec.optim.master import MasterWeights
+
+__all__ = ["SplitMasterWeights"]
+
+
+class SplitMasterWeights(MasterWeights, split_layout=True):
+    """:class:`MasterWeights` with the FP32 master of each BF16 param stored split (2 bytes, not 4).
+
+    Built by ``MasterWeights(...)`` (and :class:`mixprec.optim.AdamW`) where split masters are
+    exact: FP32 masters and an elementwise inner optimizer (``split.chunk_exact``). Same
+    constructor, public methods and ``state_dict()`` as :class:`MasterWeights`; bit-identical
+    steps (tests/optim/test_split_masters.py).
+    """
+
+    def __init__(self, optimizer_cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> None:
+        self._lo: dict[int, Tensor] = {}      # id(holder) -> int16 remainder
+        self._ties: dict[int, Tensor] = {}    # id(holder) -> flat indices of the ties that rounded down
+        self._deferred: _split.DeferredGrads | None = None
+        self._pending: set[int] = set()       # split holders with a grad, not yet widened this step
+        self._wide: dict[int, Tensor] = {}    # id(holder) -> its FP32 tensor, in the groups for now
+        self._holder_of: dict[int, Tensor] = {}   # id(FP32 tensor) -> holder
+        super().__init__(optimizer_cls, params, **kwargs)
+
+    @staticmethod
+    def _resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
+                       master_dtype: torch.dtype) -> bool:
+        return _split.resolve_split(split, optimizer_cls, master_dtype)
+
+    # ------------------------------------------------------------------ what it stores
+    def _store_master(self, p: Tensor, exact: Tensor) -> Tensor:
+        """Keep ``exact`` as ``p`` + remainder; return the (storage-free) holder the inner
+        optimizer keys its state by. Full masters for what does not split (FP16 params)."""
+        if not (self.split and _split.splits(p.dtype, self.master_dtype)):
+            return exact
+        lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
+        ties = _split.split_(exact, p.detach(), lo)
+        holder = torch.empty(0, dtype=self.master_dtype, device=p.device).requires_grad_(p.requires_grad)
+        self._lo[id(holder)], self._ties[id(holder)] = lo, ties
+        return holder
+
+    def _is_split(self, m: Tensor) -> bool:
+        return id(m) in self._lo
+
+    def _remainder_of(self, m: Tensor) -> Tensor | None:
+        return self._lo.get(id(m))
+
+    @property
+    def split_count(self) -> int:
+        """How many parameters keep a split master (the parameter + a 16-bit remainder)."""
+        return len(self._lo)
+
+    def master_of(self, param: Tensor) -> Tensor:
+        """The FP32 master of a model param. For a split master outside the step this is a fresh
+        FP32 tensor joined from the param and its remainder: read it again after a step to see
+        the new value (while widened for the step, the FP32 tensor the inner optimizer steps)."""
+        m = super().master_of(param)
+        if id(m) in self._wide:
+            return self._wide[id(m)]
+        if self._is_split(m):
+            self._unpack_ties()
+            return _split.join(param.detach(), self._lo[id(m)], self._ties[id(m)])
+        return m
+
+    def step_grads(self, param: Tensor) -> list[Tensor]:
+        """The gradient tensors the step reads for ``param``: for a split master the model
+        param's own (BF16) grad, which the step widens itself (and its FP32 copy, if widened)."""
+        m = self._master_of.get(id(param))
+        if m is None or not self._is_split(m):
+            return super().step_grads(param)
+        w = self._wide.get(id(m))
+        return [g for g in (w.grad if w is not None else None, param.grad) if g is not None]
+
+    # ------------------------------------------------------------------ the step's grads
+    def _reads_model_grad(self, m: Tensor) -> bool:
+        return self._is_split(m) and id(m) not in self._wide
+
+    def _note_deferred(self, masters: list[Tensor]) -> None:
+        self._pending = {id(m) for m in masters}
+
+    def deferred_grads(self) -> _split.DeferredGrads | None:
+        """The step's gradients without FP32 copies of the split ones (mixprec.optim.split), or
+        None when nothing is deferred (no split masters with a grad): then use ``master_grads()``.
+        Same object until ``step()`` or ``zero_grad()``."""
+        if self._deferred is not None:
+            return self._deferred
+        self._prepare_grads()
+        if not self._pending:
+            return None
+        entries = []
+        for group in self.param_groups:
+            for m in group["params"]:
+                if id(m) in self._pending:
+                    entries.append(("low", self._model_of[id(m)].grad))
+                elif m.grad is not None:
+                    entries.append(("own", m.grad))
+        low = [g for k, g in entries if k == "low"]
+        self._deferred = _split.DeferredGrads(low=low, own=[g for k, g in entries if k == "own"],
+                                              entries=entries, batches=self._flat_batches(low))
+        return self._deferred
+
+    def _grad_factors(self) -> list[Tensor]:
+        return self._deferred.factors if self._deferred is not None else []
+
+    @torch.no_grad()
+    def master_grads(self) -> list[Tensor]:
+        """As :meth:`MasterWeights.master_grads`; split masters are widened for this step into
+        FP32 tensors that stand in the param groups until the step (the memory of full masters):
+        mixprec's scaler and clipping use :meth:`deferred_grads` instead."""
+        self._prepare_grads()
+        if self._pending:
+            self._widen([m for m in self._masters if id(m) in self._pending])
+            if self._deferred is not None:
+                self._deferred.closed = True
+                self._deferred = None
+        return super().master_grads()
+
+    def _end_step(self) -> None:
+        self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
+        super()._end_step()
+        self._pending = set()
+        if self._deferred is not None:
+            self._deferred.closed = True
+            self._deferred = None
+
+    # ------------------------------------------------------------------ the flat step's ties
+    def _widened(self) -> bool:
+        return bool(self._wide)
+
+    def _enter_flat(self, flat: FlatSteps) -> None:
+        for chunk in flat.chunks:
+            if chunk.split_idx and not chunk.ties_packed:
+                self._pack_ties(chunk)
+
+    def _leave_flat(self) -> None:
+        """Before a per-master step: tie lists and per-master step counters back."""
+        if self._flat is not None:
+            self._unpack_ties()
+        super()._leave_flat()
+
+    def _flat_batches(self, low: list[Tensor]) -> list[tuple[list[int], list[Tensor]]] | None:
+        """For the norms of deferred gradients (``split.DeferredGrads``): per chunk, positions of
+        its split grads in ``low`` and their FP32 scratch views; None when this step is not flat."""
+        if not self._flat_ready():
+            return None
+        assert self._flat is not None
+        pos = {id(g): i for i, g in enumerate(low)}
+        out = []
+        for chunk in self._flat.chunks:
+            if chunk.split_idx:
+                idx = [pos.get(id(p.grad)) for p in chunk.split_models]
+                if any(i is None for i in idx):
+                    return None
+                out.append((idx, chunk.split_g))
+        return out
+
+    @torch.no_grad()
+    def _pack_ties(self, chunk: Any) -> None:
+        """The per-master tie lists of ``chunk`` into its bitmap (once after a load or a
+        per-master step: the lists are host-sized, the bitmap is not)."""
+        chunk.flags.zero_()
+        for i in chunk.split_idx:
+            ties = self._ties[id(chunk.masters[i])]
+            if ties.numel():
+                chunk.flags[chunk.starts[i] + ties] = True
+        pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+        chunk.ties_packed = True
+
+    @torch.no_grad()
+    def _unpack_ties(self) -> None:
+        """Bitmaps back into per-master tie lists, for the per-master paths (slow paths only)."""
+        if self._flat is None:
+            return
+        for chunk in self._flat.chunks:
+            if not chunk.ties_packed:
+                continue
+            flags = unpack_ties(chunk.ties, chunk.numel, chunk.shifts)
+            for i in chunk.split_idx:
+                a, n = chunk.starts[i], chunk.numels[i]
+                self._ties[id(chunk.masters[i])] = flags[a:a + n].nonzero().squeeze(1)
+            chunk.ties_packed = False
+
+    # ------------------------------------------------------------------ the per-master step
+    def _step_per_master(self, parts: Sequence[Sequence[Tensor]] | None,
+                         around: Callable[[int], contextlib.AbstractContextManager] | None,
+                         found_on_device: Tensor | None) -> None:
+        if not self._lo:
+            super()._step_per_master(parts, around, found_on_device)
+            return
+        self._step_split(parts, around)
+
+    def _slots(self) -> dict[int, tuple[int, int]]:
+        """id(tensor in the param groups) -> (group index, position)."""
+        return {id(t): (gi, i) for gi, g in enumerate(self.param_groups) for i, t in enumerate(g["params"])}
+
+    def _stand_in(self, old: Tensor, new: Tensor, slots: dict[int, tuple[int, int]]) -> None:
+        """``new`` takes ``old``'s place in its param group and its optimizer state."""
+        gi, i = slots[id(old)]
+        self.param_groups[gi]["params"][i] = new
+        st = self.state.pop(old, None)
+        if st is not None:
+            self.state[new] = st
+
+    @torch.no_grad()
+    def _widen(self, masters: list[Tensor]) -> None:
+        """Give split ``masters`` FP32 tensors of their own for the inner optimizer: the joined
+        values, with the FP32 grads (unscale/clip factors applied) as their ``.grad``."""
+        todo = [m for m in masters if id(m) in self._pending]
+        if not todo:
+            return
+        self._leave_flat()
+        params = [self._model_of[id(m)] for m in todo]
+        with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
+            grads = _split.widen([p.grad for p in params], self._grad_factors())
+        ws: list[Tensor | None] = [None] * len(todo)
+        for dev in {p.device for p in params}:
+            idx = [i for i, p in enumerate(params) if p.device == dev]
+            joined = _split.join_many([params[i].detach() for i in idx], [self._lo[id(todo[i])] for i in idx],
+                                      [self._ties[id(todo[i])] for i in idx])
+            for i, w in zip(idx, joined):
+                ws[i] = w
+        slots = self._slots()
+        for m, w, g in zip(todo, ws, grads):
+            assert w is not None
+            w.grad = g
+            self._stand_in(m, w, slots)
+            self._wide[id(m)] = w
+            self._holder_of[id(w)] = m
+            self._pending.discard(id(m))
+
+    @torch.no_grad()
+    def _narrow(self, masters: list[Tensor], *, store: bool) -> None:
+        """Split the FP32 tensors of widened ``masters`` back into their params (``store``) or
+        just drop them; the holders take their places and state back."""
+        wide = [m for m in masters if id(m) in self._wide]
+        if not wide:
+            return
+        ws = [self._wide[id(m)] for m in wide]
+        for w in ws:
+            w.grad = None                  # freed before the split's temporaries are made
+        if store:
+            for dev in {w.device for w in ws}:
+                idx = [i for i, w in enumerate(ws) if w.device == dev]
+                ties = _split.split_many_([ws[i] for i in idx], [self._model_of[id(wide[i])].detach() for i in idx],
+                                          [self._lo[id(wide[i])] for i in idx])
+                for i, t in zip(idx, ties):
+                    self._ties[id(wide[i])] = t
+        slots = self._slots()
+        for m, w in zip(wide, ws):
+            self._stand_in(w, m, slots)
+            del self._wide[id(m)], self._holder_of[id(w)]
+
+    def _step_split(self, parts: Sequence[Sequence[Tensor]] | None,
+                    around: Callable[[int], contextlib.AbstractContextManager] | None) -> None:
+        """The per-master step with split masters: per param group and device, chunks of at most
+        ``split.CHUNK_NUMEL`` elements are widened, stepped by the inner optimizer over a view of
+        the groups holding only that chunk, and split back (the BF16-moment AdamW draws its
+        rounding noise per chunk of the same boundaries, so it steps bit-identically too)."""
+        inner, whole = self._inner, self.param_groups
+        units: Sequence[Sequence[Tensor] | None] = [None] if parts is None else parts
+        stepped = {id(m) for m in self._stepped[1]}
+        try:
+            for i, unit in enumerate(units):
+                keep = None if unit is None else {id(self._master_of[id(p)]) for p in unit}
+                with (around(i) if around is not None else contextlib.nullcontext()):
+                    for gi, group in enumerate(whole):
+                        holders = [self._holder_of.get(id(t), t) for t in group["params"]]
+                        ms = [m for m in holders if (keep is None or id(m) in keep)
+                              and (m.grad is not None or id(m) in self._pending or id(m) in self._wide)]
+                        by_device: dict[torch.device, list[Tensor]] = {}
+                        for m in ms:
+                            by_device.setdefault(m.device, []).append(m)
+                        for dev_ms in by_device.values():
+                            numels = [self._model_of[id(m)].numel() if id(m) in self._model_of else m.numel()
+                                      for m in dev_ms]
+                            for a, b in _split.chunks(numels):
+                                chunk = dev_ms[a:b]
+                                self._widen(chunk)
+                                own = [self._wide.get(id(m), m) for m in chunk]
+                                inner.param_groups = [{**g, "params": own if j == gi else []}
+                                                      for j, g in enumerate(whole)]
+                                inner.step()
+                                self._store_chunk(chunk, stepped)
+        finally:
+            inner.param_groups = whole
+
+    @torch.no_grad()
+    def _store_chunk(self, chunk: list[Tensor], stepped: set[int]) -> None:
+        with record_function("mixprec.master_copy_back"):
+            self._narrow([m for m in chunk if id(m) in self._wide], store=True)
+            full = [m for m in chunk if id(m) in stepped and not self._is_split(m)
+                    and self._model_of.get(id(m)) is not None]
+            if full:
+                torch._foreach_copy_([self._model_of[id(m)] for m in full], full)
+
+    # ------------------------------------------------------------------ the checkpoint
+    @torch.no_grad()
+    def sync_masters_from_model(self) -> None:
+        """Overwrite the masters with the model params (after loading model weights only)."""
+        super().sync_masters_from_model()      # drops the chunks: the tie lists are the truth again
+        for m in self._masters:
+            if self._is_split(m):
+                self._lo[id(m)].zero_()
+                self._ties[id(m)] = _split.empty_ties(m.device)
+
+    def _load_master(self, p: Tensor, m: Tensor, saved: Tensor) -> bool:
+        """A saved FP32 master of a split param: split again into the param and its remainder."""
+        if not self._is_split(m):
+            return False
+        w = saved.to(device=p.device, dtype=torch.float32, copy=True)
+        self._ties[id(m)] = _split.split_(w, p.detach(), self._lo[id(m)])
+        return True
