@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,7 +332,7 @@ class Recipe:
         subs = {k: data.pop(k) for k in ("micro_options", "scaler", "overrides", "plan") if k in data}
         lines = [f"[{table}]", *(f"{k} = {_toml_value(v)}" for k, v in data.items())]
         for key, sub in subs.items():
-            lines += ["", f"[{table}.{key}]", *(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in sub.items())]
+            lines += ["", f"[{table}.{key}]", *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in sub.items())]
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -347,6 +348,11 @@ class Recipe:
     def replace(self, **changes: Any) -> "Recipe":
         """A new recipe with some choices changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _toml_key(k: str) -> str:
+    """A bare key where TOML allows one (``init_scale``), else quoted (a pattern ``blocks.0.*``)."""
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
 
 
 def _toml_value(v: Any) -> str:
