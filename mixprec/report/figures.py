@@ -14,9 +14,12 @@ from mixprec.runs.metrics import is_finite_number
 __all__ = ["figure", "save", "plot_series", "legend_below", "mark_events", "scale_series", "skip_events",
            "integer_count_axis", "caption", "memory_label"]
 
-# Events drawn on the curves: kind -> (label, colour). A resume is a ``start`` event after step 0.
+# Events drawn on the curves: kind -> (label, colour). A resume is a ``start`` event after step 0;
+# a ``format`` record is the re-planner's switch unless it carries ``"guard"`` (the training
+# guard's promotion of a layer to a safer format: a different mechanism, marked as its own).
 _MARKED = {"resume": ("resumed", "tab:green"), "interrupted": ("stopped", "tab:purple"),
            "diverged": ("diverged", "tab:red"), "format": ("re-plan", "tab:orange"),
+           "guard_promote": ("guard: promoted", "tab:olive"),
            "loss_scale_stuck": ("stopped: loss scale stuck", "tab:pink"),
            "guard": ("guard", "tab:brown")}
 
@@ -81,13 +84,18 @@ def plot_series(ax, xs, ys, **style: Any):
     return ax.plot(xs, ys, **style)
 
 
-def legend_below(ax, *, ncol: int | None = None) -> None:
+def legend_below(ax, *, ncol: int | None = None, panels=()) -> None:
     """The legend under the axes (it never covers a curve nor leaves the picture: :func:`save`
-    writes the figure's tight bounding box)."""
-    handles, labels = ax.get_legend_handles_labels()
-    if not handles:
+    writes the figure's tight bounding box). ``panels``: the other axes of a stacked figure whose
+    lines this one legend (under the bottom panel, ``ax``) also names, each label once."""
+    named: dict[str, Any] = {}
+    for a in (*panels, ax):
+        for handle, label in zip(*a.get_legend_handles_labels()):
+            named.setdefault(label, handle)
+    if not named:
         return
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=8, frameon=False,
+    handles, labels = list(named.values()), list(named)
+    ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=8, frameon=False,
               ncol=ncol or min(len(handles), 4))
 
 
@@ -131,6 +139,8 @@ def _marks(events: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
             continue
         if kind == "start" and step > 0:
             kind = "resume"
+        elif kind == "format" and e.get("guard"):
+            kind = "guard_promote"
         if kind in _MARKED:
             out.append((step, *_MARKED[kind]))
     return out

@@ -248,11 +248,13 @@ def _plot_throughput(rows, events, out: Path) -> Path | None:
                           ("MFU (%)", msteps, [100 * m for m in mfu], "tab:orange")) if p[2]]
     # One panel per quantity: MFU is tokens/s times a constant, so on one axis the lines coincide.
     fig, axes = figure("throughput", rows=len(panels), figsize=(7.5, 2.6 + 1.9 * len(panels)))
-    for ax, (label, xs, ys, colour) in zip(axes if len(panels) > 1 else [axes], panels):
-        plot_series(ax, xs, ys, color=colour, lw=1.2)
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (label, xs, ys, colour) in zip(axes, panels):
+        plot_series(ax, xs, ys, color=colour, lw=1.2, label=label)
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)   # from zero, so timer noise does not look like a trend
         mark_events(ax, events, skips=False)
+    legend_below(axes[-1], panels=axes[:-1])    # one legend naming every line of both panels
     return save(fig, out / "throughput.png")
 
 
@@ -261,8 +263,11 @@ def _plot_memory(rows, events, out: Path) -> Path | None:
     if not mem:
         return None
     fig, ax = figure(f"peak memory: {memory_label(start_field(events, 'device'))}", "MiB")
-    plot_series(ax, steps, mem, lw=1.2)
+    plot_series(ax, steps, mem, lw=1.2, label="peak memory")
     ax.set_ylim(0, 1.1 * max(mem))
+    # A resumed run is a new process: its high-water mark starts over, so the line can drop there.
+    mark_events(ax, events, skips=False)
+    legend_below(ax)
     return save(fig, out / "memory.png")
 
 

@@ -162,3 +162,47 @@ def test_a_run_with_one_logged_row_draws_its_point(tmp_path, drawn):
         assert drawn_lines and all(line.get_marker() not in (None, "", "None") for line in drawn_lines), name
     tokens = drawn["throughput.png"].axes[0].lines[0]
     assert list(tokens.get_xdata()) == [1] and list(tokens.get_ydata()) == [1001.0]
+
+
+def _legend_names(fig) -> set[str]:
+    return {t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
+
+
+_RESUMED = ({"kind": "start", "step": 20, "message": "resumed"},)
+
+
+def test_memory_picture_marks_where_the_run_was_resumed(tmp_path, drawn):
+    """A resumed run is a new process: its high-water mark starts over, and the picture says where."""
+    _run(tmp_path / "run", steps=40, max_steps=40, final=3.0, events=_RESUMED)
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    ax = drawn["memory.png"].axes[0]
+    marked = {tuple(l.get_xdata())[0]: l.get_label() for l in ax.lines if l.get_linestyle() == "--"}
+    assert marked == {20: "resumed"}
+    assert _legend_names(drawn["memory.png"]) == {"peak memory", "resumed"}
+
+
+def test_every_line_of_the_throughput_and_memory_pictures_is_named_in_a_legend(tmp_path, drawn):
+    _run(tmp_path / "run", steps=40, max_steps=40, final=3.0, events=_RESUMED)
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    for name in ("throughput.png", "memory.png"):
+        drawn_labels = {l.get_label() for ax in drawn[name].axes for l in ax.lines}
+        assert drawn_labels and not any(label.startswith("_") for label in drawn_labels), name
+        assert _legend_names(drawn[name]) == drawn_labels, name
+    assert _legend_names(drawn["throughput.png"]) == {"tokens/s", "MFU (%)", "resumed"}
+
+
+def test_guard_promotions_are_marked_as_the_guard_and_re_plan_switches_as_re_planning(tmp_path, drawn):
+    """The guard's promotion is a ``format`` record with ``"guard": "promote"``
+    (mixprec/monitor/guard.py); the re-planner's has none (replan.py). Both pictures say which."""
+    switch = {"kind": "format", "module": "fc", "from": "fp8-tensorwise", "to": "bf16"}
+    events = ({**switch, "step": 10, "reason": "underflow", "message": "re-plan"},
+              {**switch, "step": 30, "from": "bf16", "to": "fp32", "reason": "SQNR", "guard": "promote",
+               "message": "guard promoted fc"})
+    _run(tmp_path / "a", steps=40, max_steps=40, final=3.0)
+    _run(tmp_path / "b", steps=40, max_steps=40, final=3.0, events=events)
+    report.write_report(tmp_path / "b", tmp_path / "out")
+    write_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+    for name, prefix in (("loss.png", ""), ("compare_loss.png", "b: ")):
+        ax = drawn[name].axes[0]
+        marked = {tuple(l.get_xdata())[0]: l.get_label() for l in ax.lines if l.get_linestyle() == "--"}
+        assert marked == {10: f"{prefix}re-plan", 30: f"{prefix}guard: promoted"}, name
