@@ -660,7 +660,11 @@ class Precision:
                   for g in optimizer.param_groups]
         self.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
                           "(mixprec.optim.MasterWeights)")
-        return MasterWeights(type(optimizer), groups, master_params=self.master_params(model), **defaults)
+        # The recipe's layout: split_masters=False keeps full FP32 masters for your optimizer too
+        # (it was ignored here: found writing docs/ARCHITECTURE.md's walk); True splits where exact.
+        split = None if self.recipe.split_masters else False
+        return MasterWeights(type(optimizer), groups, master_params=self.master_params(model),
+                             split=split, **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
                        split_masters: bool | None = None, moments: str | None = None,
