@@ -35,6 +35,11 @@ The origin:
   layer and the loss is a cast or a reshape, and "the model" tells nobody which layer to look at
   (a too-large loss scale overflows the head's FP16 output-gradient first).
 
+A parameter several modules share (a head tied to the embedding) has one gradient hook, which sees
+the sum of every owner's contribution after all of them ran: a non-finite one names the owner that
+computed in the narrowest dtype (the head's FP16 GEMM, not the FP32 embedding's look-up) and lists
+the others in ``tied_to`` (``head (tied to wte)``); the hook alone cannot tell the owners apart.
+
 A module returning ``-inf`` on purpose (an additive attention mask module) is reported as the
 origin when the loss is non-finite; keep masks inside the module that consumes them.
 """
@@ -131,6 +136,11 @@ class NonFiniteEvent:
     """The operation that made it, when the tensor that showed it only received it: a parameter's
     gradient (``tensor``: ``grad of weight``) made by the module's ``weight-gradient GEMM`` (its
     ``dtype``: the GEMM's, FP16 under autocast, not the FP32 gradient it was cast into)."""
+    tied_to: tuple[str, ...] = ()
+    """For a parameter several modules share (a head tied to the embedding): the other modules
+    that own it. Its gradient hook sees only the sum of every owner's contribution, so ``module``
+    is the owner that computed in the narrowest dtype (the head's FP16 GEMM, not the FP32
+    embedding look-up) and the message names both: ``head (tied to wte)``."""
 
     def message(self, step: int | None = None, scale_before: float | None = None,
                 scale_after: float | None = None) -> str:
@@ -140,7 +150,8 @@ class NonFiniteEvent:
         head = f"step {step} skipped" if step is not None else "non-finite step"
         where = f"rank {self.rank}, " if self.rank is not None else ""
         made = f" {self.made_by}" if self.made_by else ""
-        line = f"{head}: {self.kind} first at {self.module} ({where}{self.direction}, {self.dtype}{made})"
+        module = f"{self.module} (tied to {', '.join(self.tied_to)})" if self.tied_to else self.module
+        line = f"{head}: {self.kind} first at {module} ({where}{self.direction}, {self.dtype}{made})"
         scale_before = self.loss_scale if scale_before is None else scale_before
         if scale_before is not None:
             line += f" — loss scale {_num(scale_before)}"
@@ -154,6 +165,7 @@ class NonFiniteEvent:
         """Plain JSON-able fields plus the human ``message``."""
         d = asdict(self)
         d["other_ranks"] = list(self.other_ranks)
+        d["tied_to"] = list(self.tied_to)
         d["message"] = self.message()
         return d
 
@@ -343,13 +355,15 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
     def _on_gout(name: str, g: torch.Tensor) -> None:
         rec.observe("backward", "gout", name, "grad_output", [g])
 
-    seen: set[int] = set()
+    owners: dict[int, list[tuple[str, str]]] = {}   # a parameter's (module, name)s; 2+: tied
     for name, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True))
         for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
+            if not p.requires_grad:
+                continue
+            owners.setdefault(id(p), []).append((name, pname))
+            if len(owners[id(p)]) == 1:       # one hook per parameter, named for its first owner
                 handles.append(p.register_hook(
                     lambda g, n=name, pn=pname: rec.observe("backward", "param", n, f"grad of {pn}", [g])))
 
@@ -378,6 +392,7 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
     origin = _find_origin(obs, loss_nonfinite)
     if origin is None:
         return None
+    origin = _shared_owner(origin, obs, {o[0]: o for o in owners.values() if len(o) > 1})
     src = origin.get("source")
     has_src = src is not None and src["absmax"] is not None
     dtype = origin["dtype"] if origin["dtype"] is not None else (loss.dtype if isinstance(loss, torch.Tensor) else None)
@@ -390,7 +405,38 @@ def locate_nonfinite(model: nn.Module, run_step: Callable[[], torch.Tensor | Non
         input_absmax=float(src["absmax"]) if has_src else None,
         input_absmin=(float(src["absmin"]) if has_src and math.isfinite(src["absmin"]) else None),
         loss_scale=None if loss_scale is None else float(loss_scale), step=step,
-        micro_batch=origin.get("micro"), made_by=made_by)
+        micro_batch=origin.get("micro"), made_by=made_by, tied_to=tuple(origin.get("tied_to", ())))
+
+
+def _computed_dtype(obs: list[dict], module: str) -> torch.dtype | None:
+    """The dtype ``module``'s first forward output had (what it computed in), None if not seen."""
+    return next((o["dtype"] for o in obs if o["direction"] == "forward" and o["kind"] == "out"
+                 and o["module"] == module and o["dtype"] is not None), None)
+
+
+def _shared_owner(origin: dict, obs: list[dict], shared: dict[tuple[str, str], list]) -> dict:
+    """A shared (tied) parameter's gradient origin, re-attributed to the owner that made it.
+
+    The parameter's hook fires once, on the sum of every owner's contribution, and was named for
+    the first owner in module order (``wte`` before ``head``). Every owner's output-gradient was
+    seen finite before it, so the inf came from an owner's own gradient op: name the owner that
+    ran in the narrowest dtype (the FP16 head GEMM overflows; an FP32 embedding look-up's backward
+    does not), among those that ran; on a tie keep the first owner. The others go to ``tied_to``."""
+    key = (origin.get("module"), str(origin.get("tensor", ""))[len("grad of "):])
+    group = shared.get(key) if origin.get("kind") == "param" else None
+    if group is None:
+        return origin
+    ran = [(m, pn) for m, pn in group if _computed_dtype(obs, m) is not None] or group
+
+    def bits(owner):
+        dt = _computed_dtype(obs, owner[0])
+        return torch.finfo(dt).bits if dt is not None and dt.is_floating_point else 64
+    module, pname = min(ran, key=bits)     # min() keeps the first of equals
+    source = next((o for o in obs if o["direction"] == "backward" and o["kind"] == "gout"
+                   and o["module"] == module and o["micro"] == origin.get("micro")),
+                  origin.get("source"))
+    return dict(origin, module=module, tensor=f"grad of {pname}", source=source,
+                tied_to=tuple(m for m, _ in ran if m != module))   # an owner not called added nothing
 
 
 def _made_by(model: nn.Module, origin: dict, obs: list[dict],
@@ -407,9 +453,7 @@ def _made_by(model: nn.Module, origin: dict, obs: list[dict],
         param = model.get_submodule(origin["module"]).get_parameter(pname)
     except (AttributeError, KeyError):
         return dtype, None
-    outs = [o["dtype"] for o in obs if o["direction"] == "forward" and o["kind"] == "out"
-            and o["module"] == origin["module"] and o["dtype"] is not None]
-    computed = outs[0] if outs else dtype
+    computed = _computed_dtype(obs, origin["module"]) or dtype
     if computed is not None and dtype is not None and computed.is_floating_point \
             and torch.finfo(computed).bits < torch.finfo(dtype).bits:
         dtype = computed                  # the narrower dtype the module computed in made it

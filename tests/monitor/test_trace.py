@@ -266,4 +266,61 @@ def test_an_fp32_weight_gradient_inf_under_fp16_autocast_names_the_fp16_weight_g
     assert (ev.module, ev.direction, ev.tensor, ev.kind) == ("1", "backward", "grad of weight", "inf")
     assert ev.dtype == "fp16" and ev.made_by == "weight-gradient GEMM"
     assert "inf first at 1 (backward, fp16 weight-gradient GEMM)" in ev.message(3)
+    assert ev.tied_to == ()                   # not shared: nothing else named
     assert json.loads(ev.to_json())["made_by"] == "weight-gradient GEMM"
+
+
+class _TiedHead(nn.Module):
+    """An embedding kept in FP32 whose weight the output head shares (a tied head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(4, 8)
+        self.head = nn.Linear(8, 4, bias=False)
+        self.head.weight = self.wte.weight
+        with torch.no_grad():
+            self.wte.weight.fill_(1.0)
+
+    def forward(self, idx):
+        return self.head(self.wte(idx))
+
+
+def test_a_tied_heads_fp16_weight_gradient_inf_names_the_head_tied_to_the_embedding():
+    """16-mixed, head tied to wte: the head's FP16 weight-gradient GEMM sums 1024 rows of 100 and
+    overflows; its input-gradient (4 x 100) and the embedding's FP32 backward stay finite. The
+    shared parameter's hook sees only the sum of both owners' contributions. Before: "inf first at
+    wte (backward, fp32 weight-gradient GEMM)", the embedding and a format nothing ran in."""
+    model = _TiedHead()
+    idx = torch.zeros(1024, dtype=torch.long)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(idx)
+        loss = logits.float().sum()
+        (loss * 100.0).backward()
+        return loss
+
+    ev = locate_nonfinite(model, run, loss_scale=100.0)
+    assert (ev.module, ev.direction, ev.tensor, ev.kind) == ("head", "backward", "grad of weight", "inf")
+    assert ev.tied_to == ("wte",)
+    assert ev.dtype == "fp16" and ev.made_by == "weight-gradient GEMM"
+    assert "inf first at head (tied to wte) (backward, fp16 weight-gradient GEMM)" in ev.message(16)
+    assert ev.input_absmax == 100.0          # the head's output-gradient, not the embedding's
+    assert json.loads(ev.to_json())["tied_to"] == ["wte"]
+
+
+def test_a_tied_parameter_used_by_one_owner_only_names_that_owner_alone():
+    """Only the embedding runs (the head is never called): its FP32 backward sums 8 rows of 3e38
+    into one token's row and overflows; its gradient alone reached the shared weight, so the
+    origin is ``wte`` with nobody in ``tied_to``."""
+    model = _TiedHead()
+    idx = torch.zeros(8, dtype=torch.long)
+
+    def run():
+        loss = model.wte(idx).sum()
+        (loss * 3e38).backward()
+        return loss
+
+    ev = locate_nonfinite(model, run)
+    assert (ev.module, ev.tensor, ev.dtype, ev.tied_to) == ("wte", "grad of weight", "fp32", ())
+    assert "inf first at wte (backward, fp32" in ev.message(1)
