@@ -30,7 +30,7 @@ import torch
 
 from mixprec.errors import ConfigError
 from mixprec.formats.fp8_config import Fp8Config
-from mixprec.formats.fp8_gemm import block_scaled_available
+from mixprec.formats.fp8_gemm import block_gemm_agrees, block_scaled_available
 from mixprec.policy import hardware
 
 __all__ = ["GemmPlan", "plan_gemms"]
@@ -95,6 +95,16 @@ def _triton_gemm_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _triton_gemm_agrees(device: str) -> bool:
+    """Whether the Triton kernel runs on ``device`` and agrees with the emulation, probed once per
+    device as torch's native kernel is (:func:`~mixprec.formats.fp8_gemm.block_gemm_agrees`): it
+    has been validated under Triton's interpreter only, so a GPU where it fails to compile or
+    disagrees keeps blockwise on the emulation, and the reason says so."""
+    from mixprec.formats.fp8_triton import block_scaled_mm   # optional: Triton
+    return block_gemm_agrees(lambda a, b: block_scaled_mm(a, b, torch.float32), torch.device(device))
 
 
 def plan_gemms(config: Fp8Config, device: torch.device | str | None, in_features: int,
@@ -175,6 +185,8 @@ def _plan_blocks(config: Fp8Config, dev: torch.device, path: str, reason: str,
             triton_no = f"the Triton kernel takes E4M3 operands, not format '{config.format}'"
         elif not _triton_gemm_available():
             triton_no = "Triton is not importable"
+        elif not _triton_gemm_agrees(str(dev)):
+            triton_no = "mixprec's Triton kernel failed or disagreed with the emulation in its probe"
         else:
             return GemmPlan(path, f"{reason}; {why_not}: 1x128/128x128 blocks in mixprec's "
                                   "Triton kernel (one GEMM)", block_kernel="triton",

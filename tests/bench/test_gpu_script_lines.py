@@ -41,6 +41,7 @@ def test_fp8_table_times_the_triton_block_kernel_next_to_a_native_one_only(monke
     monkeypatch.setattr(fp8, "DEVICE", "cuda")
     monkeypatch.setattr(fp8_path.hardware, "cuda_supports_fp8", lambda: True)
     monkeypatch.setattr(fp8_path, "_triton_gemm_available", lambda: True)
+    monkeypatch.setattr(fp8_path, "_triton_gemm_agrees", lambda device: True)
     monkeypatch.setattr(fp8_path, "_block_layout", lambda device: 0)
     assert fp8.block_kinds() == ["blockwise-triton"]
     monkeypatch.setattr(fp8_path, "_block_layout", lambda device: None)

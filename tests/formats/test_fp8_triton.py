@@ -245,6 +245,9 @@ def test_an_fp8_linear_planned_on_triton_runs_its_three_gemms_there_and_matches_
 
 # --- the decider ---------------------------------------------------------------------------------
 
+_PROBE = fp8_path._triton_gemm_agrees
+
+
 @pytest.fixture
 def gpu(monkeypatch):
     """A CUDA device with FP8 tensor cores (as far as the decider asks), no native block-scaled
@@ -252,6 +255,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(fp8_path.hardware, "cuda_supports_fp8", lambda: True)
     monkeypatch.setattr(fp8_path, "_block_layout", lambda device: None)
     monkeypatch.setattr(fp8_path, "_triton_gemm_available", lambda: True)
+    monkeypatch.setattr(fp8_path, "_triton_gemm_agrees", lambda device: True)
     return monkeypatch
 
 
@@ -278,6 +282,30 @@ def test_blockwise_on_cuda_without_native_gemm_or_triton_is_emulated_and_says_wh
     plan = _plan()
     assert (plan.path, plan.block_kernel) == ("emulated", None)
     assert "no native block-scaled" in plan.reason and "Triton is not importable" in plan.reason
+
+
+@pytest.mark.parametrize("kernel", ["agrees", "raises", "wrong"])
+def test_the_triton_kernel_is_planned_only_once_its_probe_agrees_with_the_emulation(gpu, kernel):
+    # Validated under the interpreter only: on a GPU where it fails to compile or computes
+    # nonsense, blockwise must stay on the emulation and say why (not crash or corrupt a run).
+    def block_scaled_mm(a, b, out_dtype):
+        if kernel == "raises":
+            raise RuntimeError("PTX compilation failed")
+        out = emulated_mm(a, b)
+        return out if kernel == "agrees" else out.flip(0)
+    fake = types.ModuleType("mixprec.formats.fp8_triton")
+    fake.block_scaled_mm = block_scaled_mm
+    gpu.setitem(sys.modules, "mixprec.formats.fp8_triton", fake)
+    gpu.setattr(fp8_path, "_triton_gemm_agrees", _PROBE.__wrapped__)          # the probe, uncached
+    plan = fp8_path.plan_gemms(Fp8Config.from_recipe("blockwise"), "cpu", 256, 512)  # (no probe off CUDA)
+    assert plan.block_kernel is None
+    assert fp8_path._triton_gemm_agrees("cpu") is (kernel == "agrees")
+    gpu.setattr(fp8_path, "_triton_gemm_agrees", lambda device: kernel == "agrees")
+    plan = _plan()
+    if kernel == "agrees":
+        assert plan.block_kernel == "triton"
+    else:
+        assert plan.path == "emulated" and "disagreed with the emulation in its probe" in plan.reason
 
 
 def test_the_triton_kernel_is_never_planned_off_cuda(gpu):
@@ -310,6 +338,7 @@ def test_block_kernel_forces_a_kernel_or_is_refused_on_cuda(gpu):
         _plan(block_kernel="triton")
     gpu.setattr(fp8_path, "_block_layout", lambda device: None)
     gpu.setattr(fp8_path, "_triton_gemm_available", lambda: True)
+    gpu.setattr(fp8_path, "_triton_gemm_agrees", lambda device: True)
     with pytest.raises(ConfigError, match="block_kernel='native' cannot run here .*no native"):
         _plan(block_kernel="native")
 
