@@ -59,6 +59,7 @@ CASES = [
 ]
 
 _SCRIPT = r'''
+import ast
 import sys
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ from mixprec.formats import Fp8Config, Fp8Linear, GemmPlan, fp8_gemm, quantize
 from mixprec.formats import fp8_linear
 from mixprec.formats.fp8_triton import block_scaled_mm
 
-out_path, cases = sys.argv[1], eval(sys.argv[2])
+out_path, cases = sys.argv[1], ast.literal_eval(sys.argv[2])   # literals only, never eval
 g = torch.Generator().manual_seed(0)
 
 def widened(q):
