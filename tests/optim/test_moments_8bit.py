@@ -16,6 +16,15 @@ from mixprec.optim import AdamW
 from mixprec.optim import moments as M
 
 
+def _train(model, opt, steps) -> None:
+    """Plain steps of a language model over ``steps`` (each a (B, T + 1) token batch)."""
+    for x in steps:
+        _, loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-e5m2"])
 def test_one_round_trip_keeps_the_moments_close_and_v_positive(fmt):
     g = torch.Generator().manual_seed(0)
@@ -273,17 +282,10 @@ def test_int8_moments_resume_bit_exact_when_the_optimizer_is_built_after_another
 
     data = torch.randint(0, 64, (8, 4, 17), generator=torch.Generator().manual_seed(3))
 
-    def train(model, opt, steps):
-        for x in steps:
-            _, loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-
     straight, opt = build(1)
-    train(straight, opt, data)
+    _train(straight, opt, data)
     first, opt_a = build(1)
-    train(first, opt_a, data[:4])
+    _train(first, opt_a, data[:4])
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": opt_a.state_dict()}, buf)
     buf.seek(0)
@@ -291,7 +293,7 @@ def test_int8_moments_resume_bit_exact_when_the_optimizer_is_built_after_another
     resumed, opt_b = build(7)                               # another process, another seed
     resumed.load_state_dict(saved["model"])
     opt_b.load_state_dict(saved["opt"])
-    train(resumed, opt_b, data[4:])
+    _train(resumed, opt_b, data[4:])
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
     assert "sr_seed" not in opt_b.param_groups[0]          # the groups stay as torch's
@@ -317,17 +319,10 @@ def test_8bit_moments_of_split_masters_stay_8bit_through_a_resume_and_continue_b
 
     data = torch.randint(0, 64, (6, 4, 17), generator=torch.Generator().manual_seed(3))
 
-    def train(model, opt, steps):
-        for x in steps:
-            _, loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-
     straight, opt = build()
-    train(straight, opt, data)
+    _train(straight, opt, data)
     first, opt_a = build()
-    train(first, opt_a, data[:3])
+    _train(first, opt_a, data[:3])
     buf = io.BytesIO()
     torch.save({"model": first.state_dict(), "opt": opt_a.state_dict()}, buf)
     buf.seek(0)
@@ -339,6 +334,6 @@ def test_8bit_moments_of_split_masters_stay_8bit_through_a_resume_and_continue_b
     matrices = [st for st in states if "exp_avg_scale" in st]          # 8-bit codes and scales
     assert matrices and all(st["exp_avg"].dtype != torch.float32 for st in matrices)
     assert len(matrices) == sum("exp_avg_scale" in st for st in opt_a.state_dict()["state"].values())
-    train(resumed, opt_b, data[3:])
+    _train(resumed, opt_b, data[3:])
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)

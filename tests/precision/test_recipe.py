@@ -12,20 +12,7 @@ from mixprec.policy.overrides import PlanOrigin
 from mixprec.precision import Recipe
 from mixprec.train.config import FitConfig, load_config
 
-
-class Regressor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(8, 1)
-
-    def forward(self, x, y):
-        return nn.functional.mse_loss(self.net(x).squeeze(-1).float(), y)
-
-
-def _data(n=2):
-    g = torch.Generator().manual_seed(0)
-    return [(torch.randn(4, 8, generator=g), torch.randn(4, generator=g)) for _ in range(n)]
-
+from tests.train.test_ready_precision import Regressor, data as _data
 
 RECIPES = {
     "bf16-mixed": lambda: Recipe.build("bf16-mixed"),
