@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mixprec.amp.grad_scaler import GradScaler, _Stage
+from mixprec.amp.grad_scaler import GradScaler
+from mixprec.amp.iteration import _Stage
 from mixprec.amp.grads import HasMasterGrads
 from mixprec.amp.unscale import deferred_grads
 from mixprec.errors import ConfigError
@@ -26,7 +27,7 @@ __all__ = ["clip_grad_norm_"]
 
 def _unscale_first(scaler: GradScaler | torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
     if isinstance(scaler, GradScaler):
-        stage = scaler._state(optimizer).stage if scaler._active else _Stage.UNSCALED
+        stage = scaler._stage(optimizer)
         if stage is _Stage.STEPPED:
             raise RuntimeError("clip_grad_norm_ called after scaler.step(optimizer): the step has "
                                "already used the gradients; clip between backward() and step()")

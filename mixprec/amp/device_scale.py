@@ -27,16 +27,17 @@ Two ways, the same numbers as the host's pure transition:
 
 The host state (counters, ``hysteresis_left``, ``state_dict()``) is never read from here: the
 host replays the pure transition over the flags it reads lazily; the device only has to give
-the scale each step multiplies the loss by, and its reciprocal.
+the scale each step multiplies the loss by, and its reciprocal. :class:`ScaleTensors` keeps
+those tensors for ``GradScaler``: built from the host's scale, or moved here ahead of it.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from mixprec.amp.loss_scale import LossScaleConfig, _f32_bounds
+from mixprec.amp.loss_scale import LossScaleConfig, LossScaleState, _f32_bounds, _to_f32
 
-__all__ = ["fused_exact", "initial_tracker", "fused_transition", "transition"]
+__all__ = ["fused_exact", "initial_tracker", "fused_transition", "transition", "ScaleTensors"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -84,3 +85,61 @@ def transition(state: Tensor, overflow: Tensor, cfg: LossScaleConfig) -> tuple[T
                            torch.where(grow, torch.full_like(hyst, float(cfg.hysteresis)), hyst))
     new_state = torch.stack([new_scale, new_clean, new_hyst])
     return new_state, new_scale.float(), (1.0 / new_scale).float()
+
+
+class ScaleTensors:
+    """The scale and 1/scale as 0-dim float32 tensors per device. While the host's scale leads,
+    they are built from it (cached per value); once an update moved the scale on the device
+    (:meth:`advance`), the moved tensors lead until :meth:`drop` (the host caught up, or set it)."""
+
+    def __init__(self) -> None:
+        self._cached_for: float | None = None         # host scale the cached tensors were built for
+        self._scale_t: dict[torch.device, Tensor] = {}
+        self._inv_scale_t: dict[torch.device, Tensor] = {}
+        self.state: Tensor | None = None      # the general way: float64 [scale, clean, hyst]
+        self.tracker: Tensor | None = None    # the fused way: torch's int32 growth tracker
+        self.scale: Tensor | None = None      # float32 scale and 1/scale, moved on the device
+        self.inv: Tensor | None = None
+
+    def drop(self) -> None:
+        """The host state moved (or was set): the device copy is rebuilt from it when needed."""
+        self.state = self.tracker = self.scale = self.inv = None
+
+    def for_device(self, device: torch.device, host_scale: float) -> tuple[Tensor, Tensor]:
+        if self.scale is not None:     # the device state leads (or equals) the host's
+            if self.scale.device != device:
+                return self.scale.to(device), self.inv.to(device)
+            return self.scale, self.inv
+        if self._cached_for != host_scale:
+            self._scale_t.clear()
+            self._inv_scale_t.clear()
+            self._cached_for = host_scale
+        t = self._scale_t.get(device)
+        if t is None:
+            t = self._scale_t[device] = torch.full((), host_scale, dtype=torch.float32, device=device)
+            # 1/s computed in double, then rounded to float32 (as torch does).
+            self._inv_scale_t[device] = torch.full((), _to_f32(1.0 / host_scale),
+                                                   dtype=torch.float32, device=device)
+        return t, self._inv_scale_t[device]
+
+    def advance(self, flags: list[Tensor], known_bad: bool, host: LossScaleState,
+                cfg: LossScaleConfig) -> None:
+        """One iteration's transition on the device, over its ``flags`` (and ``known_bad``: a flag
+        the host read already was non-finite); ``host`` is the host's state, the start when the
+        device holds none yet."""
+        dev = flags[0].device
+        found = flags[0] if len(flags) == 1 else torch.stack([f.to(dev) for f in flags]).amax()
+        if fused_exact(cfg):       # torch's one-kernel update + one clamp
+            if self.tracker is None:
+                self.tracker = initial_tracker(host.clean_steps, cfg, dev)
+            if known_bad:
+                found = torch.ones_like(found)
+            scale = self.for_device(dev, host.scale)[0]
+            self.scale, self.inv = fused_transition(scale, self.tracker, found, cfg)
+        else:                      # hysteresis: the general transition
+            if self.state is None:
+                self.state = torch.tensor([host.scale, float(host.clean_steps),
+                                           float(host.hysteresis_left)], dtype=torch.float64,
+                                          device=dev)
+            overflow = (found > 0) | known_bad
+            self.state, self.scale, self.inv = transition(self.state, overflow, cfg)

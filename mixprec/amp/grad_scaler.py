@@ -62,106 +62,29 @@ Where this differs from torch's, on purpose:
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
-import math
 import warnings
-import weakref
 from collections import abc
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 
-from mixprec.amp import device_scale
-from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig, LossScaleState, _to_f32
-from mixprec.amp.unscale import check_and_unscale, deferred_grads, optimizer_grads
-from mixprec.errors import CheckpointError, ConfigError, NumericsError
+from mixprec.amp import scaler_state
+from mixprec.amp.host_flags import LazyHost
+from mixprec.amp.iteration import Counters, Iteration, NoGradientsError, _Stage
+from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig
+from mixprec.errors import ConfigError
 from mixprec.policy.policy import Policy, get_policy
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "NoGradientsError"]
 
 _T = TypeVar("_T")
-
-
-class _Stage(enum.Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclass(slots=True)
-class _OptState:
-    """Per-optimizer progress within one iteration (reset by ``update()``)."""
-
-    stage: _Stage = _Stage.READY
-    found_inf: Tensor | None = None      # 0-dim float32 on the grads' device; > 0 means non-finite
-    found_inf_host: bool | None = None   # the same, once read on the host (in step())
-    skipped: bool = False
-    no_grads: bool = False               # unscale_ found no gradient at all
-    counted: bool = False                # a skip of this step is in num_skipped_steps already
-
 
 # The widest bounds: the scale and 1/scale stay normal float32 numbers (torch's are unbounded).
 _F32_MIN_SCALE = 2.0 ** -126
 _F32_MAX_SCALE = 2.0 ** 126
 # What GradScaler.from_policy (and so fit()) uses unless told otherwise: a stuck scale is an error.
 _STRICT = {"min_scale": 1.0, "max_scale": 2.0 ** 24, "on_min_scale": "raise"}
-
-
-class NoGradientsError(ConfigError, AssertionError):
-    """``step()`` found no gradient to check (torch raises AssertionError here; so do we)."""
-
-
-class _HostCopy:
-    """A flag's copy to host memory, issued (non-blocking, pinned on CUDA) right when the flag is
-    final and *before* the optimizer update is queued; reading it waits for that copy only
-    (a CUDA event), not for the update behind it: no pipeline drain."""
-
-    __slots__ = ("flag", "host", "event")
-
-    def __init__(self, flag: Tensor) -> None:
-        self.flag, self.event = flag, None
-        if flag.device.type == "cuda":
-            self.host = torch.empty((), dtype=flag.dtype, pin_memory=True)
-            self.host.copy_(flag, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = flag.to("cpu", copy=True)
-
-    def ready(self) -> Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
-
-
-def _read_host_copies(copies: list[_HostCopy]) -> list[float]:
-    """The values of host copies (waiting for each copy's event: no device sync)."""
-    return torch.stack([c.ready().float() for c in copies]).tolist()
-
-
-def _read_flags(flags: list[Tensor], copies: dict[int, _HostCopy] | None = None) -> list[float]:
-    """All ``flags`` (0-dim tensors, any devices) in one host read per device; a flag with a host
-    copy in ``copies`` (by ``id``) is read from it (no device sync)."""
-    if not flags:
-        return []
-    copies = copies or {}
-    by_dev: dict[torch.device | str, list[int]] = {}
-    for i, f in enumerate(flags):
-        c = copies.get(id(f))
-        by_dev.setdefault("host" if c is not None and c.flag is f else f.device, []).append(i)
-    out = [0.0] * len(flags)
-    host = by_dev.pop("host", None)
-    if host:
-        for i, v in zip(host, _read_host_copies([copies[id(flags[i])] for i in host])):
-            out[i] = v
-    for dev, idx in by_dev.items():
-        for i, v in zip(idx, torch.stack([flags[i].float() for i in idx]).tolist()):
-            out[i] = v
-    return out
 
 
 def _apply_scale(outputs: _T, scale_for) -> _T:
@@ -175,14 +98,34 @@ def _apply_scale(outputs: _T, scale_for) -> _T:
                       f"{type(outputs).__name__}")
 
 
+def _home(device: str | torch.device, enabled: bool, check_finite: bool
+          ) -> tuple[torch.device | None, bool]:
+    """``GradScaler(device=..., enabled=..., check_finite=...)`` checked: the device (None for
+    ``"auto"``) and whether scaling stays enabled (not on a CUDA device that is not there)."""
+    for name, flag in (("enabled", enabled), ("check_finite", check_finite)):
+        if not isinstance(flag, bool):
+            raise ConfigError(f"GradScaler {name} must be True or False, not {flag!r}")
+    if device == "auto":
+        return None, enabled
+    try:
+        home = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"GradScaler device must be 'auto' or a torch device such as "
+                          f"'cpu' or 'cuda', not {device!r}") from None
+    if home.type == "cuda" and enabled and not torch.cuda.is_available():
+        warnings.warn("GradScaler(device='cuda') but CUDA is not available: loss scaling "
+                      "is disabled (pass device='auto' or 'cpu')", stacklevel=3)
+        enabled = False
+    return home, enabled
+
+
 # --- the scaler ---------------------------------------------------------------------------------
 
 class GradScaler:
     """``torch.amp.GradScaler`` API plus ``hysteresis``, ``min_scale``, ``max_scale``,
     ``on_min_scale``, ``check_finite``, ``process_group`` and the counters ``last_step_skipped``,
     ``num_skipped_steps``, ``num_overflows``. ``device`` (first, like torch) is ``"auto"`` (the
-    device of the first scaled loss), ``"cpu"``, ``"cuda"``, ...; see the module docstring.
-    """
+    device of the first scaled loss), ``"cpu"``, ``"cuda"``, ...; see the module docstring."""
 
     _MAX_PENDING = 1024     # iterations queued before a forced read (bounds the queue's memory)
 
@@ -192,45 +135,16 @@ class GradScaler:
                  min_scale: float = _F32_MIN_SCALE, max_scale: float = _F32_MAX_SCALE,
                  on_min_scale: Literal["raise", "warn"] = "raise", check_finite: bool = True,
                  process_group: Any = None) -> None:
-        for name, flag in (("enabled", enabled), ("check_finite", check_finite)):
-            if not isinstance(flag, bool):
-                raise ConfigError(f"GradScaler {name} must be True or False, not {flag!r}")
-        self._device: torch.device | None = None
-        if device != "auto":
-            try:
-                self._device = torch.device(device)
-            except (RuntimeError, TypeError):
-                raise ConfigError(f"GradScaler device must be 'auto' or a torch device such as "
-                                  f"'cpu' or 'cuda', not {device!r}") from None
-            if self._device.type == "cuda" and enabled and not torch.cuda.is_available():
-                warnings.warn("GradScaler(device='cuda') but CUDA is not available: loss scaling "
-                              "is disabled (pass device='auto' or 'cpu')", stacklevel=2)
-                enabled = False
-        self._loss_scaler = DynamicLossScaler(init_scale, growth_factor, growth_interval,
-                                              backoff_factor=backoff_factor, hysteresis=hysteresis,
-                                              min_scale=min_scale, max_scale=max_scale,
-                                              on_min_scale=on_min_scale)
+        self._device, enabled = _home(device, enabled, check_finite)
+        loss_scaler = DynamicLossScaler(init_scale, growth_factor, growth_interval,
+                                        backoff_factor=backoff_factor, hysteresis=hysteresis,
+                                        min_scale=min_scale, max_scale=max_scale,
+                                        on_min_scale=on_min_scale)
         self._scaling = enabled
         self._check_finite = check_finite
         self._process_group = process_group
-        self._opt_states: dict[int, _OptState] = {}
-        self._cached_for: float | None = None               # scale the tensor caches were built for
-        self._scale_t: dict[torch.device, Tensor] = {}
-        self._inv_scale_t: dict[torch.device, Tensor] = {}
-        self._iter_skipped = False
-        self._last_step_skipped = False
-        self._num_skipped_steps = 0
-        self._num_overflows = 0
-        # Lazy (device-side) bookkeeping: per iteration a list of (flag, stepped, counted) whose
-        # flags are 0-dim device tensors not read yet; the device state [scale, clean, hyst]
-        # (float64) is ahead of the host state by exactly these iterations.
-        self._pending: list[list[tuple[Tensor | bool, bool, bool]]] = []
-        self._dev_state: Tensor | None = None      # the general way (amp.device_scale)
-        self._dev_tracker: Tensor | None = None    # the fused way: torch's int32 growth tracker
-        self._dev_scale: Tensor | None = None      # float32 scale and 1/scale, moved on the device
-        self._dev_inv: Tensor | None = None
-        self._waiting: list[tuple[Tensor, Any]] = []   # (flag, StepTaken) told at the next read
-        self._host_copies: dict[int, _HostCopy] = {}    # id(flag) -> its copy on the host
+        self._iteration = Iteration()                   # the optimizers of the iteration still open
+        self._host = LazyHost(loss_scaler, enabled)     # the scale, counters, the device's lead
 
     @classmethod
     def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",
@@ -247,36 +161,25 @@ class GradScaler:
 
     # --- what happened ----------------------------------------------------------------------
 
-    @property
-    def last_step_skipped(self) -> bool:
-        """True when an optimizer step of the latest iteration was skipped (non-finite grads)."""
-        self.resolve()
-        return self._last_step_skipped
-
-    @property
-    def num_skipped_steps(self) -> int:
-        """``optimizer.step()`` calls skipped so far."""
-        self.resolve()
-        return self._num_skipped_steps
-
-    @property
-    def num_overflows(self) -> int:
-        """Iterations whose ``update()`` saw non-finite gradients."""
-        self.resolve()
-        return self._num_overflows
+    last_step_skipped = property(lambda self: self._known().last_step_skipped, doc=(
+        "True when an optimizer step of the latest iteration was skipped (non-finite grads)."))
+    num_skipped_steps = property(lambda self: self._known().num_skipped_steps,
+                                 doc="``optimizer.step()`` calls skipped so far.")
+    num_overflows = property(lambda self: self._known().num_overflows,
+                             doc="Iterations whose ``update()`` saw non-finite gradients.")
 
     @property
     def counters(self) -> dict[str, int]:
         """``num_overflows`` and ``num_skipped_steps`` as a dict that :meth:`load_state_dict` reads
         (also with scaling off, whose ``state_dict()`` is torch's ``{}``)."""
-        self.resolve()
-        return {"num_overflows": self._num_overflows, "num_skipped_steps": self._num_skipped_steps}
+        c = self._known()
+        return {"num_overflows": c.num_overflows, "num_skipped_steps": c.num_skipped_steps}
 
     @property
     def loss_scaler(self) -> DynamicLossScaler:
         """The scale state machine (read-only use: inspect ``.state`` and ``.config``)."""
         self.resolve()
-        return self._loss_scaler
+        return self._host.loss_scaler
 
     def is_enabled(self) -> bool:
         """Whether loss *scaling* is on (the non-finite check may run either way)."""
@@ -286,7 +189,7 @@ class GradScaler:
     def config(self) -> LossScaleConfig:
         """The loss scale's settings (``init_scale``, ``scale_window`` = growth interval,
         ``hysteresis``, ``min_scale``, ``max_scale``, ``on_min_scale``, ...); frozen, read-only."""
-        return self._loss_scaler.config
+        return self._host.loss_scaler.config
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when scaling is off). A host read only when
@@ -294,7 +197,7 @@ class GradScaler:
         if not self._scaling:
             return 1.0
         self.resolve()
-        return self._loss_scaler.scale
+        return self._host.loss_scaler.scale
 
     def scale_tensor(self, device: torch.device | None = None) -> Tensor | None:
         """The current scale as a 0-dim float32 tensor (a copy, not read: no host sync), or None
@@ -307,67 +210,21 @@ class GradScaler:
     @property
     def pending(self) -> int:
         """Iterations whose flags were not read on the host yet (0: the host state is current)."""
-        return len(self._pending)
+        return len(self._host.queue)
 
     def tell_when_read(self, flag: Tensor, taken: Any) -> None:
         """Set ``taken._value`` (not skipped) when :meth:`resolve` reads ``flag``."""
-        self._waiting.append((flag, weakref.ref(taken)))
+        self._host.queue.tell_when_read(flag, taken)
 
     def resolve(self) -> None:
-        """Bring the host state up to date: read every queued flag in one host read and replay
-        the scale's pure transition over them (raising or warning on a stuck scale, as ``update()``
-        does eagerly), then read the flags of optimizers stepped on the device in the iteration
-        still open. No-op (no read) when nothing is queued."""
-        open_states = [st for st in self._opt_states.values()
-                       if st.found_inf_host is None and st.found_inf is not None
-                       and st.stage is _Stage.STEPPED]
-        if not self._pending and not open_states:
-            return
-        pending, self._pending = self._pending, []
-        tensors = [f for it in pending for f, _, _ in it if isinstance(f, Tensor)]
-        tensors += [st.found_inf for st in open_states]
-        copies = self._host_copies
-        read_ids = {id(t) for t in tensors}       # copies of flags not read now stay (open iteration)
-        self._host_copies = {k: c for k, c in copies.items() if k not in read_ids}
-        with record_function("mixprec.found_inf_sync"):   # the step's one read, now when asked
-            read = _read_flags(tensors, copies)
-        waiting, self._waiting = self._waiting, []
-        if waiting:
-            by_id = {id(t): v for t, v in zip(tensors, read)}
-            for flag, ref in waiting:
-                taken = ref()
-                if taken is not None and taken._value is None and id(flag) in by_id:
-                    taken._value = not by_id[id(flag)] > 0
-        values = iter(read[:len(read) - len(open_states)])
-        error: NumericsError | None = None
-        try:
-            for it in pending:
-                overflow = skipped = False
-                for flag, stepped, counted in it:
-                    bad = bool(next(values) > 0) if isinstance(flag, Tensor) else bool(flag)
-                    overflow = overflow or bad
-                    if stepped and bad:
-                        skipped = True
-                        if not counted:
-                            self._num_skipped_steps += 1
-                self._num_overflows += overflow
-                self._last_step_skipped = skipped
-                if self._scaling:
-                    try:                               # raises/warns on a stuck scale
-                        self._loss_scaler.update_scale(overflow)
-                    except NumericsError as e:         # replay the rest, then raise the first
-                        error = error or e
-        finally:
-            for st, v in zip(open_states, read[len(read) - len(open_states):]):
-                st.found_inf_host = bool(v > 0)
-                st.skipped = st.found_inf_host
-                st.counted = True
-                self._iter_skipped = self._iter_skipped or st.skipped
-                self._num_skipped_steps += st.skipped
-            if any(st.stage is _Stage.STEPPED for st in self._opt_states.values()):
-                self._last_step_skipped = self._iter_skipped      # the open iteration's
-        if error is not None:
-            raise error
+        """Bring the host state up to date: one host read of every queued flag (and those of the
+        open iteration), the scale's transition replayed over them (raising or warning on a stuck
+        scale, as ``update()`` does eagerly). No-op (no read) when nothing is queued."""
+        self._host.resolve(self._iteration)
+
+    def _known(self) -> Counters:
+        self.resolve()
+        return self._host.counters
 
     @property
     def _active(self) -> bool:
@@ -375,23 +232,8 @@ class GradScaler:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def _tensors_for(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        if self._dev_scale is not None:     # the device state leads (or equals) the host's
-            if self._dev_scale.device != device:
-                return self._dev_scale.to(device), self._dev_inv.to(device)
-            return self._dev_scale, self._dev_inv
-        s = self._loss_scaler.scale
-        if self._cached_for != s:
-            self._scale_t.clear()
-            self._inv_scale_t.clear()
-            self._cached_for = s
-        t = self._scale_t.get(device)
-        if t is None:
-            t = self._scale_t[device] = torch.full((), s, dtype=torch.float32, device=device)
-            # 1/s computed in double, then rounded to float32 (as torch does).
-            self._inv_scale_t[device] = torch.full((), _to_f32(1.0 / s), dtype=torch.float32,
-                                                   device=device)
-        return t, self._inv_scale_t[device]
+    def _tensors_for(self, device: torch.device) -> tuple[Tensor, Tensor]:   # scale, 1/scale
+        return self._host.tensors_for(device)
 
     def scale(self, outputs: _T, *, value: float | None = None) -> _T:
         """Multiply a loss (or a list/tuple/iterable of them) by the current scale (``value``: by
@@ -404,15 +246,13 @@ class GradScaler:
             self._device = outputs.device
         return _apply_scale(outputs, lambda dev: self._tensors_for(dev)[0])
 
-    def _state(self, optimizer: torch.optim.Optimizer) -> _OptState:
-        st = self._opt_states.get(id(optimizer))
-        if st is None:
-            st = self._opt_states[id(optimizer)] = _OptState()
-        return st
+    def _stage(self, optimizer: torch.optim.Optimizer) -> _Stage:
+        """Where ``optimizer`` is in this iteration (UNSCALED when the scaler is inactive)."""
+        return self._iteration.stage(optimizer) if self._active else _Stage.UNSCALED
 
     def grads_are_scaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients still carry the loss scale this iteration."""
-        return self._scaling and self._state(optimizer).stage is _Stage.READY
+        return self._scaling and self._iteration.stage(optimizer) is _Stage.READY
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, once per step.
@@ -421,31 +261,8 @@ class GradScaler:
         """
         if not self._active:
             return
-        st = self._state(optimizer)
-        if st.stage is _Stage.UNSCALED:
-            raise RuntimeError("unscale_() was already called for this optimizer in this iteration; "
-                               "gradients are unscaled exactly once — call scaler.update() first")
-        if st.stage is _Stage.STEPPED:
-            raise RuntimeError("unscale_() called after step() for this optimizer; call "
-                               "scaler.update() to end the iteration first")
         inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        deferred = deferred_grads(optimizer)
-        if deferred is None:
-            grads = optimizer_grads(optimizer)
-            st.no_grads = not grads
-            found = check_and_unscale(grads, inv_for, self._device)
-        else:   # split masters: check the BF16 grads as they are, scale inside the step
-            st.no_grads = not deferred.entries
-            found = check_and_unscale(deferred.low, lambda dev: None, self._device)
-            found = torch.maximum(found, check_and_unscale(deferred.own, lambda dev: None,
-                                                           self._device).to(found.device))
-            deferred.scale_(inv_for)
-        pg = self._process_group
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size(pg) > 1:
-            # Every rank must take the same skip decision, or their weights and scales diverge.
-            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=pg)
-        st.found_inf, st.stage = found, _Stage.UNSCALED
+        self._iteration.unscale(optimizer, inv_for, self._device, self._process_group)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and run ``optimizer.step(*args, **kwargs)`` unless a gradient
@@ -465,33 +282,16 @@ class GradScaler:
         """The agreed non-finite flag of ``optimizer``'s gradients this iteration, as a 0-dim
         float32 device tensor (unscaling first if not done yet), **not** read: for an optimizer
         that skips on the device (``mixprec.optim.inputs.StepInputs``). Call :meth:`decide`
-        afterwards for the counters. None when the scaler is inactive (nothing to check).
-
-        The flag's copy to the host is issued here (non-blocking), before the caller queues the
-        update, so that the lazy read later waits for the flag only, not for the update."""
+        afterwards for the counters. None when the scaler is inactive (nothing to check). The
+        flag's copy to the host is issued here, before the update is queued (host_flags)."""
         if not self._active:
             return None
-        st = self._state(optimizer)
-        if st.stage is _Stage.READY:
+        if self._iteration.stage(optimizer) is _Stage.READY:
             self.unscale_(optimizer)
-        if st.found_inf is not None and id(st.found_inf) not in self._host_copies:
-            self._host_copies[id(st.found_inf)] = _HostCopy(st.found_inf)
-        return st.found_inf
-
-    def _checked(self, optimizer: torch.optim.Optimizer) -> _OptState:
-        """``optimizer``'s state, unscaled and checked, ready to be marked stepped (once)."""
-        st = self._state(optimizer)
-        if st.stage is _Stage.STEPPED:
-            raise RuntimeError("step() was already called for this optimizer in this iteration; "
-                               "call scaler.update() once per iteration after stepping every optimizer")
-        if st.stage is _Stage.READY:
-            self.unscale_(optimizer)
-        assert st.found_inf is not None
-        if st.no_grads and self._scaling:
-            raise NoGradientsError("No inf checks were recorded for this optimizer: it has no "
-                                   "gradients (was the scaled loss's backward() called, and do its "
-                                   "parameters require grad?)")
-        return st
+        flag = self._iteration.state(optimizer).found_inf
+        if flag is not None:
+            self._host.queue.copy(flag)
+        return flag
 
     def decide(self, optimizer: torch.optim.Optimizer) -> bool:
         """What :meth:`step` does, except calling ``optimizer.step()``: unscale (if not done yet),
@@ -500,16 +300,7 @@ class GradScaler:
         when the scaler is inactive (scaling and the check both off)."""
         if not self._active:
             return True
-        st = self._checked(optimizer)
-        st.found_inf_host = bool(st.found_inf.item() > 0)   # the one host sync of the step
-        st.stage = _Stage.STEPPED
-        st.skipped = st.found_inf_host
-        self._iter_skipped = self._iter_skipped or st.skipped
-        self._last_step_skipped = self._iter_skipped
-        st.counted = True
-        if st.skipped:
-            self._num_skipped_steps += 1
-        return not st.skipped
+        return self._iteration.decide(optimizer, self.unscale_, self._scaling, self._host.counters)
 
     def stepped_on_device(self, optimizer: torch.optim.Optimizer) -> Tensor | None:
         """What :meth:`decide` does for an optimizer that took the skip decision itself, on the
@@ -518,9 +309,7 @@ class GradScaler:
         the flag (None when the scaler is inactive: the step was always taken)."""
         if not self._active:
             return None
-        st = self._checked(optimizer)
-        st.stage = _Stage.STEPPED
-        return st.found_inf
+        return self._iteration.stepped(optimizer, self.unscale_, self._scaling)
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """End the iteration: back the scale off if any optimizer saw inf/NaN, else count a clean
@@ -528,132 +317,36 @@ class GradScaler:
         May raise NumericsError when the scale is stuck at ``min_scale`` (``on_min_scale``)."""
         if not self._active:
             return
-        if not self._opt_states and new_scale is None:
+        if not self._iteration.states and new_scale is None:
             raise RuntimeError("update() called without unscale_() or step() since the last "
                                "update(); call scaler.step(optimizer) before scaler.update()")
-        lazy = any(st.found_inf_host is None and st.stage is _Stage.STEPPED
-                   for st in self._opt_states.values())
-        if new_scale is not None or not lazy:
-            self.resolve()           # the host state must be current before it moves on the host
-        states, self._opt_states = self._opt_states, {}
-        self._last_step_skipped = self._iter_skipped
-        self._iter_skipped = False
-        if new_scale is not None:
-            if self._scaling:
-                self._set_scale(new_scale)
-            return
-        if lazy:
-            self._update_on_device(states)
-            return
-        if not self._pending:
-            self._host_copies.clear()      # flags read eagerly: their host copies are not needed
-        overflow = False
-        for st in states.values():
-            if st.found_inf_host is None and st.found_inf is not None:   # unscale_d, never stepped
-                st.found_inf_host = bool(st.found_inf.item() > 0)
-            overflow = overflow or bool(st.found_inf_host)
-        self._num_overflows += overflow
-        if self._scaling:
-            self._drop_device_state()
-            self._loss_scaler.update_scale(overflow)
+        it, self._iteration = self._iteration, Iteration()
+        self._host.end(it, new_scale, self._MAX_PENDING)
 
-    # --- the scale on the device ----------------------------------------------------------
-
-    def _drop_device_state(self) -> None:
-        """The host state moved (or was set): the device copy is rebuilt from it when needed."""
-        assert not self._pending
-        self._dev_state = self._dev_tracker = self._dev_scale = self._dev_inv = None
-
-    def _device_state(self, device: torch.device) -> Tensor:
-        if self._dev_state is None:
-            st = self._loss_scaler.state
-            self._dev_state = torch.tensor([st.scale, float(st.clean_steps),
-                                            float(st.hysteresis_left)], dtype=torch.float64,
-                                           device=device)
-        return self._dev_state
-
-    def _update_on_device(self, states: dict[int, _OptState]) -> None:
-        """``update()`` without a host read: queue the iteration's flags; move the scale on the
-        device by the rules of :func:`mixprec.amp.loss_scale.transition`."""
-        entries: list[tuple[Tensor | bool, bool, bool]] = []
-        flags: list[Tensor] = []
-        known_bad = False
-        for st in states.values():
-            stepped = st.stage is _Stage.STEPPED
-            if st.found_inf_host is not None:
-                entries.append((st.found_inf_host, stepped, st.counted))
-                known_bad = known_bad or st.found_inf_host
-            elif st.found_inf is not None:
-                entries.append((st.found_inf, stepped, st.counted))
-                flags.append(st.found_inf)
-        self._pending.append(entries)
-        if flags and flags[0].device.type not in ("cpu", "cuda", "xpu"):   # no float64 there
-            self.resolve()
-            if self._scaling:
-                self._drop_device_state()
-            return
-        if self._scaling and flags:
-            dev = flags[0].device
-            found = flags[0] if len(flags) == 1 else torch.stack([f.to(dev) for f in flags]).amax()
-            cfg = self._loss_scaler.config
-            if device_scale.fused_exact(cfg):       # torch's one-kernel update + one clamp
-                if self._dev_tracker is None:
-                    self._dev_tracker = device_scale.initial_tracker(
-                        self._loss_scaler.state.clean_steps, cfg, dev)
-                if known_bad:
-                    found = torch.ones_like(found)
-                scale = self._tensors_for(dev)[0]
-                self._dev_scale, self._dev_inv = device_scale.fused_transition(
-                    scale, self._dev_tracker, found, cfg)
-            else:                                   # hysteresis: the general transition
-                state = self._device_state(dev)
-                overflow = (found > 0) | known_bad
-                self._dev_state, self._dev_scale, self._dev_inv = device_scale.transition(
-                    state, overflow, cfg)
-        elif self._scaling and known_bad:    # only host-known flags: cannot happen via update()
-            self.resolve()
-            self._drop_device_state()
-        if len(self._pending) >= self._MAX_PENDING:
-            self.resolve()
-
-    def _set_scale(self, new_scale: float | Tensor) -> None:
-        if isinstance(new_scale, Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ConfigError("update(new_scale) takes a float or a 1-element tensor without "
-                                  "requires_grad")
-            new_scale = float(new_scale.item())
-        if isinstance(new_scale, bool) or not isinstance(new_scale, (int, float)):
-            raise ConfigError(f"update(new_scale) takes a float, not {type(new_scale).__name__}")
-        cfg = self._loss_scaler.config
-        if not (math.isfinite(new_scale) and cfg.min_scale <= new_scale <= cfg.max_scale):
-            raise ConfigError(f"new scale {new_scale} must be finite and in [min_scale, max_scale] "
-                              f"= [{cfg.min_scale}, {cfg.max_scale}]")
-        self._drop_device_state()
-        self._loss_scaler.state = dataclasses.replace(self._loss_scaler.state,
-                                                      scale=_to_f32(float(new_scale)))
+    # Which way the scale moves on the device (tests look): the general way's float64 state,
+    # the fused way's int32 growth tracker (amp.device_scale.ScaleTensors).
+    _dev_state = property(lambda self: self._host.tensors.state)
+    _dev_tracker = property(lambda self: self._host.tensors.tracker)
 
     # --- torch.amp.GradScaler getters/setters -----------------------------------------------
 
     def _reconfigure(self, **changes: Any) -> None:
-        self.resolve()         # queued iterations were taken under the old settings
-        self._loss_scaler.config = dataclasses.replace(self._loss_scaler.config, **changes)
-        if self._scaling:      # rebuilt from the host state under the new settings (and way)
-            self._drop_device_state()
+        self._host.reconfigure(self._iteration, **changes)
 
     def get_growth_factor(self) -> float:
-        return self._loss_scaler.config.scale_factor
+        return self.config.scale_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
         self._reconfigure(scale_factor=new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._loss_scaler.config.backoff_factor
+        return self.config.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
         self._reconfigure(backoff_factor=new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._loss_scaler.config.scale_window
+        return self.config.scale_window
 
     def set_growth_interval(self, new_interval: int) -> None:
         self._reconfigure(scale_window=new_interval)
@@ -667,47 +360,13 @@ class GradScaler:
         if not self._scaling:
             return {}      # as torch's disabled scaler; see ``counters`` for the skip counts
         counters = self.counters      # reads what is queued (resolve)
-        cfg, st = self._loss_scaler.config, self._loss_scaler.state
-        return {"scale": st.scale, "growth_factor": cfg.scale_factor,
-                "backoff_factor": cfg.backoff_factor, "growth_interval": cfg.scale_window,
-                "_growth_tracker": st.clean_steps, "hysteresis": cfg.hysteresis,
-                "_hysteresis_left": st.hysteresis_left, "min_scale": cfg.min_scale,
-                "max_scale": cfg.max_scale, "on_min_scale": cfg.on_min_scale,
-                "_scale_overflows": st.num_overflows, **counters}
+        return scaler_state.state_dict(self.config, self._host.loss_scaler.state, counters)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (also accepts a ``torch.amp.GradScaler`` state dict)."""
-        self.resolve()
-        if self._scaling:
-            self._drop_device_state()
-        self._num_overflows = int(state_dict.get("num_overflows", self._num_overflows))
-        self._num_skipped_steps = int(state_dict.get("num_skipped_steps", self._num_skipped_steps))
-        if not self._scaling:
-            return
-        if "scale" not in state_dict:
-            raise CheckpointError("the GradScaler state has no 'scale' (it was saved with scaling "
-                                  "disabled); build this scaler with enabled=False or start afresh")
-        names = {"growth_factor": "scale_factor", "backoff_factor": "backoff_factor",
-                 "growth_interval": "scale_window", "hysteresis": "hysteresis",
-                 "min_scale": "min_scale", "max_scale": "max_scale", "on_min_scale": "on_min_scale"}
-        cfg = self._loss_scaler.config
-        lo, hi = state_dict.get("min_scale", cfg.min_scale), state_dict.get("max_scale", cfg.max_scale)
-        changes = {ours: state_dict[theirs] for theirs, ours in names.items() if theirs in state_dict}
-        try:
-            # init_scale only has to be valid under the new bounds; the loaded scale is checked below.
-            self._reconfigure(**changes, init_scale=min(max(cfg.init_scale, lo), hi))
-        except ConfigError as e:
-            raise CheckpointError(f"the GradScaler state holds invalid settings: {e}") from None
-        self._loss_scaler.load_state_dict(dataclasses.asdict(LossScaleState(
-            scale=_to_f32(float(state_dict["scale"])),
-            clean_steps=int(state_dict.get("_growth_tracker", 0)),
-            hysteresis_left=int(state_dict.get("_hysteresis_left",
-                                               self._loss_scaler.config.hysteresis)),
-            num_overflows=int(state_dict.get("_scale_overflows", 0)))))
+        self._host.load_state_dict(self._iteration, state_dict)
 
     def __repr__(self) -> str:
-        self.resolve()
         mode = f"scale={self.get_scale():g}" if self._scaling else "scaling off"
         return (f"GradScaler({mode}, check_finite={self._check_finite}, "
-                f"skipped={self._num_skipped_steps}, overflows={self._num_overflows})")
-
+                f"skipped={self.num_skipped_steps}, overflows={self.num_overflows})")

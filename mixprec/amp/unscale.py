@@ -20,7 +20,7 @@ from torch import Tensor
 
 from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
 
-__all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale"]
+__all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale", "unscale_optimizer"]
 
 
 def _dtensor_type() -> type | None:
@@ -128,3 +128,28 @@ def check_and_unscale(grads: list[Tensor], inv_scale_for: Callable[[torch.device
         # (they skip at exactly 1 and subtract it from their step counters).
         found = flag if found is None else torch.maximum(found, flag)
     return found
+
+
+def unscale_optimizer(optimizer: torch.optim.Optimizer,
+                      inv_scale_for: Callable[[torch.device], Tensor | None],
+                      home: torch.device | None, process_group: Any = None) -> tuple[Tensor, bool]:
+    """Unscale ``optimizer``'s gradients (its deferred ones for split masters: checked as they
+    are, the factor handed to the step) and check them: the agreed 0-dim float32 flag (all-reduced
+    with MAX over ``process_group`` under ``torch.distributed``) and whether it had no gradient."""
+    deferred = deferred_grads(optimizer)
+    if deferred is None:
+        grads = optimizer_grads(optimizer)
+        no_grads = not grads
+        found = check_and_unscale(grads, inv_scale_for, home)
+    else:   # split masters: check the BF16 grads as they are, scale inside the step
+        no_grads = not deferred.entries
+        found = check_and_unscale(deferred.low, lambda dev: None, home)
+        found = torch.maximum(found, check_and_unscale(deferred.own, lambda dev: None,
+                                                       home).to(found.device))
+        deferred.scale_(inv_scale_for)
+    pg = process_group
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size(pg) > 1:
+        # Every rank must take the same skip decision, or their weights and scales diverge.
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=pg)
+    return found, no_grads

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec.precision.precision as precision_mod
-from mixprec.amp import grad_scaler
+from mixprec.amp import host_flags
 from mixprec.optim.inputs import takes_found_inf
 from mixprec.precision import Precision
 from mixprec.train.trainer import Trainer
@@ -53,8 +53,8 @@ class _Reads(TorchDispatchMode):
 
     def __enter__(self):
         me = self
-        self._saved = (torch.Tensor.tolist, self.cls.train_step, grad_scaler._HostCopy.__init__,
-                       grad_scaler._read_host_copies, Precision.backward, Precision.step)
+        self._saved = (torch.Tensor.tolist, self.cls.train_step, host_flags._HostCopy.__init__,
+                       host_flags._read_host_copies, Precision.backward, Precision.step)
         tolist, train_step, copy_init, read_copies, backward, step = self._saved
 
         def counted_tolist(t):
@@ -82,13 +82,13 @@ class _Reads(TorchDispatchMode):
             me.timeline[me.step].append(("update", None))
             return step(precision, optimizer, **k)
         torch.Tensor.tolist, self.cls.train_step = counted_tolist, numbered_train_step
-        grad_scaler._HostCopy.__init__, grad_scaler._read_host_copies = noted_copy_init, noted_read
+        host_flags._HostCopy.__init__, host_flags._read_host_copies = noted_copy_init, noted_read
         Precision.backward, Precision.step = noted_backward, noted_step
         return super().__enter__()
 
     def __exit__(self, *a):
-        (torch.Tensor.tolist, self.cls.train_step, grad_scaler._HostCopy.__init__,
-         grad_scaler._read_host_copies, Precision.backward, Precision.step) = self._saved
+        (torch.Tensor.tolist, self.cls.train_step, host_flags._HostCopy.__init__,
+         host_flags._read_host_copies, Precision.backward, Precision.step) = self._saved
         return super().__exit__(*a)
 
 
