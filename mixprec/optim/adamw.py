@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mixprec.errors import ConfigError
 from mixprec.optim import moments as _moments, registry, sharded as _sharded
-from mixprec.optim.master import _normalise_groups
+from mixprec.optim.master_args import normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 from mixprec.optim.split_masters import SplitMasterWeights
 
@@ -327,7 +327,7 @@ def sharded_adamw(params: Iterable[Tensor] | Iterable[dict[str, Any]], *, moment
         raise ConfigError(f"sharded_adamw stores moments in bf16, int8, fp8 or fp8-e5m2, got '{moments}' "
                           "(FP32 moments: torch.optim.AdamW)")
     quantized = _moments.is_quantized(moments)
-    return _AdamWFP32Math(_normalise_groups(params), lr, betas, eps, weight_decay,
+    return _AdamWFP32Math(normalise_groups(params), lr, betas, eps, weight_decay,
                           moments_dtype=torch.float32 if quantized else torch.bfloat16,
                           stochastic_rounding=True, seed=seed, moments=moments if quantized else None)
 
@@ -384,7 +384,7 @@ class AdamW(SplitMasterWeights):
         master_params: Iterable[Tensor] | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
-        params = _normalise_groups(params)
+        params = normalise_groups(params)
         given = [p for g in params for p in g["params"]]
         self._unmarked_vectors = (_unmarked_vectors(given), given) if fp16_params else None
         if moments is not None:
@@ -421,7 +421,7 @@ class AdamW(SplitMasterWeights):
 
     def _tell_shapes(self) -> None:
         # A split master's tensor is empty between steps: its state's layout follows its parameter.
-        self._inner.shape_of = lambda m: self._model_of.get(id(m), m).shape
+        self._inner.shape_of = lambda m: self._table.model_of.get(id(m), m).shape
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
         if self._unmarked_vectors is not None:

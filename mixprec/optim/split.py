@@ -36,13 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
 
-__all__ = ["splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "FLAT_CHUNK_MAX", "CPU_CHUNK_NUMEL", "flat_chunk_numel", "chunks", "chunk_exact",
+__all__ = ["split_layout_applies", "splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "FLAT_CHUNK_MAX", "CPU_CHUNK_NUMEL", "flat_chunk_numel", "chunks", "chunk_exact",
            "resolve_split"]
 
 CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
@@ -312,6 +313,14 @@ def chunk_exact(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
     from mixprec.optim.parts import SEPARABLE
     return bool(issubclass(optimizer_cls, SEPARABLE) or getattr(optimizer_cls, "mixprec_chunk_exact", False)
                 or getattr(optimizer_cls, "mixprec_separable", None) is True)
+
+
+def split_layout_applies(optimizer_cls: Any, split: bool | None, master_dtype: Any) -> bool:
+    """Whether ``MasterWeights(optimizer_cls, ..., split=split, master_dtype=...)`` builds the
+    split layout (arguments it would refuse build the full one, which then says why)."""
+    return isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer) \
+        and isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point \
+        and resolve_split(split, optimizer_cls, master_dtype)
 
 
 def resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],

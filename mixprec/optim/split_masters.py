@@ -12,7 +12,7 @@ The step:
 * the flat step (mixprec.optim.flat), whenever it applies: the BF16 params, remainders and tie
   bitmap are gathered into the chunk's FP32 scratch and the BF16 grads widened there, the
   loss-scale and clip factors recorded by :meth:`deferred_grads` applied on the way; the ties are
-  a dense bitmap per chunk (packed from the per-master tie lists here once, ``_enter_flat``);
+  a dense bitmap per chunk (packed from the per-master tie lists once, ``SplitMasters.enter_flat``);
 * the per-master fallback (a step in parts for the overlap engine, a step in which some trainable
   master has no grad, grads widened by ``master_grads()`` for torch's ``GradScaler``): chunks of
   at most ``split.CHUNK_NUMEL`` elements are widened into **FP32 tensors of the inner optimizer's
@@ -24,7 +24,7 @@ The step:
   unscales the grads it finds in ``param_groups``).
 
 The checkpoint is the full-master one (``MasterWeights.state_dict``): split masters are joined
-into FP32 tensors on save and split again on load (``_load_master``), so files move between the
+into FP32 tensors on save and split again on load (``SplitMasters.load_own``), so files move between the
 two layouts.
 """
 from __future__ import annotations
@@ -37,11 +37,112 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from mixprec.optim import split as _split
+from mixprec.optim import flat_dispatch, split as _split
 from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
 from mixprec.optim.master import MasterWeights
+from mixprec.optim.master_table import Masters
 
-__all__ = ["SplitMasterWeights"]
+__all__ = ["SplitMasterWeights", "SplitMasters"]
+
+
+class SplitMasters(Masters):
+    """:class:`mixprec.optim.master_table.Masters` with the FP32 master of each BF16 param stored
+    as the param plus an int16 remainder (``lo``) and the flat indices of its ties that rounded
+    down (``ties``), both by id of the storage-free FP32 *holder* the inner optimizer keys its
+    state by (the arithmetic: mixprec.optim.split). Full masters for what does not split (FP16
+    params), or everywhere when ``split`` is False."""
+
+    def __init__(self, master_dtype: torch.dtype, param_dtype: torch.dtype | None,
+                 wanted: set[int] | None, *, split: bool = False) -> None:
+        super().__init__(master_dtype, param_dtype, wanted, split=split)
+        self.lo: dict[int, Tensor] = {}      # id(holder) -> int16 remainder
+        self.ties: dict[int, Tensor] = {}    # id(holder) -> flat indices of the ties that rounded down
+        # The step's FP32 stand-ins (SplitMasterWeights._widen) and what is still to widen:
+        self.pending: set[int] = set()       # split holders with a grad, not yet widened this step
+        self.wide: dict[int, Tensor] = {}    # id(holder) -> its FP32 tensor, in the groups for now
+        self.holder_of: dict[int, Tensor] = {}   # id(FP32 tensor) -> holder
+
+    def store(self, p: Tensor, exact: Tensor) -> Tensor:
+        """Keep ``exact`` as ``p`` + remainder; return the (storage-free) holder."""
+        if not (self.split and _split.splits(p.dtype, self.master_dtype)):
+            return exact
+        lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
+        ties = _split.split_(exact, p.detach(), lo)
+        holder = torch.empty(0, dtype=self.master_dtype, device=p.device).requires_grad_(p.requires_grad)
+        self.lo[id(holder)], self.ties[id(holder)] = lo, ties
+        return holder
+
+    def is_split(self, m: Tensor) -> bool:
+        return id(m) in self.lo
+
+    def remainder_of(self, m: Tensor) -> Tensor | None:
+        return self.lo.get(id(m))
+
+    @property
+    def split_count(self) -> int:
+        return len(self.lo)
+
+    def reads_model_grad(self, m: Tensor) -> bool:
+        return self.is_split(m) and id(m) not in self.wide
+
+    def widened(self) -> bool:
+        return bool(self.wide)
+
+    def prepare_grads(self) -> list[Tensor]:
+        """As :meth:`Masters.prepare_grads`; the split masters with a grad are to be widened."""
+        if self.grads_ready:
+            return []
+        deferred = super().prepare_grads()
+        self.pending = {id(m) for m in deferred}
+        return deferred
+
+    def end_step(self) -> None:
+        super().end_step()
+        self.pending = set()
+
+    @torch.no_grad()
+    def enter_flat(self, flat: FlatSteps) -> None:
+        """The per-master tie lists into the chunks' bitmaps (once after a load or a per-master
+        step: the lists are host-sized, the bitmaps are not)."""
+        for chunk in flat.chunks:
+            if not chunk.split_idx or chunk.ties_packed:
+                continue
+            chunk.flags.zero_()
+            for i in chunk.split_idx:
+                ties = self.ties[id(chunk.masters[i])]
+                if ties.numel():
+                    chunk.flags[chunk.starts[i] + ties] = True
+            pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
+            chunk.ties_packed = True
+
+    @torch.no_grad()
+    def leave_flat(self, flat: FlatSteps | None) -> None:
+        """The chunks' bitmaps back into per-master tie lists, for the per-master paths (slow
+        paths only)."""
+        for chunk in flat.chunks if flat is not None else ():
+            if not chunk.ties_packed:
+                continue
+            flags = unpack_ties(chunk.ties, chunk.numel, chunk.shifts)
+            for i in chunk.split_idx:
+                a, n = chunk.starts[i], chunk.numels[i]
+                self.ties[id(chunk.masters[i])] = flags[a:a + n].nonzero().squeeze(1)
+            chunk.ties_packed = False
+
+    def load_own(self, p: Tensor, m: Tensor, saved: Tensor) -> bool:
+        """A saved FP32 master of a split param: split again into the param and its remainder."""
+        if not self.is_split(m):
+            return False
+        w = saved.to(device=p.device, dtype=torch.float32, copy=True)
+        self.ties[id(m)] = _split.split_(w, p.detach(), self.lo[id(m)])
+        return True
+
+    @torch.no_grad()
+    def sync_from_model(self) -> None:
+        super().sync_from_model()
+        for m in self.masters:
+            if self.is_split(m):
+                self.lo[id(m)].zero_()
+                self.ties[id(m)] = _split.empty_ties(m.device)
 
 
 class SplitMasterWeights(MasterWeights, split_layout=True):
@@ -53,13 +154,11 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
     steps (tests/optim/test_split_masters.py).
     """
 
+    _table_cls = SplitMasters
+    _table: SplitMasters
+
     def __init__(self, optimizer_cls: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> None:
-        self._lo: dict[int, Tensor] = {}      # id(holder) -> int16 remainder
-        self._ties: dict[int, Tensor] = {}    # id(holder) -> flat indices of the ties that rounded down
         self._deferred: _split.DeferredGrads | None = None
-        self._pending: set[int] = set()       # split holders with a grad, not yet widened this step
-        self._wide: dict[int, Tensor] = {}    # id(holder) -> its FP32 tensor, in the groups for now
-        self._holder_of: dict[int, Tensor] = {}   # id(FP32 tensor) -> holder
         super().__init__(optimizer_cls, params, **kwargs)
 
     @staticmethod
@@ -67,71 +166,44 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
                        master_dtype: torch.dtype) -> bool:
         return _split.resolve_split(split, optimizer_cls, master_dtype)
 
+
     # ------------------------------------------------------------------ what it stores
-    def _store_master(self, p: Tensor, exact: Tensor) -> Tensor:
-        """Keep ``exact`` as ``p`` + remainder; return the (storage-free) holder the inner
-        optimizer keys its state by. Full masters for what does not split (FP16 params)."""
-        if not (self.split and _split.splits(p.dtype, self.master_dtype)):
-            return exact
-        lo = torch.empty(p.shape, dtype=torch.int16, device=p.device)
-        ties = _split.split_(exact, p.detach(), lo)
-        holder = torch.empty(0, dtype=self.master_dtype, device=p.device).requires_grad_(p.requires_grad)
-        self._lo[id(holder)], self._ties[id(holder)] = lo, ties
-        return holder
-
-    def _is_split(self, m: Tensor) -> bool:
-        return id(m) in self._lo
-
-    def _remainder_of(self, m: Tensor) -> Tensor | None:
-        return self._lo.get(id(m))
-
-    @property
-    def split_count(self) -> int:
-        """How many parameters keep a split master (the parameter + a 16-bit remainder)."""
-        return len(self._lo)
-
     def master_of(self, param: Tensor) -> Tensor:
         """The FP32 master of a model param. For a split master outside the step this is a fresh
         FP32 tensor joined from the param and its remainder: read it again after a step to see
         the new value (while widened for the step, the FP32 tensor the inner optimizer steps)."""
         m = super().master_of(param)
-        if id(m) in self._wide:
-            return self._wide[id(m)]
-        if self._is_split(m):
-            self._unpack_ties()
-            return _split.join(param.detach(), self._lo[id(m)], self._ties[id(m)])
+        if id(m) in self._table.wide:
+            return self._table.wide[id(m)]
+        if self._table.is_split(m):
+            self._table.leave_flat(self._flat)
+            return _split.join(param.detach(), self._table.lo[id(m)], self._table.ties[id(m)])
         return m
 
     def step_grads(self, param: Tensor) -> list[Tensor]:
         """The gradient tensors the step reads for ``param``: for a split master the model
         param's own (BF16) grad, which the step widens itself (and its FP32 copy, if widened)."""
-        m = self._master_of.get(id(param))
-        if m is None or not self._is_split(m):
+        m = self._table.master_of.get(id(param))
+        if m is None or not self._table.is_split(m):
             return super().step_grads(param)
-        w = self._wide.get(id(m))
+        w = self._table.wide.get(id(m))
         return [g for g in (w.grad if w is not None else None, param.grad) if g is not None]
 
     # ------------------------------------------------------------------ the step's grads
-    def _reads_model_grad(self, m: Tensor) -> bool:
-        return self._is_split(m) and id(m) not in self._wide
-
-    def _note_deferred(self, masters: list[Tensor]) -> None:
-        self._pending = {id(m) for m in masters}
-
     def deferred_grads(self) -> _split.DeferredGrads | None:
         """The step's gradients without FP32 copies of the split ones (mixprec.optim.split), or
         None when nothing is deferred (no split masters with a grad): then use ``master_grads()``.
         Same object until ``step()`` or ``zero_grad()``."""
         if self._deferred is not None:
             return self._deferred
-        self._prepare_grads()
-        if not self._pending:
+        self._table.prepare_grads()
+        if not self._table.pending:
             return None
         entries = []
         for group in self.param_groups:
             for m in group["params"]:
-                if id(m) in self._pending:
-                    entries.append(("low", self._model_of[id(m)].grad))
+                if id(m) in self._table.pending:
+                    entries.append(("low", self._table.model_of[id(m)].grad))
                 elif m.grad is not None:
                     entries.append(("own", m.grad))
         low = [g for k, g in entries if k == "low"]
@@ -147,41 +219,26 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         """As :meth:`MasterWeights.master_grads`; split masters are widened for this step into
         FP32 tensors that stand in the param groups until the step (the memory of full masters):
         mixprec's scaler and clipping use :meth:`deferred_grads` instead."""
-        self._prepare_grads()
-        if self._pending:
-            self._widen([m for m in self._masters if id(m) in self._pending])
+        self._table.prepare_grads()
+        if self._table.pending:
+            self._widen([m for m in self._table.masters if id(m) in self._table.pending])
             if self._deferred is not None:
                 self._deferred.closed = True
                 self._deferred = None
         return super().master_grads()
 
     def _end_step(self) -> None:
-        self._narrow([m for m in self._masters if id(m) in self._wide], store=False)
+        self._narrow([m for m in self._table.masters if id(m) in self._table.wide], store=False)
         super()._end_step()
-        self._pending = set()
         if self._deferred is not None:
             self._deferred.closed = True
             self._deferred = None
 
-    # ------------------------------------------------------------------ the flat step's ties
-    def _widened(self) -> bool:
-        return bool(self._wide)
-
-    def _enter_flat(self, flat: FlatSteps) -> None:
-        for chunk in flat.chunks:
-            if chunk.split_idx and not chunk.ties_packed:
-                self._pack_ties(chunk)
-
-    def _leave_flat(self) -> None:
-        """Before a per-master step: tie lists and per-master step counters back."""
-        if self._flat is not None:
-            self._unpack_ties()
-        super()._leave_flat()
-
+    # ------------------------------------------------------------------ the flat step
     def _flat_batches(self, low: list[Tensor]) -> list[tuple[list[int], list[Tensor]]] | None:
         """For the norms of deferred gradients (``split.DeferredGrads``): per chunk, positions of
         its split grads in ``low`` and their FP32 scratch views; None when this step is not flat."""
-        if not self._flat_ready():
+        if not flat_dispatch.ready(self):
             return None
         assert self._flat is not None
         pos = {id(g): i for i, g in enumerate(low)}
@@ -194,37 +251,11 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
                 out.append((idx, chunk.split_g))
         return out
 
-    @torch.no_grad()
-    def _pack_ties(self, chunk: Any) -> None:
-        """The per-master tie lists of ``chunk`` into its bitmap (once after a load or a
-        per-master step: the lists are host-sized, the bitmap is not)."""
-        chunk.flags.zero_()
-        for i in chunk.split_idx:
-            ties = self._ties[id(chunk.masters[i])]
-            if ties.numel():
-                chunk.flags[chunk.starts[i] + ties] = True
-        pack_ties_(chunk.ties, chunk.flags, chunk.shifts)
-        chunk.ties_packed = True
-
-    @torch.no_grad()
-    def _unpack_ties(self) -> None:
-        """Bitmaps back into per-master tie lists, for the per-master paths (slow paths only)."""
-        if self._flat is None:
-            return
-        for chunk in self._flat.chunks:
-            if not chunk.ties_packed:
-                continue
-            flags = unpack_ties(chunk.ties, chunk.numel, chunk.shifts)
-            for i in chunk.split_idx:
-                a, n = chunk.starts[i], chunk.numels[i]
-                self._ties[id(chunk.masters[i])] = flags[a:a + n].nonzero().squeeze(1)
-            chunk.ties_packed = False
-
     # ------------------------------------------------------------------ the per-master step
     def _step_per_master(self, parts: Sequence[Sequence[Tensor]] | None,
                          around: Callable[[int], contextlib.AbstractContextManager] | None,
                          found_on_device: Tensor | None) -> None:
-        if not self._lo:
+        if not self._table.lo:
             super()._step_per_master(parts, around, found_on_device)
             return
         self._step_split(parts, around)
@@ -245,18 +276,18 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
     def _widen(self, masters: list[Tensor]) -> None:
         """Give split ``masters`` FP32 tensors of their own for the inner optimizer: the joined
         values, with the FP32 grads (unscale/clip factors applied) as their ``.grad``."""
-        todo = [m for m in masters if id(m) in self._pending]
+        todo = [m for m in masters if id(m) in self._table.pending]
         if not todo:
             return
-        self._leave_flat()
-        params = [self._model_of[id(m)] for m in todo]
+        flat_dispatch.leave(self)
+        params = [self._table.model_of[id(m)] for m in todo]
         with record_function("mixprec.master_grad_copy"):    # the BF16 -> FP32 widening, per chunk
             grads = _split.widen([p.grad for p in params], self._grad_factors())
         ws: list[Tensor | None] = [None] * len(todo)
         for dev in {p.device for p in params}:
             idx = [i for i, p in enumerate(params) if p.device == dev]
-            joined = _split.join_many([params[i].detach() for i in idx], [self._lo[id(todo[i])] for i in idx],
-                                      [self._ties[id(todo[i])] for i in idx])
+            joined = _split.join_many([params[i].detach() for i in idx], [self._table.lo[id(todo[i])] for i in idx],
+                                      [self._table.ties[id(todo[i])] for i in idx])
             for i, w in zip(idx, joined):
                 ws[i] = w
         slots = self._slots()
@@ -264,31 +295,31 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
             assert w is not None
             w.grad = g
             self._stand_in(m, w, slots)
-            self._wide[id(m)] = w
-            self._holder_of[id(w)] = m
-            self._pending.discard(id(m))
+            self._table.wide[id(m)] = w
+            self._table.holder_of[id(w)] = m
+            self._table.pending.discard(id(m))
 
     @torch.no_grad()
     def _narrow(self, masters: list[Tensor], *, store: bool) -> None:
         """Split the FP32 tensors of widened ``masters`` back into their params (``store``) or
         just drop them; the holders take their places and state back."""
-        wide = [m for m in masters if id(m) in self._wide]
+        wide = [m for m in masters if id(m) in self._table.wide]
         if not wide:
             return
-        ws = [self._wide[id(m)] for m in wide]
+        ws = [self._table.wide[id(m)] for m in wide]
         for w in ws:
             w.grad = None                  # freed before the split's temporaries are made
         if store:
             for dev in {w.device for w in ws}:
                 idx = [i for i, w in enumerate(ws) if w.device == dev]
-                ties = _split.split_many_([ws[i] for i in idx], [self._model_of[id(wide[i])].detach() for i in idx],
-                                          [self._lo[id(wide[i])] for i in idx])
+                ties = _split.split_many_([ws[i] for i in idx], [self._table.model_of[id(wide[i])].detach() for i in idx],
+                                          [self._table.lo[id(wide[i])] for i in idx])
                 for i, t in zip(idx, ties):
-                    self._ties[id(wide[i])] = t
+                    self._table.ties[id(wide[i])] = t
         slots = self._slots()
         for m, w in zip(wide, ws):
             self._stand_in(w, m, slots)
-            del self._wide[id(m)], self._holder_of[id(w)]
+            del self._table.wide[id(m)], self._table.holder_of[id(w)]
 
     def _step_split(self, parts: Sequence[Sequence[Tensor]] | None,
                     around: Callable[[int], contextlib.AbstractContextManager] | None) -> None:
@@ -298,25 +329,25 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         rounding noise per chunk of the same boundaries, so it steps bit-identically too)."""
         inner, whole = self._inner, self.param_groups
         units: Sequence[Sequence[Tensor] | None] = [None] if parts is None else parts
-        stepped = {id(m) for m in self._stepped[1]}
+        stepped = {id(m) for m in self._table.stepped[1]}
         try:
             for i, unit in enumerate(units):
-                keep = None if unit is None else {id(self._master_of[id(p)]) for p in unit}
+                keep = None if unit is None else {id(self._table.master_of[id(p)]) for p in unit}
                 with (around(i) if around is not None else contextlib.nullcontext()):
                     for gi, group in enumerate(whole):
-                        holders = [self._holder_of.get(id(t), t) for t in group["params"]]
+                        holders = [self._table.holder_of.get(id(t), t) for t in group["params"]]
                         ms = [m for m in holders if (keep is None or id(m) in keep)
-                              and (m.grad is not None or id(m) in self._pending or id(m) in self._wide)]
+                              and (m.grad is not None or id(m) in self._table.pending or id(m) in self._table.wide)]
                         by_device: dict[torch.device, list[Tensor]] = {}
                         for m in ms:
                             by_device.setdefault(m.device, []).append(m)
                         for dev_ms in by_device.values():
-                            numels = [self._model_of[id(m)].numel() if id(m) in self._model_of else m.numel()
+                            numels = [self._table.model_of[id(m)].numel() if id(m) in self._table.model_of else m.numel()
                                       for m in dev_ms]
                             for a, b in _split.chunks(numels):
                                 chunk = dev_ms[a:b]
                                 self._widen(chunk)
-                                own = [self._wide.get(id(m), m) for m in chunk]
+                                own = [self._table.wide.get(id(m), m) for m in chunk]
                                 inner.param_groups = [{**g, "params": own if j == gi else []}
                                                       for j, g in enumerate(whole)]
                                 inner.step()
@@ -327,26 +358,8 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
     @torch.no_grad()
     def _store_chunk(self, chunk: list[Tensor], stepped: set[int]) -> None:
         with record_function("mixprec.master_copy_back"):
-            self._narrow([m for m in chunk if id(m) in self._wide], store=True)
-            full = [m for m in chunk if id(m) in stepped and not self._is_split(m)
-                    and self._model_of.get(id(m)) is not None]
+            self._narrow([m for m in chunk if id(m) in self._table.wide], store=True)
+            full = [m for m in chunk if id(m) in stepped and not self._table.is_split(m)
+                    and self._table.model_of.get(id(m)) is not None]
             if full:
-                torch._foreach_copy_([self._model_of[id(m)] for m in full], full)
-
-    # ------------------------------------------------------------------ the checkpoint
-    @torch.no_grad()
-    def sync_masters_from_model(self) -> None:
-        """Overwrite the masters with the model params (after loading model weights only)."""
-        super().sync_masters_from_model()      # drops the chunks: the tie lists are the truth again
-        for m in self._masters:
-            if self._is_split(m):
-                self._lo[id(m)].zero_()
-                self._ties[id(m)] = _split.empty_ties(m.device)
-
-    def _load_master(self, p: Tensor, m: Tensor, saved: Tensor) -> bool:
-        """A saved FP32 master of a split param: split again into the param and its remainder."""
-        if not self._is_split(m):
-            return False
-        w = saved.to(device=p.device, dtype=torch.float32, copy=True)
-        self._ties[id(m)] = _split.split_(w, p.detach(), self._lo[id(m)])
-        return True
+                torch._foreach_copy_([self._table.model_of[id(m)] for m in full], full)
