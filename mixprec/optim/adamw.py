@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
-from mixprec.optim import moments as _moments, registry, sharded as _sharded
+from mixprec.optim import moments as _moments, moments_load, registry, sharded as _sharded
 from mixprec.optim.master_args import normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 from mixprec.optim.split_masters import SplitMasterWeights
@@ -150,13 +150,8 @@ class _AdamWFP32Math(torch.optim.Optimizer):
             self._generators.clear()
             self._seeded_at = None
         # torch casts every tensor of the state to the param dtype (FP32), 8-bit codes and 16-bit
-        # scales included: note the saved dtypes and store each tensor in its own dtype again.
-        formats = {g.get("moments") for g in sd["param_groups"]} - {None}
-        if any(_moments.is_quantized(f) for f in formats) and formats != {self.moments}:
-            from mixprec.errors import CheckpointError
-            raise CheckpointError(f"the optimizer state holds moments={', '.join(sorted(formats))}, not this "
-                                  f"optimizer's moments={self.moments}; build the optimizer with the "
-                                  "moments format the checkpoint was saved with")
+        # scales included: note the saved dtypes and store each tensor in its own layout again.
+        moments_load.check_formats((g.get("moments") for g in sd["param_groups"]), self.moments)
         saved = {i: {k: v.dtype for k, v in st.items() if isinstance(v, Tensor)} for i, st in sd["state"].items()}
         super().load_state_dict(sd)
         for g in self.param_groups:
@@ -164,52 +159,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
         ids = dict(zip((i for g in sd["param_groups"] for i in g["params"]),
                        (p for g in self.param_groups for p in g["params"])))
         for i, dtypes in saved.items():
-            st = self.state.get(ids[i]) if i in ids else None
-            if not st:
-                continue
-            if not self.quantized:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in st:
-                        st[key] = st[key].to(self.moments_dtype)
-                continue
-            for key, dtype in dtypes.items():
-                if key != "step":
-                    st[key] = st[key].to(dtype)       # 8-bit codes and scales went through FP32 exactly
-            self._adopt_quantized_(st, ids[i], self._generator(ids[i].device))
-
-    def _adopt_quantized_(self, st: dict[str, Tensor], p: Tensor, gen: torch.Generator | None) -> None:
-        """A loaded state of ``p`` in this optimizer's layout: a matrix's plain moments (a checkpoint
-        of FP32 or BF16 moments) are encoded, an earlier 8-bit layout is converted, another format
-        refused; a vector's 8-bit moments (saved before vectors kept FP32 moments) are widened."""
-        if "exp_avg" not in st:
-            return
-        if not _sharded.is_dtensor(p):       # FP8 codes saved as bytes (gathered under FSDP2)
-            _moments.from_bytes_(st, self.moments)
-        loc = _moments.from_bytes_({k: _sharded.local(v) for k, v in st.items() if k != "step"}, self.moments)
-        keys = ("exp_avg", "exp_avg_sq")
-        if not _moments.quantizes(self.shape_of(p), self.moments):
-            if "exp_avg_scale" in loc:
-                _moments.widen_(loc, self.moments)
-                for k in ("exp_avg_scale", "exp_avg_sq_scale"):
-                    st.pop(k)
-            st.update(_sharded.like(p, {k: loc[k].float() for k in keys}))
-            return
-        if "exp_avg_scale" not in loc:                             # plain moments: encode them
-            wide = {k: loc[k].float() for k in keys}
-            loc = _moments.new_state(wide["exp_avg"], self.moments)
-            for k, w in wide.items():
-                _moments.encode_([loc], k, [w], self.moments, gen)
-            st.update(_sharded.like(p, loc))
-            return
-        from mixprec.errors import CheckpointError
-        want = _moments.LAYOUTS[self.moments].codes
-        got = (loc["exp_avg"].dtype, loc["exp_avg_sq"].dtype)
-        if got == want and _moments.upgrade_(loc, self.moments, gen):
-            st.update(_sharded.like(p, loc))
-        if got != want or st["exp_avg_scale"].dtype != _moments.LAYOUTS[self.moments].scale_dtype:
-            raise CheckpointError(f"the optimizer state holds 8-bit moments as {got[0]}/{got[1]}, not this "
-                                  f"optimizer's moments={self.moments}; build the optimizer with the "
-                                  "moments format the checkpoint was saved with")
+            p = ids.get(i)
+            if p is not None and self.state.get(p):
+                moments_load.restore_(self.state[p], p, dtypes, self.moments, self.moments_dtype,
+                                      self.shape_of(p), self._generator)
 
     def new_state(self, like: Tensor) -> dict[str, Tensor]:
         """The fresh state of a parameter shaped like ``like`` (what the first step makes): 8-bit
