@@ -85,7 +85,7 @@ from torch import nn
 from mixprec.errors import ConfigError
 from mixprec.formats.limits import FormatLimits, format_limits
 from mixprec.monitor.gates import output_refusal
-from mixprec.monitor.guard_state import restore_snapshot, sample_layers, take_snapshot
+from mixprec.monitor.guard_state import Snapshots, sample_layers
 from mixprec.monitor.replan import FormatSwitch
 from mixprec.precision import Precision
 
@@ -127,6 +127,26 @@ class GuardConfig:
     def limits(self, fmt: str) -> FormatLimits:
         """The limits a layer sampled in ``fmt`` must keep (the planner's gates read the same)."""
         return format_limits(fmt, min_sqnr_db=self.min_sqnr_db, max_flush=self.max_flush)
+
+    def describe(self, layer_formats: dict[str, str]) -> str:
+        """The run's start line: what the guard watches among ``layer_formats``, with which
+        limits, how often."""
+        watched: dict[str, int] = {}
+        for f in layer_formats.values():
+            if f != "fp32":
+                watched[f] = watched.get(f, 0) + 1
+        parts = [f"guard: on, watching {sum(watched.values())} Linear layers"]
+        if self.every and watched:
+            given = " (given)" if self.min_sqnr_db is not None or self.max_flush is not None else ""
+            parts.append(f"output SQNR and inputs flushed sampled at step 1 and every {self.every} "
+                         f"steps, promoted when " + ", ".join(
+                             f"{f} {self.limits(f).describe()}" for f in watched) + given)
+        elif not self.every:
+            parts.append("no SQNR samples (guard_every=0)")
+        parts.append(f"non-finite origin on {self.patience} consecutive skipped steps")
+        parts.append(f"loss spikes over {self.spike_sigma:g} sigma of the last {self.window} steps"
+                     if self.spike_sigma else "no spike watch (guard_spike_sigma=0)")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -178,37 +198,19 @@ class TrainingGuard:
         self.losses: deque[float] = deque(maxlen=self.config.window)
         self._origin: str | None = None
         self._origin_count = 0
-        self._healthy = 0
-        self._snapshot: dict | None = None
+        self._snaps = Snapshots(model, optimizer, scheduler)
+        """The last good snapshot, the taken steps since, each layer's last passing sample."""
         self._sampled = False
         """Whether the first SQNR sample (at the first step) was taken."""
         self._taken_any = False
         """Whether a step of the run was taken (the loss scaler found a level it can step at)."""
-        self._passed: dict[str, int] = {}
-        """Per watched layer, the step of its last passing SQNR sample."""
         self.last_sqnr: dict[str, float] = {}
         self.last_flush: dict[str, float] = {}
         self.actions: list[GuardAction] = []
 
     def describe(self) -> str:
         """The run's start line: what the guard watches, with which limits, how often."""
-        cfg = self.config
-        watched: dict[str, int] = {}
-        for f in self.precision.layer_formats.values():
-            if f != "fp32":
-                watched[f] = watched.get(f, 0) + 1
-        parts = [f"guard: on, watching {sum(watched.values())} Linear layers"]
-        if cfg.every and watched:
-            given = " (given)" if cfg.min_sqnr_db is not None or cfg.max_flush is not None else ""
-            parts.append(f"output SQNR and inputs flushed sampled at step 1 and every {cfg.every} "
-                         f"steps, promoted when " + ", ".join(
-                             f"{f} {cfg.limits(f).describe()}" for f in watched) + given)
-        elif not cfg.every:
-            parts.append("no SQNR samples (guard_every=0)")
-        parts.append(f"non-finite origin on {cfg.patience} consecutive skipped steps")
-        parts.append(f"loss spikes over {cfg.spike_sigma:g} sigma of the last {cfg.window} steps"
-                     if cfg.spike_sigma else "no spike watch (guard_spike_sigma=0)")
-        return "; ".join(parts)
+        return self.config.describe(self.precision.layer_formats)
 
     # ----------------------------------------------------------------- the hook
 
@@ -219,7 +221,7 @@ class TrainingGuard:
         cfg, step = self.config, outcome.step
         done: list[GuardAction] = []
         if outcome.skipped:
-            self._healthy = 0
+            self._snaps.healthy = 0
             if outcome.origin is None or self.scaler_searching(outcome):
                 return done
             name = self.linear_of(outcome.origin)
@@ -242,21 +244,21 @@ class TrainingGuard:
         if not math.isfinite(outcome.loss):
             return done
         self.losses.append(outcome.loss)
-        self._healthy += 1
+        self._snaps.healthy += 1
         if cfg.every and probe is not None and (step % cfg.every == 0 or not self._sampled):
             self._sampled = True
             done += self._check_layers(step, probe)
             if not done:                     # every layer passed: these weights are verified
-                self._take_snapshot(step)
-        if not done and (self._snapshot is None or self._healthy >= cfg.window):
-            self._take_snapshot(step)
+                self._snaps.take(step)
+        if not done and (self._snaps.snapshot is None or self._snaps.healthy >= cfg.window):
+            self._snaps.take(step)
         return self._record(done)
 
     def before_step(self, step: int) -> None:
         """Called before step ``step`` (1-based) is taken: the first call takes the first snapshot,
         of the weights no step of this run has touched yet (a resumed run brings its own)."""
-        if self._snapshot is None:
-            self._take_snapshot(step - 1)
+        if self._snaps.snapshot is None:
+            self._snaps.take(step - 1)
 
     def _check_layers(self, step: int, probe: Callable[[], Any]) -> list[GuardAction]:
         """One SQNR sample: promote every layer under the limits. The steps since a failing layer's
@@ -282,13 +284,12 @@ class TrainingGuard:
             if why:
                 failing.append((name, "; ".join(why)))
             else:
-                self._passed[name] = step
+                self._snaps.passed[name] = step
         if not failing:
             return []
         done = []
-        since = max(self._passed.get(name, 0) for name, _ in failing)
-        snap = self._snapshot
-        if snap is not None and snap["step"] >= since and snap["step"] < step:
+        since = max(self._snaps.passed.get(name, 0) for name, _ in failing)
+        if self._snaps.taken_between(since, step):
             names = ", ".join(name for name, _ in failing)
             passed = f"step {since}" if since else "never"
             done.append(self._restore(step, f"{names} failed the SQNR sample of step {step} "
@@ -363,24 +364,16 @@ class TrainingGuard:
                                                 "safer is left")
         got = self.precision.set_layer_format(self.model, name, new)
         switch = FormatSwitch(step, name, current, got, f"guard: {reason}")
-        self._healthy = 0
+        self._snaps.healthy = 0
         return GuardAction("promote", step, switch.message, switch)
 
-    def _take_snapshot(self, step: int) -> None:
-        self._snapshot = take_snapshot(self.model, self.optimizer, self.scheduler, step)
-        self._healthy = 0
-
     def _restore(self, step: int, what: str) -> GuardAction:
-        snap = self._snapshot
-        if snap is None:
+        restored = self._snaps.restore()
+        if restored is None:
             return GuardAction("spike", step, f"{what}; no snapshot yet to restore")
-        restore_snapshot(snap, self.model, self.optimizer, self.scheduler)
         self.losses.clear()
-        self._healthy = 0
-        # Steps after the snapshot are undone: no layer is verified later than it.
-        self._passed = {n: min(v, snap["step"]) for n, v in self._passed.items()}
         return GuardAction("restore", step, f"guard: {what}: weights, optimizer state and LR "
-                                            f"schedule restored to step {snap['step']}")
+                                            f"schedule restored to step {restored}")
 
     def scaler_searching(self, outcome: StepOutcome) -> bool:
         """Whether a skipped step is the loss scaler's normal search for its level, not a layer's
@@ -408,17 +401,14 @@ class TrainingGuard:
         precision's layer formats, saved beside it. Tensors and plain values only
         (``torch.load(weights_only=True)`` reads it)."""
         return {"losses": list(self.losses), "origin": self._origin,
-                "origin_count": self._origin_count, "healthy": self._healthy,
-                "snapshot": self._snapshot, "sampled": self._sampled, "passed": dict(self._passed),
-                "taken_any": self._taken_any}
+                "origin_count": self._origin_count, **self._snaps.state_dict(),
+                "sampled": self._sampled, "taken_any": self._taken_any}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict` (a window longer than ``window`` keeps its newest)."""
         self.losses.clear()
         self.losses.extend(float(v) for v in state["losses"])
         self._origin, self._origin_count = state["origin"], int(state["origin_count"])
-        self._healthy = int(state["healthy"])
-        self._snapshot = state["snapshot"]
+        self._snaps.load_state_dict(state)
         self._sampled = bool(state.get("sampled", True))      # (older checkpoints: sampled)
         self._taken_any = bool(state.get("taken_any", True))  # (older checkpoints: past the search)
-        self._passed = {str(n): int(v) for n, v in state.get("passed", {}).items()}

@@ -6,7 +6,9 @@
   ranks the worst of any rank (one all-reduce), one host sync in all.
 * :func:`take_snapshot` / :func:`restore_snapshot`: the in-memory copy of the weights, the buffers
   outside the state dict (FP8 amax histories), the optimizer state and the LR schedule's step, and
-  putting it back with this run's optimizer settings and schedule curve.
+  putting it back with this run's optimizer settings and schedule curve; :class:`Snapshots` keeps
+  the guard's last good one with what it vouches for (the taken steps since, each layer's last
+  passing sample) and its part of the guard's checkpoint.
 
 The decisions (which layer to promote, when to restore) stay in :class:`~mixprec.monitor.guard.TrainingGuard`.
 """
@@ -24,7 +26,7 @@ from mixprec.monitor.replan import flushed_share
 from mixprec.optim.schedule import rewind
 from mixprec.precision import Precision
 
-__all__ = ["sample_layers", "take_snapshot", "restore_snapshot"]
+__all__ = ["sample_layers", "take_snapshot", "restore_snapshot", "Snapshots"]
 
 
 @torch.no_grad()
@@ -112,3 +114,43 @@ def restore_snapshot(snap: dict, model: nn.Module, optimizer: Any, scheduler: An
     for group, kept in zip(optimizer.param_groups, settings):
         group.update(kept)
     rewind(scheduler, copy.deepcopy(snap["scheduler"]))   # this run's curve, its step
+
+
+class Snapshots:
+    """The guard's last good snapshot of ``model``, ``optimizer`` and ``scheduler`` (None before
+    the first), the taken steps since it (``healthy``), and per watched layer the step of its last
+    passing SQNR sample (``passed``). When to take or restore one is the guard's decision."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.snapshot: dict | None = None
+        self.healthy = 0
+        self.passed: dict[str, int] = {}
+
+    def take(self, step: int) -> None:
+        """Snapshot the state after ``step`` steps."""
+        self.snapshot = take_snapshot(self.model, self.optimizer, self.scheduler, step)
+        self.healthy = 0
+
+    def taken_between(self, since: int, step: int) -> bool:
+        """Whether the snapshot is no older than step ``since`` and older than ``step``."""
+        return self.snapshot is not None and since <= self.snapshot["step"] < step
+
+    def restore(self) -> int | None:
+        """Put the snapshot back; the step it was taken at (None: no snapshot yet)."""
+        snap = self.snapshot
+        if snap is None:
+            return None
+        restore_snapshot(snap, self.model, self.optimizer, self.scheduler)
+        self.healthy = 0
+        # Steps after the snapshot are undone: no layer is verified later than it.
+        self.passed = {n: min(v, snap["step"]) for n, v in self.passed.items()}
+        return snap["step"]
+
+    def state_dict(self) -> dict:
+        return {"healthy": self.healthy, "snapshot": self.snapshot, "passed": dict(self.passed)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.healthy = int(state["healthy"])
+        self.snapshot = state["snapshot"]
+        self.passed = {str(n): int(v) for n, v in state.get("passed", {}).items()}

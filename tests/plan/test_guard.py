@@ -122,7 +122,7 @@ def test_a_loss_spike_restores_the_snapshot_and_promotes_the_layer_that_stands_o
         sched.step()
     snap = {k: v.clone() for k, v in net.state_dict().items()}
     lr = sched.get_last_lr()
-    guard._take_snapshot(5)
+    guard._snaps.take(5)
     with torch.no_grad():                       # the weights get hurt ...
         net.head.weight.add_(1.0)
     opt.step()
