@@ -71,12 +71,12 @@ from torch import Tensor
 
 from mixprec.amp import scaler_state
 from mixprec.amp.host_flags import LazyHost
-from mixprec.amp.iteration import Counters, Iteration, NoGradientsError, _Stage
+from mixprec.amp.iteration import Counters, Iteration, _Stage
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig
 from mixprec.errors import ConfigError
 from mixprec.policy.policy import Policy, get_policy
 
-__all__ = ["GradScaler", "NoGradientsError"]
+__all__ = ["GradScaler"]
 
 _T = TypeVar("_T")
 
@@ -204,8 +204,7 @@ class GradScaler:
         when scaling is off."""
         if not self._scaling:
             return None
-        dev = device or self._device or torch.device("cpu")
-        return self._tensors_for(torch.device(dev))[0].clone()
+        return self._tensors_for(torch.device(device or self._device or "cpu"))[0].clone()
 
     @property
     def pending(self) -> int:
@@ -320,8 +319,9 @@ class GradScaler:
         if not self._iteration.states and new_scale is None:
             raise RuntimeError("update() called without unscale_() or step() since the last "
                                "update(); call scaler.step(optimizer) before scaler.update()")
+        lazy = self._host.settle(self._iteration, new_scale)   # (a stuck scale raises here)
         it, self._iteration = self._iteration, Iteration()
-        self._host.end(it, new_scale, self._MAX_PENDING)
+        self._host.end(it, new_scale, lazy, self._MAX_PENDING)
 
     # Which way the scale moves on the device (tests look): the general way's float64 state,
     # the fused way's int32 growth tracker (amp.device_scale.ScaleTensors).

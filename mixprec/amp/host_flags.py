@@ -192,12 +192,17 @@ class LazyHost:
             assert not self.queue
             self.tensors.drop()
 
-    def end(self, it: Iteration, new_scale: float | Tensor | None, max_pending: int) -> None:
-        """``GradScaler.update(new_scale)`` of the ended iteration ``it``: on the device while an
-        optimizer of it skipped there, else (or to set ``new_scale``) on the host, current."""
+    def settle(self, it: Iteration, new_scale: float | Tensor | None) -> bool:
+        """Before ``update(new_scale)`` ends ``it``: whether it ends on the device (an optimizer
+        of it skipped there, no scale set), else the host state brought up to date first."""
         lazy = bool(it.on_device())
         if new_scale is not None or not lazy:
             self.resolve(it)         # the host state must be current before it moves on the host
+        return lazy and new_scale is None
+
+    def end(self, it: Iteration, new_scale: float | Tensor | None, lazy: bool, max_pending: int) -> None:
+        """``GradScaler.update(new_scale)`` of the ended iteration ``it`` (after :meth:`settle`):
+        on the device when ``lazy``, else on the host."""
         self.counters.last_step_skipped = it.skipped
         if new_scale is not None:
             if self.scaling:

@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
-from mixprec.optim import flat_dispatch, inputs as _inputs, master_checkpoint, per_master, registry
+from mixprec.optim import flat_dispatch, master_checkpoint, per_master, registry
 from mixprec.optim import split as _split
 from mixprec.optim.flat import FlatSteps
 from mixprec.optim.inputs import StepInputs

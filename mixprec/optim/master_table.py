@@ -5,7 +5,6 @@ split), the FP32 grads of the full ones (mixprec.optim.master_grads), and what t
 reads."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch

@@ -1,11 +1,14 @@
 """Split FP32 masters: the master of a BF16 param stored as the param itself plus a 16-bit remainder.
 
-The layout, whole in this file: what it stores (per BF16 param an ``int16`` remainder and its
-rounding ties, the arithmetic in :mod:`mixprec.optim.split`; the inner optimizer keys its state by
-an empty FP32 *holder* per split master), how it steps and how it saves and loads. The rest of
-the bookkeeping, the full FP32 masters of other params (FP16 ones) and the flat step are
-:class:`mixprec.optim.master.MasterWeights`', which this class extends (single inheritance:
-``MasterWeights(...)`` builds one wherever split masters are exact, see ``resolve_split``).
+The layout, whole in this file: what it stores (:class:`SplitMasters`, the table of masters:
+per BF16 param an ``int16`` remainder and its rounding ties, the arithmetic in
+:mod:`mixprec.optim.split`; the inner optimizer keys its state by an empty FP32 *holder* per split
+master; the ties packed into the flat chunks' bitmaps and back), how it steps
+(:class:`SplitMasterWeights`) and how it saves and loads. The rest of the bookkeeping, the full
+FP32 masters of other params (FP16 ones) and the flat step are
+:class:`mixprec.optim.master.MasterWeights`' (and the modules it is composed of), which this class
+extends (single inheritance: ``MasterWeights(...)`` builds one wherever split masters are exact,
+see ``resolve_split``).
 
 The step:
 
