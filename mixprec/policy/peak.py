@@ -36,7 +36,7 @@ __all__ = ["matmul_flops", "cuda_flops", "cuda_seconds", "time_matmul", "peak_fl
            "no_peak_reason", "cache_dir", "peak_record", "describe_peak", "format_peak_source", "low_peak_reason",
            "MAX_AGE_S", "CACHE_FILE", "FAR_BELOW_DATASHEET"]
 
-log = logging.getLogger("mixprec.peak")
+log = logging.getLogger(__name__)
 
 MAX_AGE_S = 7 * 24 * 3600
 """A cached peak older than this (seconds) is measured again: the machine, its load and its
