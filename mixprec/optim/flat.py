@@ -70,6 +70,9 @@ master) the chunks are made again, grouped by step count, since a chunk shares o
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -79,9 +82,108 @@ from torch.autograd.profiler import record_function
 
 from mixprec.optim import moments as _moments, split as _split
 
-__all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_"]
+__all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_", "kernel_refusal", "kernel_agrees"]
 
 _TIE = 1 << 15
+_log = logging.getLogger(__name__)
+
+KERNEL_DEVICES = ("cuda",)
+"""Device types whose chunks may take the fused kernel (mixprec.optim.adamw_triton); the CPU
+keeps the twin's foreach step, whose op counts tests/optim/test_step_cost.py pins."""
+
+PROBE_REL_TOL = 1e-6
+"""The probe's bound: max |kernel - twin| / max |twin| of the values and each moment after a few
+steps. torch's CUDA kernels may contract other multiply-adds than the kernel's explicit ones."""
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _probe_case(device: torch.device) -> tuple[Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    n = 3001                                       # ragged: not a multiple of the kernel's block
+    w = torch.randn(n, generator=gen).to(device)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(device) for _ in range(3)]
+    return w, *grads
+
+
+def kernel_agrees(kernel: Callable[..., None], device: torch.device) -> bool:
+    """Whether ``kernel`` (``adamw_triton.adamw_chunk_``'s signature) runs on ``device`` and
+    agrees with the twin's foreach step there: three steps of torch's AdamW (FP32 moments, weight
+    decay) and of ``_AdamWFP32Math`` with BF16 moments rounded to nearest, on a ragged chunk of
+    3001 elements, within :data:`PROBE_REL_TOL` (BF16 moments within one BF16 ulp: an FP32 ulp
+    apart may round either way); and a step with the flag set writes nothing."""
+    from mixprec.optim.adamw import _AdamWFP32Math     # adamw imports this module's users: lazily
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    try:
+        for moments in ("fp32", "bf16"):
+            w, *grads = _probe_case(device)
+            p = w.clone()
+            if moments == "fp32":
+                twin: torch.optim.Optimizer = torch.optim.AdamW([p], foreach=True, **hyper)
+                dtype = torch.float32
+            else:
+                twin = _AdamWFP32Math([p], **hyper, moments_dtype=torch.bfloat16, stochastic_rounding=False,
+                                      seed=None)
+                dtype = torch.bfloat16
+            m, v = torch.zeros_like(w, dtype=dtype), torch.zeros_like(w, dtype=dtype)
+            for t, g in enumerate(grads, 1):
+                p.grad = g.clone()
+                twin.step()
+                kernel(w, g, m, v, lr=hyper["lr"], beta1=0.9, beta2=0.999, eps=hyper["eps"],
+                       weight_decay=hyper["weight_decay"], step=float(t))
+            st = twin.state[p]
+            tol = PROBE_REL_TOL if dtype == torch.float32 else 2.0 ** -7
+            for got, ref, bound in ((w, p, PROBE_REL_TOL), (m, st["exp_avg"], tol), (v, st["exp_avg_sq"], tol)):
+                ref32 = ref.float()
+                err = (got.float() - ref32).abs().max() / ref32.abs().max()
+                if not bool(err <= bound):                  # a host read: once per device
+                    return False
+            before = [t.clone() for t in (w, m, v)]
+            kernel(w, grads[0], m, v, lr=hyper["lr"], beta1=0.9, beta2=0.999, eps=hyper["eps"],
+                   weight_decay=hyper["weight_decay"], step=4.0,
+                   found=torch.ones((), dtype=torch.bool, device=device))
+            if not all(torch.equal(a, b) for a, b in zip(before, (w, m, v))):
+                return False
+    except Exception as e:                # a kernel that fails to compile or launch: the twin
+        _log.info("mixprec's AdamW kernel failed its probe on %s: %s", device, e)
+        return False
+    return True
+
+
+@functools.cache
+def _kernel_agrees_on(device: str) -> bool:
+    from mixprec.optim.adamw_triton import adamw_chunk_      # optional: Triton
+    return kernel_agrees(adamw_chunk_, torch.device(device))
+
+
+_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+
+
+def kernel_refusal(twin: torch.optim.Optimizer, hyper: dict[str, Any], device: torch.device) -> str | None:
+    """Why a chunk of ``twin`` with the group's ``hyper`` on ``device`` keeps the twin's step
+    rather than the fused kernel (mixprec.optim.adamw_triton); None: it takes the kernel."""
+    from mixprec.optim.adamw import _AdamWFP32Math
+    if device.type not in KERNEL_DEVICES:
+        return f"the fused AdamW kernel runs on {', '.join(KERNEL_DEVICES)} only, not {device.type}"
+    if type(twin) not in (torch.optim.AdamW, _AdamWFP32Math):
+        return f"the fused kernel does AdamW, not {type(twin).__name__}"
+    for key in _UNSUPPORTED:
+        if hyper.get(key):
+            return f"the fused AdamW kernel does not support {key}=True"
+    if hyper.get("foreach") is False:
+        return "foreach=False: the twin's per-tensor kernels order the math otherwise"
+    if isinstance(hyper.get("lr"), Tensor) or isinstance(hyper.get("betas", (0,))[0], Tensor):
+        return "a tensor lr or betas (the kernel takes host scalars)"
+    if hyper.get("decoupled_weight_decay") is False:
+        return "decoupled_weight_decay=False (L2 penalty): not AdamW"
+    if not _triton_importable():
+        return "Triton is not importable"
+    if not _kernel_agrees_on(str(device)):
+        return "mixprec's AdamW kernel failed or disagreed with the twin's foreach step in its probe"
+    return None
 
 
 def unpack_ties(bits: Tensor, n: int, shifts: Tensor) -> Tensor:
@@ -195,6 +297,7 @@ class FlatSteps:
         self.key: tuple[int, ...] = ()   # the owner's trainable masters these chunks were made for
         self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
         self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
+        self.kernel_notes: dict[str, str] = {}   # per device: "kernel", or why its chunks keep the twin
         plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]] = []
         need: dict[torch.device, int] = {}
         for gi, members in enumerate(groups):
@@ -350,11 +453,13 @@ class FlatSteps:
             if plain:
                 torch._foreach_copy_([st[key] for st in plain], [views[i] for i in chunk.plain])
 
-    def _keep(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> dict[str, Any]:
-        """Copies of what the step is about to change (a masked step; fixed ops per chunk)."""
-        kept: dict[str, Any] = {"W": chunk.param.clone()}
+    def _keep(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]], values: bool = True) -> dict[str, Any]:
+        """Copies of what the step is about to change (a masked step; fixed ops per chunk).
+        ``values=False``: the fused kernel writes nothing where the flag is set, so only the 8-bit
+        codes (encoded again after it) need keeping."""
+        kept: dict[str, Any] = {"W": chunk.param.clone()} if values else {}
         st = self.twin.state.get(chunk.param)
-        if st and not self.moments:
+        if st and not self.moments and values:
             kept.update({k: v.clone() for k, v in st.items()
                          if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == chunk.numel})
         if self.moments:
@@ -365,7 +470,8 @@ class FlatSteps:
 
     def _restore_where(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]], kept: dict[str, Any],
                        skip: Tensor) -> None:
-        torch.where(skip, kept["W"], chunk.param, out=chunk.param)
+        if "W" in kept:
+            torch.where(skip, kept["W"], chunk.param, out=chunk.param)
         st = self.twin.state[chunk.param]
         for k, old in kept.items():
             if k in st:
@@ -401,6 +507,42 @@ class FlatSteps:
             first = self.twin.state[self.chunks[0].param]["step"]
             self.inner._reseed(int(float(first)), {c.param.device for c in self.chunks})  # type: ignore[attr-defined]
 
+    def _takes_kernel(self, chunk: Chunk, hyper: dict[str, Any]) -> bool:
+        """Whether this chunk's update is the fused kernel (mixprec.optim.adamw_triton) instead of
+        ``twin.step()``: on CUDA, once the twin has made the chunk's state (its first step is the
+        twin's, which creates the state in its own layout), when :func:`kernel_refusal` has no
+        objection. The reason is logged once per device; a CPU never takes the kernel."""
+        dev = chunk.param.device
+        if dev.type not in KERNEL_DEVICES or not self.twin.state.get(chunk.param):
+            return False
+        why = kernel_refusal(self.twin, hyper, dev)
+        note = "kernel" if why is None else why
+        if self.kernel_notes.get(str(dev)) != note:
+            self.kernel_notes[str(dev)] = note
+            _log.info("mixprec flat step on %s: %s", dev, "one fused AdamW kernel per chunk" if why is None
+                      else f"the twin optimizer steps each chunk ({why})")
+        return why is None
+
+    def _kernel_step(self, chunk: Chunk, hyper: dict[str, Any], skip: Tensor | None) -> None:
+        """The twin's step as one kernel launch: the same step counter (a CPU tensor, advanced on
+        the host as the twin does; a skipped step steps it back, ``_restore_where``), the same
+        rounding noise for BF16 moments (the twin's generator, reseeded as its step does, two
+        draws: exp_avg's, then exp_avg_sq's), nothing written where ``skip`` is set."""
+        from mixprec.optim.adamw_triton import adamw_chunk_       # optional: Triton
+        dev, st, twin = chunk.param.device, self.twin.state[chunk.param], self.twin
+        step = st["step"]
+        noise = None
+        if getattr(twin, "stochastic_rounding", False) and st["exp_avg"].dtype == torch.bfloat16:
+            twin._reseed(int(float(step)), {dev})                                    # type: ignore[attr-defined]
+            gen = twin._generator(dev)                                                # type: ignore[attr-defined]
+            noise = tuple(torch.randint(0, 1 << 16, (chunk.numel,), dtype=torch.int32, device=dev, generator=gen)
+                          for _ in range(2))
+        step.add_(1.0)
+        beta1, beta2 = hyper["betas"]
+        adamw_chunk_(chunk.param, chunk.param.grad, st["exp_avg"], st["exp_avg_sq"], lr=hyper["lr"], beta1=beta1,
+                     beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], step=float(step),
+                     found=skip, noise=noise)   # type: ignore[arg-type]
+
     @torch.no_grad()
     def step_chunk(self, chunk: Chunk, hyper: dict[str, Any], factors: list[Tensor],
                    inner_state: dict[Tensor, dict[str, Any]], skip: Tensor | None = None) -> None:
@@ -423,9 +565,13 @@ class FlatSteps:
                 torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
         if self.moments:
             self._decode(chunk, inner_state)
-        kept = self._keep(chunk, inner_state) if skip is not None else None
+        fused = self._takes_kernel(chunk, hyper)
+        kept = self._keep(chunk, inner_state, values=not fused) if skip is not None else None
         self.twin.param_groups = [{**hyper, "params": [chunk.param]}]
-        self.twin.step()
+        if fused:
+            self._kernel_step(chunk, hyper, skip)
+        else:
+            self.twin.step()
         if self.moments:
             self._encode(chunk, inner_state)
         elif not chunk.viewed or any(self.twin.state[chunk.param].get(k) is not v for k, v in chunk.shared.items()):
