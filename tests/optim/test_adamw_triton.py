@@ -16,12 +16,13 @@ What is compared, measured (interpreter, triton 3.5, 2-core x86 avx512_bf16, 202
 * kernel vs the twin's foreach step on the CPU (torch's AdamW, ``_AdamWFP32Math``): torch's CPU
   kernels order ``addcmul``/``addcdiv`` otherwise and its CPU sqrt is off by an ulp at times, so
   not bit for bit: max |diff| / max |ref| <= :data:`TWIN_REL_TOL` for the values and FP32
-  moments (measured up to 2.2e-7 over 4 steps); the first moment is bit-identical (the same
+  moments (measured up to 6.0e-8 over 3 steps); the first moment is bit-identical (the same
   fused lerp on the same inputs); BF16 moments differ by at most one BF16 ulp, where the FP32
   values an ulp apart round differently.
 * the flat step of ``mixprec.optim.AdamW`` with the kernel forced onto the CPU: split vs full
   masters bit-identical (tolerance 0) per moments format, a step skipped on the device equals a
-  step not taken, the probe passes, and the checkpoint keys are the twin's.
+  step not taken, the probe passes, the checkpoint keys are the twin's, and with FP32 moments the
+  masters and moments agree with the twin's flat step within TWIN_REL_TOL (measured 1.6e-7).
 
 The kernel tests skip where Triton is not importable (CI has none); the decider tests do not need it.
 """
@@ -260,18 +261,33 @@ def test_split_and_full_masters_through_the_kernel_are_bit_identical(interpreted
 
 @needs_triton
 @pytest.mark.parametrize("layout", ["split", "bf16", "int8"])
-def test_the_kernel_flat_step_keeps_the_checkpoint_and_agrees_with_the_twin(interpreted, layout):
-    wk, sk, _ = interpreted["flat"][layout]
-    wt, st, notes = interpreted["flat_twin"][layout]
+def test_the_kernel_flat_step_keeps_the_checkpoint_format(interpreted, layout):
+    _, sk, _ = interpreted["flat"][layout]
+    _, st, notes = interpreted["flat_twin"][layout]
     assert notes == {}                                   # the CPU never takes the kernel by itself
     assert sk["state"].keys() == st["state"].keys()
     for k in sk["state"]:
         assert {n: (t.dtype, t.shape) for n, t in sk["state"][k].items()} == \
             {n: (t.dtype, t.shape) for n, t in st["state"][k].items()}
         assert float(sk["state"][k]["step"]) == float(st["state"][k]["step"]) == 4.0
-    for a, b in zip(wk, wt):                             # BF16 params: the masters rounded
-        ulps = (a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30)
-        assert float(ulps.max()) <= 2.0 ** -7
+
+
+@needs_triton
+def test_the_kernel_flat_step_agrees_with_the_twins_flat_step(interpreted):
+    # FP32 moments: masters and moments within TWIN_REL_TOL (measured 1.6e-7), BF16 params at most
+    # one BF16 ulp apart (a master an FP32 ulp away may round the other way). Not checked for BF16
+    # or 8-bit moments: there a moment an ulp apart may round to another BF16 value or int8 code,
+    # and on this tiny model with lr 1e-2 that grows to whole steps by step 4 (an lr changed by
+    # 2**-22 does the same to the twin's own run: 0.14 and 0.26 of max |param|).
+    wk, sk, _ = interpreted["flat"]["split"]
+    wt, st, _ = interpreted["flat_twin"]["split"]
+    for a, b in zip(sk["master_weights"]["tensors"], st["master_weights"]["tensors"]):
+        assert _rel_err(a, b) <= TWIN_REL_TOL
+    for k in sk["state"]:
+        for n in ("exp_avg", "exp_avg_sq"):
+            assert _rel_err(sk["state"][k][n], st["state"][k][n]) <= TWIN_REL_TOL
+    for a, b in zip(wk, wt):
+        assert bool(((a.float() - b.float()).abs() <= 2.0 ** -7 * b.float().abs()).all())
 
 
 @needs_triton
