@@ -101,52 +101,57 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _probe_case(device: torch.device) -> tuple[Tensor, ...]:
+def _probe_case(device: torch.device) -> tuple[Tensor, list[Tensor]]:
     gen = torch.Generator().manual_seed(0)
     n = 3001                                       # ragged: not a multiple of the kernel's block
     w = torch.randn(n, generator=gen).to(device)
-    grads = [(torch.randn(n, generator=gen) * 1e-2).to(device) for _ in range(3)]
-    return w, *grads
+    return w, [(torch.randn(n, generator=gen) * 1e-2).to(device) for _ in range(3)]
+
+
+def _rel_err(got: Tensor, ref: Tensor) -> Tensor:
+    return (got.float() - ref.float()).abs().max() / ref.float().abs().max()
 
 
 def kernel_agrees(kernel: Callable[..., None], device: torch.device) -> bool:
-    """Whether ``kernel`` (``adamw_triton.adamw_chunk_``'s signature) runs on ``device`` and
-    agrees with the twin's foreach step there: three steps of torch's AdamW (FP32 moments, weight
-    decay) and of ``_AdamWFP32Math`` with BF16 moments rounded to nearest, on a ragged chunk of
-    3001 elements, within :data:`PROBE_REL_TOL` (BF16 moments within one BF16 ulp: an FP32 ulp
-    apart may round either way); and a step with the flag set writes nothing."""
-    from mixprec.optim.adamw import _AdamWFP32Math     # adamw imports this module's users: lazily
+    """Whether ``kernel`` (``adamw_triton.adamw_chunk_``'s signature) runs on ``device`` and does
+    the twin's step there, on a ragged chunk of 3001 elements: three steps with FP32 moments and
+    weight decay within :data:`PROBE_REL_TOL` of torch's foreach AdamW (values and moments); its
+    first step with BF16 moments gives the FP32 run's values bit for bit and its moments rounded
+    to nearest, or with the given noise as ``_AdamWFP32Math`` rounds them (mixprec.optim.adamw);
+    and a step with the flag set writes nothing. One host read per check: run once per device."""
     hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    args = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
     try:
-        for moments in ("fp32", "bf16"):
-            w, *grads = _probe_case(device)
-            p = w.clone()
-            if moments == "fp32":
-                twin: torch.optim.Optimizer = torch.optim.AdamW([p], foreach=True, **hyper)
-                dtype = torch.float32
-            else:
-                twin = _AdamWFP32Math([p], **hyper, moments_dtype=torch.bfloat16, stochastic_rounding=False,
-                                      seed=None)
-                dtype = torch.bfloat16
-            m, v = torch.zeros_like(w, dtype=dtype), torch.zeros_like(w, dtype=dtype)
-            for t, g in enumerate(grads, 1):
-                p.grad = g.clone()
-                twin.step()
-                kernel(w, g, m, v, lr=hyper["lr"], beta1=0.9, beta2=0.999, eps=hyper["eps"],
-                       weight_decay=hyper["weight_decay"], step=float(t))
-            st = twin.state[p]
-            tol = PROBE_REL_TOL if dtype == torch.float32 else 2.0 ** -7
-            for got, ref, bound in ((w, p, PROBE_REL_TOL), (m, st["exp_avg"], tol), (v, st["exp_avg_sq"], tol)):
-                ref32 = ref.float()
-                err = (got.float() - ref32).abs().max() / ref32.abs().max()
-                if not bool(err <= bound):                  # a host read: once per device
-                    return False
-            before = [t.clone() for t in (w, m, v)]
-            kernel(w, grads[0], m, v, lr=hyper["lr"], beta1=0.9, beta2=0.999, eps=hyper["eps"],
-                   weight_decay=hyper["weight_decay"], step=4.0,
-                   found=torch.ones((), dtype=torch.bool, device=device))
-            if not all(torch.equal(a, b) for a, b in zip(before, (w, m, v))):
+        w0, grads = _probe_case(device)
+        p, w = w0.clone(), w0.clone()
+        twin = torch.optim.AdamW([p], foreach=True, **hyper)          # type: ignore[arg-type]
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
+        firsts: list[Tensor] = []
+        for t, g in enumerate(grads, 1):
+            p.grad = g.clone()
+            twin.step()
+            kernel(w, g, m, v, step=float(t), **args)
+            if t == 1:
+                firsts = [w.clone(), m.clone(), v.clone()]
+        st = twin.state[p]
+        if not all(bool(_rel_err(a, b) <= PROBE_REL_TOL) for a, b in ((w, p), (m, st["exp_avg"]), (v, st["exp_avg_sq"]))):
+            return False
+        gen = torch.Generator(device=device).manual_seed(0)
+        noise = tuple(torch.randint(0, 1 << 16, w.shape, dtype=torch.int32, device=device, generator=gen)
+                      for _ in range(2))
+        for nz in (None, noise):                   # BF16 moments: to nearest, then stochastically
+            wb = w0.clone()
+            mb, vb = torch.zeros_like(w, dtype=torch.bfloat16), torch.zeros_like(w, dtype=torch.bfloat16)
+            kernel(wb, grads[0], mb, vb, step=1.0, noise=nz, **args)
+            want = [x.to(torch.bfloat16) if nz is None else
+                    x.view(torch.int32).add(r).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+                    for x, r in zip(firsts[1:], nz or (None, None))]
+            if not (torch.equal(wb, firsts[0]) and torch.equal(mb, want[0]) and torch.equal(vb, want[1])):
                 return False
+        before = [t.clone() for t in (w, m, v)]
+        kernel(w, grads[0], m, v, step=4.0, found=torch.ones((), dtype=torch.bool, device=device), **args)
+        if not all(torch.equal(a, b) for a, b in zip(before, (w, m, v))):
+            return False
     except Exception as e:                # a kernel that fails to compile or launch: the twin
         _log.info("mixprec's AdamW kernel failed its probe on %s: %s", device, e)
         return False
@@ -165,10 +170,9 @@ _UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
 def kernel_refusal(twin: torch.optim.Optimizer, hyper: dict[str, Any], device: torch.device) -> str | None:
     """Why a chunk of ``twin`` with the group's ``hyper`` on ``device`` keeps the twin's step
     rather than the fused kernel (mixprec.optim.adamw_triton); None: it takes the kernel."""
-    from mixprec.optim.adamw import _AdamWFP32Math
     if device.type not in KERNEL_DEVICES:
         return f"the fused AdamW kernel runs on {', '.join(KERNEL_DEVICES)} only, not {device.type}"
-    if type(twin) not in (torch.optim.AdamW, _AdamWFP32Math):
+    if type(twin) is not torch.optim.AdamW and not vars(type(twin)).get("mixprec_adamw_ops", False):
         return f"the fused kernel does AdamW, not {type(twin).__name__}"
     for key in _UNSUPPORTED:
         if hyper.get(key):

@@ -338,10 +338,20 @@ def test_options_the_kernel_does_not_do_keep_the_twin_and_say_which(cuda_ok, opt
     hyper[option] = True
     assert flat_mod.kernel_refusal(twin, hyper, torch.device("cuda")) == \
         f"the fused AdamW kernel does not support {option}=True"
-    hyper = {**_twin()[1], "lr": torch.tensor(1e-3)}
+
+
+def test_a_tensor_lr_and_other_optimizers_keep_the_twin_and_say_why(cuda_ok):
+    twin, hyper = _twin()
+    hyper = {**hyper, "lr": torch.tensor(1e-3)}
     assert "tensor lr" in flat_mod.kernel_refusal(twin, hyper, torch.device("cuda"))
     sgd = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
     assert "not SGD" in flat_mod.kernel_refusal(sgd, {"lr": 0.1}, torch.device("cuda"))
+
+    class OwnAdamW(_AdamWFP32Math):          # a subclass may change the math: not trusted
+        pass
+    own = OwnAdamW([torch.zeros(2)], 1e-3, (0.9, 0.999), 1e-8, 0.0, moments_dtype=torch.bfloat16,
+                   stochastic_rounding=True, seed=0)
+    assert "not OwnAdamW" in flat_mod.kernel_refusal(own, _twin()[1], torch.device("cuda"))
 
 
 def test_without_triton_the_twin_steps_and_says_why(cuda_ok):
@@ -352,7 +362,8 @@ def test_without_triton_the_twin_steps_and_says_why(cuda_ok):
 
 def _fake_kernel(kind: str):
     """A stand-in for adamw_chunk_ in torch ops (torch's CPU foreach order: it agrees with the
-    twin within the probe's bound), raising, or with a wrong sign / ignoring the flag."""
+    twin within the probe's bound), raising, with a wrong sign, ignoring the flag, or rounding
+    BF16 moments to nearest when given noise."""
     def kernel(w, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, found=None, noise=None):
         if kind == "raises":
             raise RuntimeError("PTX compilation failed")
@@ -365,12 +376,15 @@ def _fake_kernel(kind: str):
         d = (v32.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
         sign = 1.0 if kind == "wrong-sign" else -1.0
         w.addcdiv_(m32, d, value=sign * lr / (1 - beta1 ** step))
+        if noise is not None and kind != "no-noise":   # mixprec.optim.adamw's stochastic rounding
+            for x, r in zip((m32, v32), noise):
+                x.view(torch.int32).add_(r).bitwise_and_(-65536)
         m.copy_(m32)
         v.copy_(v32)
     return kernel
 
 
-@pytest.mark.parametrize("kind", ["agrees", "raises", "wrong-sign", "ignores-flag"])
+@pytest.mark.parametrize("kind", ["agrees", "raises", "wrong-sign", "ignores-flag", "no-noise"])
 def test_the_probe_accepts_only_a_kernel_that_runs_agrees_and_honours_the_flag(kind):
     assert flat_mod.kernel_agrees(_fake_kernel(kind), torch.device("cpu")) is (kind == "agrees")
 
