@@ -91,9 +91,14 @@ KERNEL_DEVICES = ("cuda",)
 """Device types whose chunks may take the fused kernel (mixprec.optim.adamw_triton); the CPU
 keeps the twin's foreach step, whose op counts tests/optim/test_step_cost.py pins."""
 
-PROBE_REL_TOL = 1e-6
-"""The probe's bound: max |kernel - twin| / max |twin| of the values and each moment after a few
-steps. torch's CUDA kernels may contract other multiply-adds than the kernel's explicit ones."""
+PROBE_REL_TOL = 0.0
+"""The probe's bound on max |kernel - twin| / max |twin| (values and moments after three steps):
+0, bit for bit. The kernel does torch's CUDA foreach AdamW's operations in its order with the same
+fused multiply-adds (mixprec.optim.adamw_triton), and mixprec promises more than split = full: on
+a GPU, masters follow torch's FP32 optimizer bit for bit (tests/cuda/test_cuda_master_weights.py).
+A GPU where the kernel is off by an ulp keeps the twin; the log line gives the measured error.
+Under the interpreter on a CPU, where torch's kernels order two operations otherwise, the tests
+set it to their measured bound."""
 
 
 @functools.cache
@@ -115,10 +120,11 @@ def _rel_err(got: Tensor, ref: Tensor) -> Tensor:
 def kernel_agrees(kernel: Callable[..., None], device: torch.device) -> bool:
     """Whether ``kernel`` (``adamw_triton.adamw_chunk_``'s signature) runs on ``device`` and does
     the twin's step there, on a ragged chunk of 3001 elements: three steps with FP32 moments and
-    weight decay within :data:`PROBE_REL_TOL` of torch's foreach AdamW (values and moments); its
+    weight decay within :data:`PROBE_REL_TOL` (0: bit for bit) of torch's foreach AdamW (values
+    and moments); its
     first step with BF16 moments gives the FP32 run's values bit for bit and its moments rounded
     to nearest, or with the given noise as ``_AdamWFP32Math`` rounds them (mixprec.optim.adamw);
-    and a step with the flag set writes nothing. One host read per check: run once per device."""
+    and a step with the flag set writes nothing. A few host reads: run once per device."""
     hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     args = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
     try:
@@ -134,7 +140,10 @@ def kernel_agrees(kernel: Callable[..., None], device: torch.device) -> bool:
             if t == 1:
                 firsts = [w.clone(), m.clone(), v.clone()]
         st = twin.state[p]
-        if not all(bool(_rel_err(a, b) <= PROBE_REL_TOL) for a, b in ((w, p), (m, st["exp_avg"]), (v, st["exp_avg_sq"]))):
+        err = max(float(_rel_err(a, b)) for a, b in ((w, p), (m, st["exp_avg"]), (v, st["exp_avg_sq"])))
+        if not err <= PROBE_REL_TOL:
+            _log.info("mixprec's AdamW kernel disagreed with torch's foreach AdamW on %s: max rel err %.3g "
+                      "(allowed %.3g)", device, err, PROBE_REL_TOL)
             return False
         gen = torch.Generator(device=device).manual_seed(0)
         noise = tuple(torch.randint(0, 1 << 16, w.shape, dtype=torch.int32, device=device, generator=gen)
