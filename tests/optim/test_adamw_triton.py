@@ -33,6 +33,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ import torch
 
 from mixprec.optim import AdamW, flat as flat_mod
 from mixprec.optim.adamw import _AdamWFP32Math
+
+from tests.optim.test_step_cost import LAYOUTS, _count_step, _syncs
 
 REPO = Path(__file__).resolve().parents[2]
 TWIN_REL_TOL = 1e-6
@@ -86,6 +89,8 @@ ti.InterpreterBuilder.create_fma = lambda self, x, y, z: ti.TensorHandle(fma32(x
 
 from mixprec.optim import AdamW, flat
 from mixprec.optim.adamw import _AdamWFP32Math
+
+from tests.optim.test_step_cost import LAYOUTS, _count_step, _syncs
 from mixprec.optim.adamw_triton import adamw_chunk_
 from mixprec.optim.inputs import StepInputs
 
@@ -441,3 +446,40 @@ def test_the_package_steps_without_triton():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# --- what the kernel replaces, counted (a stub stands in for the launch: no Triton needed) --------
+
+_TWIN_MATH = {"lerp_", "_foreach_lerp_", "addcmul_", "_foreach_addcmul_", "sqrt", "_foreach_sqrt",
+              "addcdiv_", "_foreach_addcdiv_"}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "found_inf"])
+def test_on_a_kernel_device_the_twins_math_is_one_launch_per_chunk(monkeypatch, layout, masked):
+    # The CPU stands in for CUDA (KERNEL_DEVICES) and a stub for adamw_chunk_: the step's other ops
+    # are counted as tests/optim/test_step_cost.py counts them. The twin's AdamW math (12 ops; 33
+    # with BF16 moments) and, for a masked step, the copies and torch.where that restored the
+    # values and moments are gone; one launch per chunk; fixed between 2 and 8 blocks; no sync.
+    twin_counts = {blocks: _count_step(blocks, LAYOUTS[layout], masked)[0].total for blocks in (2, 8)}
+    launches = []
+    stub = types.ModuleType("mixprec.optim.adamw_triton")
+    stub.adamw_chunk_ = lambda *a, **k: launches.append(k["found"] is not None)
+    monkeypatch.setitem(sys.modules, "mixprec.optim.adamw_triton", stub)
+    monkeypatch.setattr(flat_mod, "KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(flat_mod, "_triton_importable", lambda: True)
+    monkeypatch.setattr(flat_mod, "_kernel_agrees_on", lambda device: True)
+    counts = {}
+    for blocks in (2, 8):
+        launches.clear()
+        counter, opt = _count_step(blocks, LAYOUTS[layout], masked)
+        counts[blocks] = counter.total
+        assert _syncs(counter, opt) == {}
+        assert not _TWIN_MATH & set(counter.ops), counter.ops
+        if layout not in ("int8", "fp8"):          # 8-bit: encoding selects, and the codes are kept
+            assert "where" not in counter.ops
+        assert opt._flat.kernel_notes == {"cpu": "kernel"}
+    chunks = len(opt._flat.chunks)
+    assert launches[-chunks:] == [masked] * chunks      # the third step: one launch per chunk
+    assert counts[2] == counts[8]
+    assert counts[2] <= twin_counts[2] - 10, (twin_counts, counts)
