@@ -32,7 +32,8 @@ lists, or one op on its flat slice)::
     W[own]   <- FP32 masters / FP32 params that are their own master
     G[split] <- bf16 grads (exact), times each pending factor (1/scale, clip coefficient)
     G[own]   <- FP32 master grads (unscaled and clipped in place by the scaler already)
-    twin.step()                     the inner optimizer's own math, on one flat tensor
+    twin.step()                     the inner optimizer's own math, on one flat tensor (on CUDA:
+                                    one fused kernel launch, mixprec.optim.adamw_triton, below)
     bf16 params <- W[split] (round to nearest even), remainder <- low halves of W[split], ties
     FP32 masters / own params <- W[own], 16-bit params of full masters <- W[full] (rounded)
 
@@ -60,11 +61,25 @@ parameter during the step (the scratch of full FP32 masters and grads, which spl
 to avoid), where the shared per-device slots cost at most about one byte per parameter and
 512 MiB. Within that bound one twin step would save nothing: on an accelerator a group has
 several chunks only when it is too large for them to coexist (on a CPU they are cache-sized by
-choice), and chunks of different groups (other hyper-parameters) get
-one pass of the optimizer's math per group anyway. So each chunk costs its own twin step (12 dispatched ops for torch's AdamW, 33 for BF16
-moments) and gather/scatter (7 to 24 ops); docs/performance.md has the counts. Frozen parameters (``requires_grad=False``) are left out of the
-chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
-unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
+choice), and chunks of different groups (other hyper-parameters) get one pass of the
+optimizer's math per group anyway. So each chunk costs its own update and gather/scatter (7 to 24
+ops; docs/performance.md has the counts). On a CPU the update is ``twin.step()`` (12 dispatched
+ops for torch's AdamW, 33 with BF16 moments, 23 for the FP32 scratch of 8-bit moments). On CUDA,
+after a chunk's first step (the twin's: it makes the state in its own layout), no inner optimizer
+is re-driven: the twin's AdamW update is one Triton kernel launch per chunk
+(mixprec.optim.adamw_triton: torch's CUDA foreach AdamW's operations in its order, FP32 or BF16
+moments, the twin's rounding noise, nothing written where ``found_inf`` is set, so a masked step
+needs no ``torch.where`` over the values and moments), when the twin is torch's ``AdamW`` or
+mixprec's FP32-math AdamW with options the kernel does (no amsgrad, maximize, capturable, fused,
+tensor lr), Triton imports, and the kernel's probe gives torch's foreach AdamW's bits on the
+device (once per device, :func:`kernel_agrees`); else the twin steps, and one log line says why
+(:func:`kernel_refusal`). The twin still owns the state and the step counter (a CPU tensor,
+advanced on the host as the twin does), so checkpoints are unchanged; split and full masters take
+the same path on a device. 8-bit moments are decoded and encoded around the kernel as around the
+twin. Validated under Triton's interpreter only so far (no GPU lent, 2026-12-05).
+
+Frozen parameters (``requires_grad=False``) are left out of the chunks; freezing or unfreezing
+makes them again. After a per-master step, or when params are unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
 masters' step counts now differ (a param unfrozen after others stepped, a step that skipped a
 master) the chunks are made again, grouped by step count, since a chunk shares one counter.
 """
