@@ -37,6 +37,9 @@ is how the tests check it.
 """
 from __future__ import annotations
 
+import contextlib
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -117,11 +120,15 @@ def adamw_chunk_(w: Tensor, g: Tensor, m: Tensor, v: Tensor, *, lr: float, beta1
     bias1 = 1.0 - beta1**step
     bias2_sqrt = (1.0 - beta2**step) ** 0.5
     weight = 1.0 - beta1
+    weight32 = struct.unpack("f", struct.pack("f", weight))[0]   # torch picks lerp's form in FP32
     flag = w if found is None else found.view(torch.uint8) if found.dtype == torch.bool else found
     grid = (triton.cdiv(n, BLOCK),)
-    _adamw_chunk_kernel[grid](w, g, m, v, m_noise, v_noise, flag, n,
-                              1.0 - lr * weight_decay, weight, beta2, 1.0 - beta2, bias2_sqrt, eps,
-                              (lr / bias1) * -1,
-                              DECAY=weight_decay != 0.0, SMALL_WEIGHT=abs(weight) < 0.5,
-                              MOMENTS=moments, HAS_FOUND=found is not None, BLOCK=BLOCK,
-                              num_warps=4, enable_fp_fusion=False)
+    # Triton launches on the current device: make it w's (a chunk on another GPU than the current)
+    guard = torch.cuda.device(w.device) if w.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _adamw_chunk_kernel[grid](w, g, m, v, m_noise, v_noise, flag, n,
+                                  1.0 - lr * weight_decay, weight, beta2, 1.0 - beta2, bias2_sqrt, eps,
+                                  (lr / bias1) * -1,
+                                  DECAY=weight_decay != 0.0, SMALL_WEIGHT=abs(weight32) < 0.5,
+                                  MOMENTS=moments, HAS_FOUND=found is not None, BLOCK=BLOCK,
+                                  num_warps=4, enable_fp_fusion=False)

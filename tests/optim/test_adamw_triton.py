@@ -51,13 +51,15 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not importable here (CI has none); the kernel "
                                          "is checked under its interpreter where it is")
 
-# (name, moments, numel, weight decay): numels not multiples of the kernel's BLOCK (1024)
+# (name, moments, numel, weight decay, beta1): numels not multiples of the kernel's BLOCK (1024);
+# beta1 <= 0.5 takes lerp's other form (weight 1 - beta1 >= 0.5)
 CASES = [
-    ("fp32-ragged-wd", "fp32", 4099, 0.01),
-    ("fp32-small-nowd", "fp32", 1000, 0.0),
-    ("bf16-stochastic-ragged-wd", "bf16-sr", 4099, 0.01),
-    ("bf16-stochastic-nowd", "bf16-sr", 1000, 0.0),
-    ("bf16-nearest-ragged-wd", "bf16-rn", 3001, 0.01),
+    ("fp32-ragged-wd", "fp32", 4099, 0.01, 0.9),
+    ("fp32-small-nowd", "fp32", 1000, 0.0, 0.9),
+    ("fp32-large-lerp-weight", "fp32", 2050, 0.01, 0.3),
+    ("bf16-stochastic-ragged-wd", "bf16-sr", 4099, 0.01, 0.9),
+    ("bf16-stochastic-nowd", "bf16-sr", 1000, 0.0, 0.9),
+    ("bf16-nearest-ragged-wd", "bf16-rn", 3001, 0.01, 0.9),
 ]
 STEPS, SKIP_AT = 4, 2          # four steps; the third is skipped (found_inf = 1)
 
@@ -95,17 +97,21 @@ from mixprec.optim.adamw_triton import adamw_chunk_
 from mixprec.optim.inputs import StepInputs
 
 out_path, cases, steps, skip_at = sys.argv[1], ast.literal_eval(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-LR, B1, B2, EPS, SEED = 1e-2, 0.9, 0.999, 1e-8, 7
+LR, B2, EPS, SEED = 1e-2, 0.999, 1e-8, 7
 f32 = np.float32
 
-def reference(w, g, m, v, wd, t, noise):
+def reference(w, g, m, v, wd, B1, t, noise):
     """The module docstring's operation list, in numpy (FP32, correctly rounded sqrt and /)."""
     w, g = w.numpy().copy(), g.numpy()
     bf16 = m.dtype == torch.bfloat16
     m32, v32 = m.float().numpy().copy(), v.float().numpy().copy()
     if wd != 0.0:
         w = w * f32(1.0 - LR * wd)
-    m32 = fma32(g - m32, np.full_like(m32, f32(1.0 - B1)), m32)
+    w1 = f32(1.0 - B1)
+    if abs(w1) < 0.5:
+        m32 = fma32(g - m32, np.full_like(m32, w1), m32)
+    else:
+        m32 = fma32(-(g - m32), np.full_like(m32, f32(1.0) - w1), g)
     v32 = fma32(g * g, np.full_like(v32, f32(1.0 - B2)), v32 * f32(B2))
     d = np.sqrt(v32) / f32((1.0 - B2 ** t) ** 0.5) + f32(EPS)
     w = fma32(m32 / d, np.full_like(w, f32((LR / (1.0 - B1 ** t)) * -1)), w)
@@ -119,7 +125,7 @@ def reference(w, g, m, v, wd, t, noise):
     return torch.from_numpy(w), store(m32, noise and noise[0]), store(v32, noise and noise[1])
 
 res = {}
-for k, (name, moments, n, wd) in enumerate(cases):
+for k, (name, moments, n, wd, B1) in enumerate(cases):
     gen = torch.Generator().manual_seed(k)
     w0 = torch.randn(n, generator=gen)
     grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(steps)]
@@ -149,7 +155,7 @@ for k, (name, moments, n, wd) in enumerate(cases):
         twin.step()
         adamw_chunk_(kw, g, km, kv, lr=LR, beta1=B1, beta2=B2, eps=EPS, weight_decay=wd, step=float(t),
                      found=torch.zeros((), dtype=torch.bool), noise=noise)
-        rw, rm, rv = reference(rw, g, rm, rv, wd, t, noise)
+        rw, rm, rv = reference(rw, g, rm, rv, wd, B1, t, noise)
     st = twin.state[p]
     res[name] = {"kernel": (kw, km, kv), "reference": (rw, rm, rv),
                  "twin": (p.detach().clone(), st["exp_avg"], st["exp_avg_sq"]),
