@@ -79,9 +79,10 @@ the same path on a device. 8-bit moments are decoded and encoded around the kern
 twin. Validated under Triton's interpreter only so far (no GPU lent, 2026-12-05).
 
 Frozen parameters (``requires_grad=False``) are left out of the chunks; freezing or unfreezing
-makes them again. After a per-master step, or when params are unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
-masters' step counts now differ (a param unfrozen after others stepped, a step that skipped a
-master) the chunks are made again, grouped by step count, since a chunk shares one counter.
+makes them again. After a per-master step, or when params are unfrozen, a chunk adopts the
+per-master state again (a one-time concatenation); where the masters' step counts now differ (a
+param unfrozen after others stepped, a step that skipped a master) the chunks are made again,
+grouped by step count, since a chunk shares one counter.
 """
 from __future__ import annotations
 
@@ -136,10 +137,10 @@ def kernel_agrees(kernel: Callable[..., None], device: torch.device) -> bool:
     """Whether ``kernel`` (``adamw_triton.adamw_chunk_``'s signature) runs on ``device`` and does
     the twin's step there, on a ragged chunk of 3001 elements: three steps with FP32 moments and
     weight decay within :data:`PROBE_REL_TOL` (0: bit for bit) of torch's foreach AdamW (values
-    and moments); its
-    first step with BF16 moments gives the FP32 run's values bit for bit and its moments rounded
-    to nearest, or with the given noise as ``_AdamWFP32Math`` rounds them (mixprec.optim.adamw);
-    and a step with the flag set writes nothing. A few host reads: run once per device."""
+    and moments); its first step with BF16 moments gives the FP32 run's values bit for bit and its
+    moments rounded to nearest, or with the given noise as ``_AdamWFP32Math`` rounds them
+    (mixprec.optim.adamw); and a step with the flag set writes nothing. A few host reads: run
+    once per device."""
     hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     args = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
     try:
@@ -541,9 +542,12 @@ class FlatSteps:
         twin's, which creates the state in its own layout), when :func:`kernel_refusal` has no
         objection. The reason is logged once per device; a CPU never takes the kernel."""
         dev = chunk.param.device
-        if dev.type not in KERNEL_DEVICES or not self.twin.state.get(chunk.param):
+        st = self.twin.state.get(chunk.param)
+        if dev.type not in KERNEL_DEVICES or not st:
             return False
-        why = kernel_refusal(self.twin, hyper, dev)
+        step = st.get("step")
+        why = kernel_refusal(self.twin, hyper, dev) if isinstance(step, Tensor) and step.device.type == "cpu" \
+            else "the step counter is not a CPU tensor (the kernel's bias corrections are host scalars)"
         note = "kernel" if why is None else why
         if self.kernel_notes.get(str(dev)) != note:
             self.kernel_notes[str(dev)] = note

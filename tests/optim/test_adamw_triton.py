@@ -441,6 +441,28 @@ def test_the_flat_step_notes_and_logs_why_its_chunks_keep_the_twin(cuda_ok, capl
         assert torch.equal(a, b)
 
 
+def test_a_step_counter_off_the_host_keeps_the_twin_and_says_why(cuda_ok):
+    # The kernel's bias corrections are host scalars read from the twin's CPU counter; a counter
+    # elsewhere (a state loaded as capturable) would be a device read per step.
+    cuda_ok.setattr(flat_mod, "KERNEL_DEVICES", ("cuda", "cpu"))
+    stub = types.ModuleType("mixprec.optim.adamw_triton")
+    stub.adamw_chunk_ = lambda *a, **k: None
+    cuda_ok.setitem(sys.modules, "mixprec.optim.adamw_triton", stub)
+    lin = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()                                        # the twin's: it makes the state
+    assert opt._flat.kernel_notes == {}
+    opt.step()
+    assert opt._flat.kernel_notes == {"cpu": "kernel"}
+    st = opt._flat.twin.state[opt._flat.chunks[0].param]
+    st["step"] = st["step"].to("meta")
+    assert not opt._flat._takes_kernel(opt._flat.chunks[0], {k: v for k, v in opt.param_groups[0].items()
+                                                             if k != "params"})
+    assert opt._flat.kernel_notes == {"cpu": "the step counter is not a CPU tensor (the kernel's bias "
+                                             "corrections are host scalars)"}
+
+
 def test_the_package_steps_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, mixprec.optim\n"
