@@ -73,6 +73,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
     """Stepping chunks cut by ``mixprec.optim.split.chunks`` (its own boundaries) is exact: split
     masters step it that way."""
 
+    mixprec_adamw_ops = True
+    """Its update is torch's foreach AdamW op for op: the flat step may run it as one fused kernel
+    (mixprec.optim.flat, mixprec.optim.adamw_triton)."""
+
     mixprec_not_separable_because = ("draws its stochastic-rounding noise per chunk of a whole param "
                                      "group, so a step split by module draws other noise (use "
                                      "stochastic_rounding=False, or FP32 moments)")
