@@ -5,9 +5,9 @@
 
 * the conversions, :func:`~mixprec.precision.convert_to_fp8` and
   :func:`~mixprec.precision.convert_to_micro` (:mod:`mixprec.precision.convert`, one walk);
-* :meth:`mixprec.Precision.resolve`, whose per-layer table shows the answer in its ``refused``
+* :meth:`mixprec.Precision.resolve` (``Layers.resolve``), whose per-layer table shows the answer in its ``refused``
   column before set-up as after (the audit, the planner and ``describe`` read the table);
-* :func:`~mixprec.precision.layer_formats.swap_layer` behind ``Precision.layers.set_format``: the
+* :func:`~mixprec.precision.layers.swap_layer` behind ``precision.layers.set_format``: the
   re-planner and the guard (:mod:`mixprec.monitor`) and ``mixprec plan``'s verification.
 
 The rules, in the order they are asked (the first that applies is the answer):
