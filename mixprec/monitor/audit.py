@@ -52,9 +52,8 @@ from mixprec.amp.grads import HasMasterGrads
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.policy.dtypes import dtype_name, format_info
-from mixprec.precision.rules import is_gate as _is_gate
+from mixprec.precision.rules import layer_kind as _layer_kind
 from mixprec.precision.rules import norm_statistics_fp32 as _norm_statistics_fp32
-from mixprec.precision.rules import is_norm as _is_norm
 from mixprec.policy.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
                                        cuda_supports_fp8, describe_cpu)
 from mixprec.policy.overrides import is_micro
@@ -183,9 +182,12 @@ def _fp16_what(precision: Precision, fp16_params: bool) -> str:
 def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:
     norms: list[str] = []
     gates: list[str] = []
+    kinds = {r.name: r.kind for r in precision.resolve(model)}     # what each layer is: the table's
     for fqn, module in model.named_modules():
         dt = _module_dtype(fqn, module, precision)
-        is_norm, is_gate = _is_norm(module), _is_gate(fqn, module)
+        # A module without parameters has no row: the rule book's kind for it (its eps check).
+        kind = kinds[fqn] if fqn in kinds else _layer_kind(fqn, module)
+        is_norm, is_gate = kind == "norm", kind == "gate"
         if dt in _LOW and is_norm:
             norms.append(fqn)
         elif dt in _LOW and is_gate:
