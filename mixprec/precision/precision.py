@@ -49,8 +49,8 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec import _moved
+from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
 from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
