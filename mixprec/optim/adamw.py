@@ -357,7 +357,7 @@ class AdamW(SplitMasterWeights):
             (``None``: on, the default; ``False``: full FP32 masters). Bit-identical either way;
             see mixprec.optim.master.
         master_params: exactly the params that get FP32 masters (the per-layer table's set,
-            ``Precision.master_params(model)``); ``None``: by dtype, see ``MasterWeights``.
+            ``Precision.layers.master_params(model)``); ``None``: by dtype, see ``MasterWeights``.
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).

@@ -109,7 +109,7 @@ class MasterWeights(torch.optim.Optimizer):
             ``mixprec_chunk_exact = True``). ``True`` refuses other optimizers; ``False`` keeps
             full FP32 masters.
         master_params: the parameters that get a separate FP32 master, exactly these: the per-layer
-            table's ``master`` column (``Precision.master_params(model)``; ``Precision.setup``
+            table's ``master`` column (``Precision.layers.master_params(model)``; ``Precision.setup``
             passes it). Listed FP32 params are converted to ``param_dtype`` when it is given;
             unlisted params are their own master (stepped in place, in their dtype). ``None``
             (a hand-built optimizer): every floating param not in ``master_dtype`` gets one, and

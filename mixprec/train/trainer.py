@@ -71,7 +71,7 @@ class FitResult:
     final_loss: float | None
     final_val_loss: float | None
     policy: str
-    """What ran (``Precision.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
+    """What ran (``Precision.layers.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
     ``fp8-tensorwise+switched (5 bf16)`` when layers changed format while training (the guard)."""
 
 
@@ -170,7 +170,7 @@ class Trainer:
 
     @property
     def fp8_report(self):
-        return self.precision.fp8_report
+        return self.precision.layers.fp8_report
 
     # ------------------------------------------------------------------ set-up
 
@@ -389,7 +389,7 @@ class Trainer:
         numerics monitor, the re-planner, the guard), and with delayed-scaling FP8 layers (the
         next forward moves their amax history, which the trace of a skip must replay as it was)."""
         return not (self.settle_each_step or any(h.needs_outcome_now for h in self.hooks)
-                    or "fp8-delayed" in self.precision.layer_formats.values())
+                    or "fp8-delayed" in self.precision.layers.formats.values())
 
     def settle(self) -> None:
         """Wait (on the device, not the host) for an overlapped update still in flight; before
@@ -477,7 +477,7 @@ class Trainer:
             deleted: list[str] = []
             try:
                 path, self._lock = claim_locked_run_dir(
-                    cfg.run_dir, precision=self.precision.label, resume=resume and not start_over,
+                    cfg.run_dir, precision=self.precision.recipe.label, resume=resume and not start_over,
                     overwrite=cfg.overwrite or start_over, deleted=deleted)
                 claim = (str(path), None)
                 if not start_over and (said := deleted_note(path, deleted)):  # (a restart says its own)
@@ -644,8 +644,8 @@ class Trainer:
                         f"# optimizer: the caller's {type(mine).__name__}; lr, weight_decay and betas above are "
                         f"its own where all its groups agree ({', '.join(_optimizer_settings(mine)) or 'none'}), "
                         "the others were not used\n")
-                ran = (f"# ran: {self.precision.ran()}\n"
-                       if self.precision.has_plan or self.precision.switched else "")
+                ran = (f"# ran: {self.precision.layers.ran()}\n"
+                       if self.precision.recipe.has_plan or self.precision.layers.switched else "")
                 (self.run_dir / "config.toml").write_text(
                     config_to_toml(resolved, _what_fit_trained(cfg, self.raw_model, train_loader)) + used
                     + ran + "\n" + recipe.to_toml())
@@ -762,7 +762,7 @@ class Trainer:
                              and is_finite_number(r.get("val_loss"))), None)
         final_loss = float(last_out.loss) if last_out is not None else None
         return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
-                         last_val, self.precision.ran())
+                         last_val, self.precision.layers.ran())
 
     def _warmup_not_left(self) -> str | None:
         """One line when mixprec's schedule ended its run still in warm-up (its LR never reached
