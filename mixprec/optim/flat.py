@@ -227,6 +227,12 @@ def pack_ties_(bits: Tensor, flags: Tensor, shifts: Tensor) -> None:
     bits.copy_(packed)
 
 
+def _queues_copy(step: Tensor, skip: Tensor) -> bool:
+    """Whether stepping ``step`` (a host counter) back by the device flag ``skip`` must wait for
+    the flag: then the step queues a host copy and :meth:`FlatSteps.settle` reads it later."""
+    return step.device != skip.device
+
+
 class _Bytes:
     """The bytes of a list of tensors (8-bit codes, their scales, FP32 vector moments) as views
     made once, to keep and restore them with a fixed number of ops: one foreach copy into a flat
@@ -327,6 +333,8 @@ class FlatSteps:
         self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
         self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
         self.kernel_notes: dict[str, str] = {}   # per device: "kernel", or why its chunks keep the twin
+        self._pending: list[tuple[Tensor, tuple[Tensor, Tensor, Any]]] = []   # counters to step back
+        self._copies: dict[int, tuple[Tensor, Tensor, Any]] = {}                # (see settle)
         plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]] = []
         need: dict[torch.device, int] = {}
         for gi, members in enumerate(groups):
@@ -445,6 +453,7 @@ class FlatSteps:
     def unshare(self, inner_state: dict[Tensor, dict[str, Any]]) -> None:
         """Before a per-master step: give each master its own step counter (the views share one)
         and make every chunk adopt the per-master state again at its next flat step."""
+        self.settle()
         for chunk in self.chunks:
             if chunk.viewed:
                 for m in chunk.masters:
@@ -510,7 +519,41 @@ class FlatSteps:
             chunk.stored.restore_where(kept["bytes"], skip)
         step = st.get("step")
         if isinstance(step, Tensor):
-            step.sub_(skip.to(device=step.device, dtype=step.dtype))
+            if _queues_copy(step, skip):               # settled before the counter is read again
+                self._pending.append((step, self._host_flag(skip)))
+            else:                                      # a CPU run: no copy, no wait
+                step.sub_(skip.to(dtype=step.dtype))
+
+    def _host_flag(self, skip: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """A host copy of the device flag ``skip``, queued without waiting (pinned memory and an
+        event on CUDA), one per flag and step."""
+        got = self._copies.get(id(skip))
+        if got is None:
+            host = torch.empty((), dtype=torch.bool, pin_memory=skip.is_cuda)
+            host.copy_(skip, non_blocking=skip.is_cuda)
+            event = torch.cuda.Event() if skip.is_cuda else None
+            if event is not None:
+                event.record()
+            got = self._copies[id(skip)] = (skip, host, event)     # holds skip: its id stays unique
+        return got
+
+    def settle(self) -> None:
+        """Step back the counters of chunks whose last step was skipped on an accelerator.
+
+        torch's AdamW keeps ``step`` on the host; the flag is on the device. Stepping the counter
+        back at once would copy the flag to the host and wait for it: a sync every step. So the
+        masked step queues a host copy of its flag (``_host_flag``) and this reads it before
+        anything reads the counters again (the owner calls it at the start of its next step and
+        of ``state_dict()``). The copy was queued before the step's update, so by then it waits for
+        nothing queued since (``fit()`` reads its own copy of the same flag at the same point,
+        ``Trainer.conclude``)."""
+        for step, (_, host, event) in self._pending:
+            if event is not None:
+                event.synchronize()
+            if bool(host):
+                step.sub_(1)
+        self._pending.clear()
+        self._copies.clear()
 
     @staticmethod
     def _stored_tensors(chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> list[Tensor]:

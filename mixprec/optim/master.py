@@ -396,6 +396,8 @@ class MasterWeights(torch.optim.Optimizer):
         the step's transient memory dropped (``_end_step``).
         """
         loss = None
+        if self._flat is not None:
+            self._flat.settle()            # counters of a step skipped on the device (flat.settle)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -633,6 +635,8 @@ class MasterWeights(torch.optim.Optimizer):
         into fresh FP32 tensors, so the file is the same with and without split masters). Everything
         in it loads with ``torch.load(..., weights_only=True)``.
         """
+        if self._flat is not None:
+            self._flat.settle()
         sd = self._inner.state_dict()
         # The flat step's per-master state views share one step counter per chunk
         # (mixprec.optim.flat): save each its own, as torch's optimizers do.
