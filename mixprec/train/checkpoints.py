@@ -1,7 +1,7 @@
-"""A run's checkpoints as the loop uses them: a save after a step, and continuing a run: what a
-``resume`` means (a checkpoint's own run, a run to start over, another model's run refused), the
-restore from its checkpoint, and the LR schedule re-stretched to this run's settings. The
-checkpoint files themselves are :mod:`mixprec.runs.checkpointer`'s."""
+"""A run's folder and checkpoints as the loop uses them: the folder claimed (rank 0 locks it), a
+save after a step, and continuing a run: what a ``resume`` means (a checkpoint's own run, a run to
+start over, another model's run refused), the restore from its checkpoint, and the LR schedule
+re-stretched to this run's settings. The files themselves are :mod:`mixprec.runs`'s."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,15 +15,16 @@ from torch import nn
 from mixprec import hints
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim.schedule import restretch
+from mixprec.precision import Precision
 from mixprec.runs import checkpoint as ckpt
 from mixprec.runs.read import read_run_config
-from mixprec.train.config import FitConfig
-from mixprec.precision import Precision
+from mixprec.runs.run_dir import claim_locked_run_dir, deleted_note
 from mixprec.strategies import Strategy
-from mixprec.train.run_folder import claim_run_dir, fit_model_name
+from mixprec.train.config import FitConfig
+from mixprec.train.setup import fit_model_name
 
-__all__ = ["save", "Resumed", "open_run_dir", "resume_into_its_run", "start_over", "refuse_another_models_run",
-           "restore", "reschedule"]
+__all__ = ["save", "Resumed", "open_run_dir", "claim_run_dir", "resume_into_its_run", "start_over",
+           "refuse_another_models_run", "restore", "reschedule"]
 
 Notes = list[tuple[str, str]]
 
@@ -50,6 +51,34 @@ def open_run_dir(cfg: FitConfig, resume: str | Path | bool | None, strategy: Str
     run_dir, lock = claim_run_dir(strategy, cfg, precision, resume=bool(resume), start_over=again,
                                   notes=notes)
     return cfg, resume, run_dir, lock
+
+
+def claim_run_dir(strategy: Strategy, cfg: FitConfig, precision: Precision, *, resume: bool,
+                  start_over: bool = False, notes: list[tuple[str, str]]) -> tuple[Path, Any]:
+    """``(run folder, rank 0's lock on it)``: rank 0 claims (and locks: one folder, one writer) the
+    run folder; every rank learns which, or the one-line refusal. ``start_over``: the folder holds
+    a run with no complete checkpoint, which a resume begins again from step 0 (its old files are
+    replaced)."""
+    claim: tuple[str | None, str | None] = (None, None)
+    lock = None
+    if strategy.is_main:
+        deleted: list[str] = []
+        try:
+            path, lock = claim_locked_run_dir(
+                cfg.run_dir, precision=precision.label, resume=resume and not start_over,
+                overwrite=cfg.overwrite or start_over, deleted=deleted)
+            claim = (str(path), None)
+            if not start_over and (said := deleted_note(path, deleted)):  # (a restart says its own)
+                notes.append((said, "overwrite"))
+        except ConfigError as e:
+            claim = (None, str(e))
+    # Rank 0 picked (and made) the folder, or refused it: every rank learns which.
+    path, error = strategy.broadcast_object(claim)
+    if error is not None:
+        raise ConfigError(error)
+    run_dir = Path(path)
+    hints.set_run_dir(run_dir)
+    return run_dir, lock
 
 
 def resume_into_its_run(cfg: FitConfig, resume: str | Path | bool | None, *,

@@ -1,7 +1,8 @@
 """One ``fit()`` call around the loop: the run opened before the first step (its folder, a
 checkpoint restored, its logs, the audit, the profiler), the context the steps run in (a lost peer
 is one line, Ctrl-C/SIGTERM saves then stops, the run's health counts the steps as they conclude),
-what the run does after its last step, and the :class:`FitResult` it returns.
+what the run does after its last step, and the :class:`FitResult` it returns; and how many steps
+it takes (:func:`total_steps`).
 
 :func:`open_run` sets the trainer's run state (``config``, ``run_dir``, ``checkpointer``, ``step``,
 ``epoch``, ``events``, ``profiler``): the attributes ``Trainer.__init__`` declares for it.
@@ -17,19 +18,21 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.amp import StuckLossScaleWarning
+from mixprec.errors import ConfigError
 from mixprec.monitor import StuckScaleWarning, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.metrics import is_finite_number, read_metrics
+from mixprec.train.checkpoints import open_run_dir, refuse_another_models_run, restore
+from mixprec.train.config import FitConfig
 from mixprec.train.ending import warmup_not_left
 from mixprec.train.health import RunHealth
 from mixprec.train.hooks import ProfilerHook
-from mixprec.train.checkpoints import open_run_dir, refuse_another_models_run, restore
 from mixprec.train.run_log import RunLog
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput, micro_batch_groups
 
-__all__ = ["FitResult", "Run", "open_run", "audit_first_step", "running", "result"]
+__all__ = ["FitResult", "Run", "total_steps", "open_run", "audit_first_step", "running", "result"]
 
 
 @dataclass
@@ -55,6 +58,24 @@ class Run:
     groups: Iterator[tuple[int, list[Batch]]]   # (epoch, the micro-batches of a step), endless
     audit_first_step: bool = False     # audit what the first step changed (the step from 0)
     stop: StopRequest | None = None    # Ctrl-C/SIGTERM asked to stop (inside :func:`running`)
+
+
+def total_steps(train_loader: Any, cfg: FitConfig) -> int:
+    """The steps the run takes: ``max_steps``, or ``epochs`` of the loader's full steps."""
+    try:
+        steps_per_epoch = len(train_loader) // cfg.grad_accum_steps  # type: ignore[arg-type]
+    except TypeError:
+        steps_per_epoch = None
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    if steps_per_epoch:
+        return cfg.epochs * steps_per_epoch
+    if steps_per_epoch is None:
+        raise ConfigError("the training data has no length and max_steps is not set; set "
+                          "max_steps")
+    raise ConfigError(f"the training data gives no full step ({len(train_loader)} batches "
+                      f"for grad_accum_steps={cfg.grad_accum_steps}); use more data or a "
+                      "smaller batch")
 
 
 def open_run(trainer: Any, train_loader: Any, total: int, resume: str | Path | bool | None) -> Run:

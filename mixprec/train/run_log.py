@@ -12,7 +12,7 @@ from mixprec.errors import ConfigError
 from mixprec.runs.events import RunEvents
 from mixprec.runs.metrics import MetricsLogger
 from mixprec.train.meter import IntervalMeter
-from mixprec.train.run_folder import write_run_config
+from mixprec.train.setup import write_run_config
 from mixprec.train.step import StepOutput
 
 __all__ = ["RunLog"]

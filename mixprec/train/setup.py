@@ -1,7 +1,7 @@
 """What a :class:`~mixprec.train.Trainer` is built with and what ``prepare()`` builds, in order:
 the run's ``Precision`` (from ``fit()``'s arguments), the precision applied to the model (wrapped
 by the strategy), the optimizer and its LR schedule, and the optional watchers that become the
-step hooks (train/hooks.py).
+step hooks (train/hooks.py); and the record of those choices in the run's ``config.toml``.
 
 Each function returns what it built; the trainer keeps it. A setting that changes nothing, or
 that changes what the user would assume, is said at start: appended to ``notes`` as ``(message,
@@ -10,13 +10,16 @@ kind)``, which the run's events say and record once they are open.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from mixprec.errors import ConfigError, closest, excerpt
+from mixprec.models.hf import is_hf_model, is_hf_spec, keep_run_config
 from mixprec.models.objective import apply_loss_chunk, make_objective
 from mixprec.monitor import NumericsMonitor, ScaleWatch
 from mixprec.monitor.guard import TrainingGuard
@@ -27,35 +30,41 @@ from mixprec.optim.registry import find_optimizer_for
 from mixprec.optim.schedule import warmup_cosine_scheduler
 from mixprec.precision import Policy, Precision
 from mixprec.strategies import Strategy
-from mixprec.train.config import (FitConfig, given_settings, refuse_changes_to_ready_precision,
+from mixprec.train.config import (FitConfig, config_to_toml, refuse_changes_to_ready_precision,
                                   refuse_two_modes)
 from mixprec.train.hooks import GuardHook, NumericsHook, ReplanHook, ScaleWatchHook, StepHook
 from mixprec.train.schedules import move_scheduler
 
-__all__ = ["choose_precision", "refuse_swaps_when_sharded", "apply_precision", "build_optimizer",
-           "build_scheduler", "watch_numbers", "overlapped_update", "activations_in_fp8",
-           "watch_formats", "step_hooks", "compiled_first_step"]
+__all__ = ["with_overrides", "choose_precision", "refuse_swaps_when_sharded", "apply_precision",
+           "build_optimizer", "build_scheduler", "watch_numbers", "overlapped_update",
+           "activations_in_fp8", "watch_formats", "step_hooks", "compiled_first_step",
+           "write_run_config", "fit_model_name"]
 
 Notes = list[tuple[str, str]]
 
 
-def choose_precision(model: nn.Module, config: FitConfig | None, overrides: dict[str, Any],
-                     mixed_precision: str | Policy | Precision | bool | None,
-                     optimizer: torch.optim.Optimizer | None,
-                     device: torch.device) -> tuple[FitConfig, Precision, torch.optim.Optimizer | None]:
-    """``(config, precision, found optimizer)``: the config with ``fit()``'s keyword overrides
-    (validated), the run's ``Precision`` (every precision choice of the run, fixed here; a ready
-    one keeps its own settings) and the optimizer built for this model that was not passed."""
-    given_config = config or FitConfig()
-    fields = {f.name for f in dataclasses.fields(given_config)}
+def with_overrides(config: FitConfig | None, overrides: dict[str, Any]) -> FitConfig:
+    """``config`` (or the defaults) with ``fit()``'s keyword overrides, validated: an unknown
+    argument or a bad value is refused in one line."""
+    config = config or FitConfig()
+    fields = {f.name for f in dataclasses.fields(config)}
     unknown = set(overrides) - fields
     if unknown:
         name = sorted(unknown)[0]
         raise ConfigError(f"fit() got an unknown argument '{name}'{closest(name, fields)}")
-    cfg = dataclasses.replace(given_config, **overrides) if overrides else given_config
+    cfg = dataclasses.replace(config, **overrides) if overrides else config
     cfg.validate()
+    return cfg
+
+
+def choose_precision(model: nn.Module, cfg: FitConfig, given: set[str],
+                     mixed_precision: str | Policy | Precision | bool | None,
+                     optimizer: torch.optim.Optimizer | None,
+                     device: torch.device) -> tuple[Precision, torch.optim.Optimizer | None]:
+    """``(precision, found optimizer)``: the run's ``Precision`` (every precision choice of the
+    run, fixed here; a ready one keeps its own settings: a ``given`` setting that would change it
+    is refused), and the optimizer built for this model that was not passed."""
     choice = mixed_precision if mixed_precision is not None else cfg.precision
-    given = given_settings(given_config, overrides)
     if isinstance(choice, Precision):           # a ready Precision keeps its own settings
         refuse_changes_to_ready_precision(choice, cfg, given)
         if cfg.micro_options:
@@ -69,7 +78,7 @@ def choose_precision(model: nn.Module, config: FitConfig | None, overrides: dict
     # Every precision choice of the run, fixed here (scaling only where the mode needs it).
     precision = choice if isinstance(choice, Precision) else Precision(
         cfg.recipe(choice, device=device, optimizer=optimizer or found), device=device)
-    return cfg, precision, found
+    return precision, found
 
 
 def refuse_swaps_when_sharded(cfg: FitConfig, strategy: Strategy) -> None:
@@ -258,3 +267,71 @@ def compiled_first_step(trainer: Any, batches: list[Any]) -> Any:
         trainer.events.note(f"compile=true failed ({type(e).__name__}: {first}); training eager",
                             trainer.step, kind="compile")
         return trainer.train_step(batches)
+
+
+def write_run_config(run_dir: Path, cfg: FitConfig, precision: Precision, *, model: nn.Module,
+                     optimizer: torch.optim.Optimizer | None, train_loader: Any) -> None:
+    """``config.toml`` (rank 0): the resolved precision ("auto" means something else on another
+    machine), the optimizer's settings that ran, and the ``[recipe]`` table."""
+    # A plan's layers (plan:PATH, precision_overrides) are kept as the [overrides]
+    # table beside its base mode: what a resume rebuilds the same Precision from.
+    recipe = precision.recipe     # the [recipe] table below records all of it
+    resolved = dataclasses.replace(cfg, precision=precision.name,
+                                   precision_overrides=recipe.policy.overrides,
+                                   micro_options=",".join(
+                                       f"{k}={'none' if v is None else v}"
+                                       for k, v in recipe.policy.micro_options),
+                                   split_masters=recipe.split_masters, moments=recipe.moments,
+                                   fp8_activations=recipe.fp8_activations,
+                                   **_optimizer_settings(optimizer))
+    mine = optimizer
+    used = ("" if mine is None else
+            f"# optimizer: the caller's {type(mine).__name__}; lr, weight_decay and betas above are "
+            f"its own where all its groups agree ({', '.join(_optimizer_settings(mine)) or 'none'}), "
+            "the others were not used\n")
+    ran = (f"# ran: {precision.ran()}\n"
+           if precision.has_plan or precision.switched else "")
+    (run_dir / "config.toml").write_text(
+        config_to_toml(resolved, _what_fit_trained(cfg, model, train_loader)) + used
+        + ran + "\n" + recipe.to_toml())
+    if is_hf_spec(getattr(cfg, "model", "")):   # a resume needs it, not its old path
+        keep_run_config(cfg.model, run_dir)
+
+
+def _optimizer_settings(optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """The ``lr``/``weight_decay``/``beta1``/``beta2`` of a user's optimizer, for ``config.toml``
+    (what ran, not the unused defaults): each where every param group agrees on it."""
+    if optimizer is None:
+        return {}
+    groups = optimizer.param_groups
+    found: dict[str, float] = {}
+    for key, read in (("lr", lambda g: g.get("initial_lr", g.get("lr"))),
+                      ("weight_decay", lambda g: g.get("weight_decay", 0.0)),
+                      ("beta1", lambda g: (g.get("betas") or (None, None))[0]),
+                      ("beta2", lambda g: (g.get("betas") or (None, None))[1])):
+        values = {read(g) for g in groups}
+        if len(values) == 1 and isinstance(value := values.pop(), (int, float)) \
+                and not isinstance(value, bool):
+            found[key] = float(value)
+    return found
+
+
+def fit_model_name(model: nn.Module) -> str:
+    """The model class a ``fit()`` run records in ``config.toml`` (``model = "fit: <this>"``)."""
+    kind = type(model)
+    return (f"transformers {kind.__name__} (its config.json: RUN_DIR/hf)" if is_hf_model(model)
+            else f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _what_fit_trained(cfg: FitConfig, model: nn.Module, loader: Any) -> str:
+    """For a ``fit()`` run (a config without ``model``): the model and, where the loader says, the
+    batch shape, as ``config.toml`` lines, so a reader (and ``mixprec train --resume``) learns them."""
+    if hasattr(cfg, "model"):
+        return ""
+    lines = [f"model = {json.dumps('fit: ' + fit_model_name(model))}"]
+    inner = getattr(loader, "loader", loader)
+    seq_len = getattr(getattr(inner, "dataset", None), "max_length", None)
+    for key, value in (("seq_len", seq_len), ("batch_size", getattr(inner, "batch_size", None))):
+        if isinstance(value, int) and not isinstance(value, bool):
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"

@@ -31,17 +31,17 @@ from mixprec.runs.checkpointer import Checkpointer
 from mixprec.runs.events import RunEvents
 from mixprec.strategies import Strategy, get_strategy
 from mixprec.train.checkpoints import save
-from mixprec.train.config import FitConfig
+from mixprec.train.config import FitConfig, given_settings
 from mixprec.train.ending import stop_agreed, stop_if_diverged, stop_now
 from mixprec.train.evaluation import evaluate
 from mixprec.train.health import seed_everything
 from mixprec.train.hooks import StepHook, around
 from mixprec.train.outcome import Outcomes, outcome_lags, replay_forward, trace_nonfinite
-from mixprec.train.run import FitResult, audit_first_step, open_run, result, running
-from mixprec.train.run_folder import total_steps
+from mixprec.train.run import FitResult, audit_first_step, open_run, result, running, total_steps
 from mixprec.train.setup import (activations_in_fp8, apply_precision, build_optimizer, build_scheduler,
                                  choose_precision, compiled_first_step, overlapped_update,
-                                 refuse_swaps_when_sharded, step_hooks, watch_formats, watch_numbers)
+                                 refuse_swaps_when_sharded, step_hooks, watch_formats, watch_numbers,
+                                 with_overrides)
 from mixprec.train.step import Batch, StepOutput
 
 __all__ = ["Trainer", "fit", "FitResult", "StepOutput"]
@@ -51,7 +51,7 @@ class Trainer:
     """Trains any ``nn.Module`` whose forward returns a loss, a Hugging Face causal LM, or any
     model with ``loss_fn``. Every precision decision is the :class:`~mixprec.Precision`'s; the
     parts the loop is built with and what a run writes are train/'s other modules' (setup.py,
-    outcome.py, run.py, checkpoints.py, run_log.py, ending.py; docs/ARCHITECTURE.md)."""
+    outcome.py, run.py, checkpoints.py, run_log.py, ending.py, evaluation.py)."""
 
     def __init__(self, model: nn.Module, *, config: FitConfig | None = None,
                  mixed_precision: str | Policy | Precision | bool | None = None,
@@ -59,12 +59,13 @@ class Trainer:
                  lr_scheduler: Any = None,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                  strategy: Strategy | str | None = None, **overrides: Any) -> None:
+        self.config = with_overrides(config, overrides)
         self.strategy = get_strategy(strategy)
         self.device = self.strategy.device
-        # Every precision choice of the run, fixed here; an optimizer the user built for this
-        # model and did not pass (docs/sources.md) decides `auto` now.
-        self.config, self.precision, self._found_optimizer = choose_precision(
-            model, config, overrides, mixed_precision, optimizer, self.device)
+        # Every precision choice of the run, fixed here (an optimizer found may decide `auto`).
+        self.precision, self._found_optimizer = choose_precision(
+            model, self.config, given_settings(config, overrides), mixed_precision, optimizer,
+            self.device)
         self.loss_fn = loss_fn
         self.raw_model = model
         self._user_optimizer = optimizer
