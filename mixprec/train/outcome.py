@@ -1,12 +1,10 @@
 """When the host learns a step's outcome (issue #35): the bookkeeping of a step whose outcome is
 still on the device, and what concluding it does.
 
-A step's outcome (taken, or skipped for inf/NaN gradients) may stay on the device: inside
-``fit()`` the host reads it just before the next step's update (in ``Trainer.train_step``, after
-that step's forward and backward were queued), or earlier at a log interval, an evaluation, a
-checkpoint, a stop or the end of the run. Concluding it advances the LR schedule if it was taken
-(a skipped step must not) and, inside ``fit()``, traces a skip to its origin, records it, calls
-the step hooks' ``after_step`` and counts it for the run's health.
+A step's outcome (taken, or skipped for inf/NaN gradients) may stay on the device until the host
+reads it. Concluding it advances the LR schedule if it was taken (a skipped step must not) and,
+inside ``fit()``, traces a skip to its origin, records it, calls the step hooks' ``after_step``
+and counts it for the run's health.
 
 ``fit()`` concludes a step at the first of: the next step's pre-update point (in
 ``Trainer.train_step``, after that step's backward and before its update: the parameters are
