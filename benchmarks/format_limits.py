@@ -48,8 +48,8 @@ def sample(model: nn.Module, fmt: str, probe) -> tuple[dict[str, float], dict[st
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     guard = TrainingGuard(precision, m, opt, sched, config=GuardConfig())
     sqnr = guard.sample_sqnr(lambda: probe(m))
-    return ({n: v for n, v in sqnr.items() if precision.layer_formats[n] == fmt},
-            {n: v for n, v in guard.last_flush.items() if precision.layer_formats[n] == fmt})
+    return ({n: v for n, v in sqnr.items() if precision.layers.formats[n] == fmt},
+            {n: v for n, v in guard.last_flush.items() if precision.layers.formats[n] == fmt})
 
 
 def synthetic(fmt: str, dist: str, seed: int = 0) -> tuple[float, float]:

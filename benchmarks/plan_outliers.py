@@ -138,7 +138,7 @@ def train(args, mode: str, seed: int, run_dir: str) -> dict:
     events = read_events(run_dir)
     formats = next(e["layers"] for e in events if e.get("kind") == "formats")
     return {"val": val, "skipped": skipped, "formats": formats,
-            "final_formats": dict(trainer.precision.layer_formats),
+            "final_formats": dict(trainer.precision.layers.formats),
             "guard": guard_summary(events), "wall_s": time.perf_counter() - start}
 
 

@@ -8,16 +8,18 @@ by the package's ``__getattr__`` through :func:`refuse`, with :class:`MovedAttri
 ``AttributeError``: ``hasattr`` is False, ``getattr``'s default is returned); ``from package import
 name`` then asks the finder for ``package.name``, so it shows the line too. A package that was
 split (:data:`SPLIT`) is refused before Python looks at what is imported from it, so its line
-names the home of each of its names and modules. CHANGELOG.md's migration table lists the same
-paths (tests/test_moved.py checks both).
+names the home of each of its names and modules. Members of a class that moved
+(:data:`MOVED_MEMBERS`, ``Precision.layer_formats``) are refused the same way by the class's
+``__getattr__`` (:func:`refuse_member`). CHANGELOG.md's migration table lists the same paths and
+members (tests/test_moved.py checks both).
 """
 from __future__ import annotations
 
 import importlib.abc
 import sys
 
-__all__ = ["MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder", "MovedPathError",
-           "install", "message", "refuse"]
+__all__ = ["MOVED_MEMBERS", "MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder",
+           "MovedPathError", "install", "message", "refuse", "refuse_member"]
 
 RELEASE = "0.4"
 
@@ -50,7 +52,7 @@ MOVED_MODULES = {
     "mixprec.fp8.quantize": "mixprec.formats.fp8_quantize",
     "mixprec.engine": _homes(SPLIT["mixprec.engine"]),
     "mixprec.engine.precision": "mixprec.precision.precision",
-    "mixprec.engine.layer_formats": "mixprec.precision.layer_formats",
+    "mixprec.engine.layer_formats": "mixprec.precision.layers",
     "mixprec.engine.overlap": "mixprec.optim.overlap",
     # module paths that were aliased to their new room
     "mixprec.precision.dtypes": "mixprec.policy.dtypes",
@@ -77,6 +79,8 @@ MOVED_MODULES = {
     # FP8 and micro-format conversion in one module, one walk, one report type (#38, item 3)
     "mixprec.precision.fp8_convert": "mixprec.precision.convert",
     "mixprec.precision.mx_convert": "mixprec.precision.convert",
+    # the per-layer questions and their module surgery in one object, Precision.layers (#38, item 2)
+    "mixprec.precision.layer_formats": "mixprec.precision.layers",
 }
 """Old module path -> its new home."""
 
@@ -104,6 +108,41 @@ MOVED_NAMES = {
 }
 """Old ``package.name`` -> its new home."""
 
+MOVED_MEMBERS = {
+    # the per-layer questions and the model's live layer formats: Precision.layers (#38, item 2)
+    "Precision.layer_formats": "Precision.layers.formats",
+    "Precision.fp8_report": "Precision.layers.fp8_report",
+    "Precision.micro_report": "Precision.layers.micro_report",
+    "Precision.table": "Precision.layers.table",
+    "Precision.format_counts": "Precision.layers.format_counts",
+    "Precision.switched": "Precision.layers.switched",
+    "Precision.ran": "Precision.layers.ran",
+    "Precision.peak_format": "Precision.layers.peak_format",
+    "Precision.range_formats": "Precision.layers.range_formats",
+    "Precision.keep_fp32_reason": "Precision.layers.keep_fp32_reason",
+    "Precision.keeps_fp32": "Precision.layers.keeps_fp32",
+    "Precision.param_dtype_for": "Precision.layers.param_dtype_for",
+    "Precision.requested_format": "Precision.layers.requested_format",
+    "Precision.format_for": "Precision.layers.format_for",
+    "Precision.set_layer_format": "Precision.layers.set_format",
+    "Precision.apply_layer_formats": "Precision.layers.restore",
+    "Precision.describe_layers": "Precision.layers.describe_lines",
+    "Precision.apply_formats": "Precision.layers.apply",
+    "Precision.master_params": "Precision.layers.master_params",
+    # the recipe's format questions: Precision.recipe (#38, item 2)
+    "Precision.matmul_format": "Precision.recipe.matmul_format",
+    "Precision.base_format": "Precision.recipe.base_format",
+    "Precision.default_format": "Precision.recipe.default_format",
+    "Precision.uses_fp8": "Precision.recipe.uses_fp8",
+    "Precision.activation_format": "Precision.recipe.activation_format",
+    "Precision.gradient_format": "Precision.recipe.gradient_format",
+    "Precision.has_plan": "Precision.recipe.has_plan",
+    "Precision.label": "Precision.recipe.label",
+    "Precision.fp8_recipe": "Precision.recipe.fp8_recipe",
+}
+"""Old ``Class.member`` -> its new home, refused by the class's ``__getattr__`` through
+:func:`refuse_member`."""
+
 
 
 def _shown(home: str, name: str) -> str:
@@ -112,11 +151,16 @@ def _shown(home: str, name: str) -> str:
     return f"{name} (now {renamed.rpartition('.')[2]})" if renamed else name
 
 
+def _home(old: str) -> str:
+    return MOVED_MODULES.get(old) or MOVED_NAMES.get(old) or MOVED_MEMBERS[old]
+
+
 def message(old: str) -> str:
-    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES` or :data:`MOVED_NAMES`)."""
+    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES`, :data:`MOVED_NAMES` or
+    :data:`MOVED_MEMBERS`)."""
     split = SPLIT.get(old)
     if split is None:
-        return f"{old} moved to {MOVED_MODULES.get(old) or MOVED_NAMES[old]} in {RELEASE}; see CHANGELOG.md"
+        return f"{old} moved to {_home(old)} in {RELEASE}; see CHANGELOG.md"
     names = [f"{', '.join(_shown(home, name) for name in n) or 'its other names'} -> {home}"
              for home, n in split.items()]
     modules = [f"{m} -> {new}" for m, new in MOVED_MODULES.items() if m.startswith(f"{old}.")]
@@ -139,7 +183,7 @@ class MovedAttributeError(AttributeError):
 
     def __init__(self, old: str) -> None:
         super().__init__(message(old))
-        self.old, self.new = old, MOVED_MODULES.get(old) or MOVED_NAMES[old]
+        self.old, self.new = old, _home(old)
 
 
 class MovedFinder(importlib.abc.MetaPathFinder):
@@ -168,3 +212,12 @@ def refuse(package: str, name: str):
     if old in MOVED_MODULES or old in MOVED_NAMES:
         raise MovedAttributeError(old)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
+def refuse_member(owner: str, name: str):
+    """A class's ``__getattr__``: :class:`MovedAttributeError` for a member of :data:`MOVED_MEMBERS`
+    (``Precision.layer_formats``), the plain AttributeError Python raises otherwise."""
+    old = f"{owner}.{name}"
+    if old in MOVED_MEMBERS:
+        raise MovedAttributeError(old)
+    raise AttributeError(f"{owner!r} object has no attribute {name!r}")

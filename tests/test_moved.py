@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import mixprec
-from mixprec._moved import MOVED_MODULES, MOVED_NAMES, SPLIT, MovedAttributeError, MovedFinder, MovedPathError
+from mixprec._moved import MOVED_MEMBERS, MOVED_MODULES, MOVED_NAMES, SPLIT, MovedAttributeError, MovedFinder, MovedPathError
 
 CHANGELOG = Path(mixprec.__file__).parent.parent / "CHANGELOG.md"
 ROWS = {**MOVED_MODULES, **MOVED_NAMES}
@@ -232,3 +232,79 @@ def test_a_retired_path_in_a_doc_is_found(tmp_path):
         "docs/page.md:1: mixprec.train.checkpoint", "docs/page.md:1: mixprec.plan.guard (file)",
         "docs/page.md:1: mixprec.plan.gates (file)", "docs/page.md:2: mixprec.fp8 (file)",
         "docs/page.md:2: mixprec.fp8.linear (file)"]
+
+
+# ------------------------------------------------------------------ members of a class (Precision)
+
+def _member_home(precision, new: str):
+    """What ``Precision.layers.formats`` names on ``precision``: each step an attribute."""
+    obj = precision
+    for part in new.split(".")[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MEMBERS))
+def test_a_retired_precision_member_is_an_attribute_error_naming_its_new_home(old):
+    precision = mixprec.Precision("fp8-tensorwise", device="cpu")
+    name = old.partition(".")[2]
+    with pytest.raises(AttributeError) as caught:
+        getattr(precision, name)
+    assert isinstance(caught.value, MovedAttributeError)
+    assert str(caught.value) == f"{old} moved to {MOVED_MEMBERS[old]} in 0.4; see CHANGELOG.md"
+    assert not hasattr(precision, name) and getattr(precision, name, "default") == "default"
+    assert not hasattr(mixprec.Precision, name)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MEMBERS))
+def test_every_retired_precision_member_has_its_new_home(old):
+    precision = mixprec.Precision("fp8-tensorwise", device="cpu")
+    new = MOVED_MEMBERS[old]
+    assert new.startswith("Precision.") and new.partition(".")[2].split(".")[0] in ("layers", "recipe")
+    owner = _member_home(precision, new.rpartition(".")[0])
+    assert new.rpartition(".")[2] in dir(owner) or hasattr(owner, new.rpartition(".")[2])
+
+
+def test_a_member_that_never_existed_is_a_plain_attribute_error():
+    precision = mixprec.Precision("32-true", device="cpu")
+    with pytest.raises(AttributeError) as caught:
+        precision.nothing  # noqa: B018
+    assert type(caught.value) is AttributeError and str(caught.value) == "'Precision' object has no attribute 'nothing'"
+
+
+def test_the_changelog_lists_every_retired_member_with_its_new_home():
+    rows = dict(re.findall(r"^\| `(Precision\.[\w.]+)` \| `(Precision\.[\w.]+)` \|$", CHANGELOG.read_text(), re.M))
+    assert rows == MOVED_MEMBERS
+
+
+def _retired_member_mentions(root: Path) -> list[str]:
+    """``precision.layer_formats``, ``Precision.set_layer_format(``: a retired member named on a
+    Precision (a receiver whose name ends in ``precision``, or ``prec``) in the docs, the
+    benchmarks and the package's docstrings."""
+    members = "|".join(re.escape(old.partition(".")[2]) for old in MOVED_MEMBERS)
+    pattern = re.compile(rf"(?<![\w.])(?:[\w.]*[pP]recision|prec)\.({members})(?!\w)")
+    found = []
+    for where in SCANNED:
+        path = root / where
+        files = [path] if path.is_file() else sorted([*path.rglob("*.md"), *path.rglob("*.py")])
+        for file in files:
+            if file.name == "_moved.py" and file.parent.name == "mixprec":
+                continue
+            for number, line in enumerate(file.read_text().splitlines(), 1):
+                found += [f"{file.relative_to(root)}:{number}: {m.group(0)}" for m in pattern.finditer(line)
+                          if not m.group(0).startswith("mixprec.precision.")]
+    return found
+
+
+def test_no_doc_benchmark_or_docstring_names_a_retired_precision_member():
+    assert _retired_member_mentions(ROOT) == []
+
+
+def test_a_retired_member_in_a_doc_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text(
+        "`trainer.precision.layer_formats`, `Precision.set_layer_format(model, n, f)`, `prec.peak_format`\n"
+        "`precision.layers.formats`, `precision.recipe.label`, `mixprec.precision.table`, `plan.table()`, `p.label`\n")
+    assert _retired_member_mentions(tmp_path) == [
+        "docs/page.md:1: trainer.precision.layer_formats", "docs/page.md:1: Precision.set_layer_format",
+        "docs/page.md:1: prec.peak_format"]

@@ -82,6 +82,6 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu.strip().lower() == "cpu" and args.peak_tflops is None:   # a measured peak: whose?
         from mixprec.policy.peak import format_peak_source
         from mixprec.precision import Precision
-        for fmt in dict.fromkeys(Precision(m).peak_format for m in modes):
+        for fmt in dict.fromkeys(Precision(m).layers.peak_format for m in modes):
             print(f"{fmt.upper()} peak of this CPU: {format_peak_source(fmt, 'cpu')}")
     return 0

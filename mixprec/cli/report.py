@@ -57,7 +57,7 @@ def _compare(args: argparse.Namespace) -> int:
     runs = [load_run(Path(d)) for d in args.run_dir]
     rows = compare_summary(runs)
     keys = list(rows[0])
-    # The table shows what ran by its label (Precision.label; its whole description is listed
+    # The table shows what ran by its label (Precision.recipe.label; its whole description is listed
     # under it), with columns aligned, so three runs read at a glance.
     cells = [["-" if r[k] is None else f"{r[k]:+.2f}" if k.endswith("(%)") else
               f"{r[k]:.4g}" if isinstance(r[k], float) else

@@ -255,11 +255,11 @@ def estimate(model: str | ModelSpec, *, tokens: float | str, gpu: str = "H800", 
         spec_gpu, gpu_name = None, "cpu"
         if peak_tflops is None:
             from mixprec.policy.peak import format_peak_flops, low_peak_reason, no_peak_reason
-            peak = format_peak_flops(policy.peak_format, "cpu")  # as fit()'s MFU; cached on disk
+            peak = format_peak_flops(policy.layers.peak_format, "cpu")  # as fit()'s MFU; cached on disk
             if peak is None:
-                why = (no_peak_reason(policy.peak_format, "cpu")
-                       or f"the one measured now is not trusted ({low_peak_reason(policy.peak_format, 'cpu')})")
-                raise ConfigError(f"no {policy.peak_format.upper()} peak to measure: {why}; give --peak-tflops")
+                why = (no_peak_reason(policy.layers.peak_format, "cpu")
+                       or f"the one measured now is not trusted ({low_peak_reason(policy.layers.peak_format, 'cpu')})")
+                raise ConfigError(f"no {policy.layers.peak_format.upper()} peak to measure: {why}; give --peak-tflops")
         else:
             peak = peak_tflops * 1e12
     else:

@@ -23,7 +23,7 @@ def peak_kind(precision) -> str:
     layers), ``fp8`` (FP8 or MXFP8 Linear layers),
     ``bf16`` (16-bit compute: FP16 and BF16 tensor cores have the same dense peak), ``tf32`` or
     ``fp32``."""
-    fmt = precision.peak_format
+    fmt = precision.layers.peak_format
     return "bf16" if fmt in ("bf16", "fp16") else fmt
 
 

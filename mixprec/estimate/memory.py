@@ -233,10 +233,10 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 def norms_stay_fp32(shape: ModelShape, precision) -> bool:
     """Whether ``shape``'s norm layers keep FP32 parameters under ``precision``: the rule book's
-    answer (:meth:`mixprec.Precision.keep_fp32_reason`) for the kind of norm the model has."""
+    answer (:meth:`mixprec.Precision.layers.keep_fp32_reason`) for the kind of norm the model has."""
     from mixprec.nn import RMSNorm
     norm = RMSNorm(1) if shape.tagged_norms else torch.nn.LayerNorm(1)
-    return precision.keep_fp32_reason("norm", norm) is not None
+    return precision.layers.keep_fp32_reason("norm", norm) is not None
 
 
 def dense_linears(shape: ModelShape) -> list[tuple[str, int, int, int]]:
@@ -264,7 +264,7 @@ def _per_layer(shape: ModelShape, precision, *, pb: int, cb: int, copies_on: boo
     block_delta: dict[str, float] = {}
     uniform_copy = cb if copies_on else 0
     for name, numel, bias, width in dense_linears(shape):
-        fmt = precision.requested_format(name)
+        fmt = precision.layers.requested_format(name)
         dt = format_dtype(fmt)
         if dt is None:                                # FP8: as the surrounding compute dtype
             continue

@@ -73,7 +73,7 @@ __all__ = ["Fp8Linear", "Fp8Conv1D", "is_conv1d", "fp8_gemm"]
 
 _operand_block = operand_block  # the old private name, still imported by mixprec.plan
 
-log = logging.getLogger("mixprec.fp8")
+log = logging.getLogger(__name__)
 
 
 class _Fp8Gemms(TracksNonFinite):

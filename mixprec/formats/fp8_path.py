@@ -35,7 +35,7 @@ from mixprec.policy import hardware
 
 __all__ = ["GemmPlan", "plan_gemms"]
 
-log = logging.getLogger("mixprec.fp8")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

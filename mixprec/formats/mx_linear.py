@@ -43,7 +43,7 @@ from mixprec.formats.mx import BlockScaledTensor, quantize_mx, quantize_nvfp4
 
 __all__ = ["MicroLinear", "hadamard_matrix", "quantize_operand", "plan_micro_gemms"]
 
-log = logging.getLogger("mixprec.formats")
+log = logging.getLogger(__name__)
 
 _HADAMARD = 16
 

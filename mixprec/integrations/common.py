@@ -149,7 +149,7 @@ class RunRecord:
                            if not (p := Path(f"{run_dir}-{n}")).exists() or (p.is_dir() and not any(p.iterdir())))
         deleted: list[str] = []
         if run_dir is not None and host.is_main:
-            self.run_dir = claim_run_dir(run_dir, precision=precision.label, deleted=deleted,
+            self.run_dir = claim_run_dir(run_dir, precision=precision.recipe.label, deleted=deleted,
                                          resume=resume_step is not None and Path(run_dir).is_dir(),
                                          overwrite=overwrite,
                                          ways_out="resume it from your framework's own checkpoint "
@@ -175,7 +175,7 @@ class RunRecord:
               run_audit: bool = True) -> None:
         """The start lines (precision, layer formats, run folder) and the audit's findings."""
         self.events.start(model=model, step=step, total=total, run_dir=self.run_dir or "none (pass run_dir= to write one)",
-                          fp8_report=self.precision.fp8_report)
+                          fp8_report=self.precision.layers.fp8_report)
         if run_audit:
             self.events.findings(audit(model, precision=self.precision, optimizer=optimizer,
                                        device=self.host.device), step)

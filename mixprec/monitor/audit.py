@@ -52,9 +52,8 @@ from mixprec.amp.grads import HasMasterGrads
 from mixprec.precision import Precision
 from mixprec.errors import ConfigError
 from mixprec.policy.dtypes import dtype_name, format_info
-from mixprec.precision.rules import is_gate as _is_gate
+from mixprec.precision.rules import layer_kind as _layer_kind
 from mixprec.precision.rules import norm_statistics_fp32 as _norm_statistics_fp32
-from mixprec.precision.rules import is_norm as _is_norm
 from mixprec.policy.hardware import (bf16_is_fast, cpu_has_native_bf16, cpu_has_native_fp16,
                                        cuda_supports_fp8, describe_cpu)
 from mixprec.policy.overrides import is_micro
@@ -93,7 +92,7 @@ def _effective_dtype(fqn: str, module: nn.Module, p: torch.Tensor, precision: Pr
     """The dtype ``p`` trains in: as stored if already 16-bit, else what the precision casts it to."""
     if p.dtype in _LOW or not p.is_floating_point():
         return p.dtype
-    return precision.param_dtype_for(fqn, module)
+    return precision.layers.param_dtype_for(fqn, module)
 
 
 def _scaler_enabled(scaler) -> bool:
@@ -183,9 +182,12 @@ def _fp16_what(precision: Precision, fp16_params: bool) -> str:
 def _check_layers(model: nn.Module, precision: Precision, findings: list[Finding]) -> None:
     norms: list[str] = []
     gates: list[str] = []
+    kinds = {r.name: r.kind for r in precision.resolve(model)}     # what each layer is: the table's
     for fqn, module in model.named_modules():
         dt = _module_dtype(fqn, module, precision)
-        is_norm, is_gate = _is_norm(module), _is_gate(fqn, module)
+        # A module without parameters has no row: the rule book's kind for it (its eps check).
+        kind = kinds[fqn] if fqn in kinds else _layer_kind(fqn, module)
+        is_norm, is_gate = kind == "norm", kind == "gate"
         if dt in _LOW and is_norm:
             norms.append(fqn)
         elif dt in _LOW and is_gate:
@@ -234,7 +236,7 @@ def _check_formats(model: nn.Module, precision: Precision, findings: list[Findin
         findings.append(Finding(
             code="fp8-override-refused", severity="warning",
             message="overrides ask FP8 for layers the FP8 rules keep out: " +
-                    "; ".join(f"{n} ({why}), runs {formats.get(n, precision.base_format)}" for n, why in refused),
+                    "; ".join(f"{n} ({why}), runs {formats.get(n, precision.recipe.base_format)}" for n, why in refused),
             fix="narrow the override pattern, or give these layers bf16/fp32 explicitly"))
 
 
@@ -251,12 +253,12 @@ def _check_hardware(precision: Precision, device: torch.device, findings: list[F
                     "this run is plain FP32 here (same numerics and speed as 32-true)",
             fix="nothing to do on this machine; tf32 takes effect on an Ampere or newer GPU"))
     # Per-layer FP8 too (a plan or overrides): the formats set up, else the ones asked for.
-    asked = precision.layer_formats.values() or [f for _, f in precision.policy.overrides]
+    asked = precision.layers.formats.values() or [f for _, f in precision.policy.overrides]
     fp8_layers = sorted({f for f in asked if f.startswith("fp8-")})
-    if (precision.fp8_recipe or fp8_layers) and not (on_gpu and cuda_supports_fp8()):
-        what = precision.fp8_recipe or ", ".join(fp8_layers)   # a uniform mode, or per-layer FP8
+    if (precision.recipe.fp8_recipe or fp8_layers) and not (on_gpu and cuda_supports_fp8()):
+        what = precision.recipe.fp8_recipe or ", ".join(fp8_layers)   # a uniform mode, or per-layer FP8
         here = "this GPU" if on_gpu else f"this CPU{cpu}"
-        if precision.fp8_recipe:
+        if precision.recipe.fp8_recipe:
             fix = f"use '{'bf16-mixed' if on_gpu else cpu_fast}' on {here}"
         else:
             # Per-layer FP8 (a plan, overrides) on a base mode: the base is not what to change (it

@@ -42,7 +42,7 @@ scales for ``amax_history_len`` steps); the loss scale is not: it tracks the ove
 met (and the scaler's skip counts must not go back).
 
 Promotion goes one format safer, FP8 -> BF16 -> FP32 (fp16 -> FP32) via
-:meth:`mixprec.Precision.set_layer_format` (same Parameters, masters and optimizer state) and is
+:meth:`mixprec.Precision.layers.set_format` (same Parameters, masters and optimizer state) and is
 kept for the rest of the run (checkpoints save the current formats). When the culprit already
 runs in FP32 nothing safer is left: the action is ``give-up`` and the trainer ends the run as
 diverged (exit 3).
@@ -189,7 +189,7 @@ class TrainingGuard:
                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config or GuardConfig()
         self.config.validate()
-        if not precision.layer_formats:
+        if not precision.layers.formats:
             raise ConfigError("guard=true needs a model set up by the Precision (call setup first)")
         self.precision, self.model = precision, model
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -210,7 +210,7 @@ class TrainingGuard:
 
     def describe(self) -> str:
         """The run's start line: what the guard watches, with which limits, how often."""
-        return self.config.describe(self.precision.layer_formats)
+        return self.config.describe(self.precision.layers.formats)
 
     # ----------------------------------------------------------------- the hook
 
@@ -272,7 +272,7 @@ class TrainingGuard:
         peers = self._peers(sqnr)
         for name, db in sorted(sqnr.items(), key=lambda kv: kv[1]):
             flushed = self.last_flush.get(name, 0.0)
-            fmt = self.precision.layer_formats[name]
+            fmt = self.precision.layers.formats[name]
             limits = cfg.limits(fmt)
             why = []
             bad = output_refusal(db, fmt, peers[name], min_sqnr_db=cfg.min_sqnr_db)
@@ -300,7 +300,7 @@ class TrainingGuard:
 
     def linear_of(self, module: str) -> str | None:
         """The Linear (a key of the precision's layer formats) that ``module`` is or lies in."""
-        names = self.precision.layer_formats
+        names = self.precision.layers.formats
         if module in names:
             return module
         inside = [n for n in names if module.startswith(n + ".")]
@@ -325,7 +325,7 @@ class TrainingGuard:
 
     def _peers(self, sqnr: dict[str, float]) -> dict[str, list[float]]:
         """Per sampled layer, the other sampled layers' SQNRs in the same format."""
-        fmt = self.precision.layer_formats
+        fmt = self.precision.layers.formats
         return {n: [v for o, v in sqnr.items() if o != n and fmt[o] == fmt[n]] for n in sqnr}
 
     def _spike(self, outcome: StepOutcome, probe: Callable[[], Any] | None) -> list[GuardAction]:
@@ -339,7 +339,7 @@ class TrainingGuard:
             peers = self._peers(sqnr)
             worst = None
             for n, db in sqnr.items():
-                bad = output_refusal(db, self.precision.layer_formats[n], peers[n],
+                bad = output_refusal(db, self.precision.layers.formats[n], peers[n],
                                      min_sqnr_db=self.config.min_sqnr_db)
                 if bad and (worst is None or bad[1] > worst[1]):
                     worst = (n, bad[1], bad[0])
@@ -356,13 +356,13 @@ class TrainingGuard:
     # ----------------------------------------------------------------- actions
 
     def _promote(self, step: int, name: str, reason: str) -> GuardAction:
-        current = self.precision.layer_formats[name]
+        current = self.precision.layers.formats[name]
         new = safer(current)
         if new is None:
             return GuardAction("give-up", step, f"guard: {name} is the culprit ({reason}) and already "
                                                 f"runs in {current}, the safest format: nothing "
                                                 "safer is left")
-        got = self.precision.set_layer_format(self.model, name, new)
+        got = self.precision.layers.set_format(self.model, name, new)
         switch = FormatSwitch(step, name, current, got, f"guard: {reason}")
         self._snaps.healthy = 0
         return GuardAction("promote", step, switch.message, switch)

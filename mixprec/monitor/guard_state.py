@@ -33,11 +33,11 @@ __all__ = ["sample_layers", "take_snapshot", "restore_snapshot", "Snapshots"]
 def sample_layers(precision: Precision, model: nn.Module, probe: Callable[[], Any],
                   agree: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> tuple[dict[str, float], dict[str, float]] | None:
-    """(output SQNR dB, flushed share of the inputs) per Linear of ``precision.layer_formats`` not
+    """(output SQNR dB, flushed share of the inputs) per Linear of ``precision.layers.formats`` not
     in FP32 that ``probe()`` (the step's forward) ran; ``agree``: an element-wise MAX over ranks
     (the lowest SQNR and largest share any rank measured). None when no layer is watched, or (one
     process) none ran. The random state is left as it was."""
-    watched = {n: f for n, f in precision.layer_formats.items() if f != "fp32"}
+    watched = {n: f for n, f in precision.layers.formats.items() if f != "fp32"}
     energy: dict[str, list[torch.Tensor]] = {}
     handles = []
 

@@ -21,7 +21,7 @@ Decision after each sampled step, per layer (a pure function of the measurements
   switch to ``fallback`` (the mode's non-FP8 compute format, e.g. ``bf16``) at once;
 * promoted and healthy on ``window`` consecutive samples: switch back to the planned format.
 
-A switch swaps the module only (:meth:`mixprec.Precision.set_layer_format`): parameters, FP32
+A switch swaps the module only (:meth:`mixprec.Precision.layers.set_format`): parameters, FP32
 masters and optimizer state are the same tensors before and after. The trainer writes each switch
 to ``events.jsonl`` (``"kind": "format"``) and the terminal, and saves the current formats and
 this object's state in checkpoints. One host sync per sampled step; under ``torch.distributed``
@@ -110,15 +110,15 @@ class LayerReplanner:
                  fallback: str | None = None) -> None:
         if every < 1 or window < 1:
             raise ConfigError(f"replan_every ({every}) and replan_window ({window}) must be >= 1")
-        if not precision.layer_formats:
+        if not precision.layers.formats:
             raise ConfigError("re-planning needs a model set up by the Precision (call setup first)")
         self.precision = precision
         self.every, self.window = every, window
         self.max_underflow, self.max_amax_growth = max_underflow, max_amax_growth
-        self.fallback = fallback or precision.base_format
+        self.fallback = fallback or precision.recipe.base_format
         if self.fallback.startswith("fp8-"):
             raise ConfigError(f"the re-planning fallback must be fp32, bf16 or fp16, not {self.fallback}")
-        self.planned = {n: f for n, f in precision.layer_formats.items() if f.startswith("fp8-")}
+        self.planned = {n: f for n, f in precision.layers.formats.items() if f.startswith("fp8-")}
         self.healthy: dict[str, int] = {n: 0 for n in self.planned}
         self.last_amax: dict[str, float] = {}
         self._stats: dict[str, list[torch.Tensor]] | None = None
@@ -186,9 +186,9 @@ class LayerReplanner:
                                f"in {self.planned[name]} (limit {100 * self.max_underflow:g}%)")
             if previous and amax > self.max_amax_growth * previous:
                 reasons.append(f"input amax grew {amax / previous:.0f}x since step {step - self.every}")
-            current = self.precision.layer_formats[name]
+            current = self.precision.layers.formats[name]
             if reasons and current.startswith("fp8-"):
-                new = self.precision.set_layer_format(model, name, self.fallback)
+                new = self.precision.layers.set_format(model, name, self.fallback)
                 self.healthy[name] = 0
                 switches.append(FormatSwitch(step, name, current, new, "; ".join(reasons)))
             elif reasons:
@@ -196,7 +196,7 @@ class LayerReplanner:
             elif current != self.planned[name]:
                 self.healthy[name] += 1
                 if self.healthy[name] >= self.window:
-                    new = self.precision.set_layer_format(model, name, self.planned[name])
+                    new = self.precision.layers.set_format(model, name, self.planned[name])
                     self.healthy[name] = 0
                     switches.append(FormatSwitch(step, name, current, new,
                                                  f"inputs fit {self.planned[name]} again on "

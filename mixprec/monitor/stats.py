@@ -179,7 +179,7 @@ class NumericsMonitor:
     ``compute_dtype`` is the format the ranges are checked against: a dtype or its name (``fp16``,
     ``bf16``, ``e4m3``, ``e5m2``), or a :class:`~mixprec.Precision` / :class:`~mixprec.Policy`: then each
     module is checked against the format it runs in, read from the per-layer table
-    (``Precision.range_formats``: an FP8 layer's activations against E4M3, gradients against E5M2;
+    (``Precision.layers.range_formats``: an FP8 layer's activations against E4M3, gradients against E5M2;
     a layer overridden to FP32 against FP32). ``grad_dtype`` overrides the
     gradient format. ``module_filter_fn(module, fqn) -> bool`` picks the modules (default: leaf
     modules that own parameters)::
@@ -208,8 +208,8 @@ class NumericsMonitor:
             # checked against the format it runs in, from the per-layer table (FP8 layers:
             # activations against E4M3, gradients against E5M2; per-layer overrides included).
             precision = compute_dtype if isinstance(compute_dtype, Precision) else Precision(compute_dtype)
-            act, grad = precision.activation_format, precision.gradient_format
-            per_layer = precision.range_formats(model)
+            act, grad = precision.recipe.activation_format, precision.recipe.gradient_format
+            per_layer = precision.layers.range_formats(model)
         self.act_dtype: torch.dtype = act
         self.grad_dtype: torch.dtype = parse_dtype(grad_dtype) if grad_dtype is not None else grad
         format_info(self.act_dtype), format_info(self.grad_dtype)  # validate: floating formats only

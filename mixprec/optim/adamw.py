@@ -73,6 +73,10 @@ class _AdamWFP32Math(torch.optim.Optimizer):
     """Stepping chunks cut by ``mixprec.optim.split.chunks`` (its own boundaries) is exact: split
     masters step it that way."""
 
+    mixprec_adamw_ops = True
+    """Its update is torch's foreach AdamW op for op: the flat step may run it as one fused kernel
+    (mixprec.optim.flat, mixprec.optim.adamw_triton)."""
+
     mixprec_not_separable_because = ("draws its stochastic-rounding noise per chunk of a whole param "
                                      "group, so a step split by module draws other noise (use "
                                      "stochastic_rounding=False, or FP32 moments)")
@@ -306,7 +310,7 @@ class AdamW(SplitMasterWeights):
             (``None``: on, the default; ``False``: full FP32 masters). Bit-identical either way;
             see mixprec.optim.master.
         master_params: exactly the params that get FP32 masters (the per-layer table's set,
-            ``Precision.master_params(model)``); ``None``: by dtype, see ``MasterWeights``.
+            ``Precision.layers.master_params(model)``); ``None``: by dtype, see ``MasterWeights``.
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).

@@ -32,7 +32,8 @@ lists, or one op on its flat slice)::
     W[own]   <- FP32 masters / FP32 params that are their own master
     G[split] <- bf16 grads (exact), times each pending factor (1/scale, clip coefficient)
     G[own]   <- FP32 master grads (unscaled and clipped in place by the scaler already)
-    twin.step()                     the inner optimizer's own math, on one flat tensor
+    twin.step()                     the inner optimizer's own math, on one flat tensor (on CUDA:
+                                    one fused kernel launch, mixprec.optim.adamw_triton, below)
     bf16 params <- W[split] (round to nearest even), remainder <- low halves of W[split], ties
     FP32 masters / own params <- W[own], 16-bit params of full masters <- W[full] (rounded)
 
@@ -60,16 +61,34 @@ parameter during the step (the scratch of full FP32 masters and grads, which spl
 to avoid), where the shared per-device slots cost at most about one byte per parameter and
 512 MiB. Within that bound one twin step would save nothing: on an accelerator a group has
 several chunks only when it is too large for them to coexist (on a CPU they are cache-sized by
-choice), and chunks of different groups (other hyper-parameters) get
-one pass of the optimizer's math per group anyway. So each chunk costs its own twin step (12 dispatched ops for torch's AdamW, 33 for BF16
-moments) and gather/scatter (7 to 24 ops); docs/performance.md has the counts. Frozen parameters (``requires_grad=False``) are left out of the
-chunks; freezing or unfreezing makes them again. After a per-master step, or when params are
-unfrozen, a chunk adopts the per-master state again (a one-time concatenation); where the
-masters' step counts now differ (a param unfrozen after others stepped, a step that skipped a
-master) the chunks are made again, grouped by step count, since a chunk shares one counter.
+choice), and chunks of different groups (other hyper-parameters) get one pass of the
+optimizer's math per group anyway. So each chunk costs its own update and gather/scatter (7 to 24
+ops; docs/performance.md has the counts). On a CPU the update is ``twin.step()`` (12 dispatched
+ops for torch's AdamW, 33 with BF16 moments, 23 for the FP32 scratch of 8-bit moments). On CUDA,
+after a chunk's first step (the twin's: it makes the state in its own layout), no inner optimizer
+is re-driven: the twin's AdamW update is one Triton kernel launch per chunk
+(mixprec.optim.adamw_triton: torch's CUDA foreach AdamW's operations in its order, FP32 or BF16
+moments, the twin's rounding noise, nothing written where ``found_inf`` is set, so a masked step
+needs no ``torch.where`` over the values and moments), when the twin is torch's ``AdamW`` or
+mixprec's FP32-math AdamW with options the kernel does (no amsgrad, maximize, capturable, fused,
+tensor lr), Triton imports, and the kernel's probe gives torch's foreach AdamW's bits on the
+device (once per device, :func:`kernel_agrees`); else the twin steps, and one log line says why
+(:func:`kernel_refusal`). The twin still owns the state and the step counter (a CPU tensor,
+advanced on the host as the twin does), so checkpoints are unchanged; split and full masters take
+the same path on a device. 8-bit moments are decoded and encoded around the kernel as around the
+twin. Validated under Triton's interpreter only so far (no GPU lent, 2026-12-05).
+
+Frozen parameters (``requires_grad=False``) are left out of the chunks; freezing or unfreezing
+makes them again. After a per-master step, or when params are unfrozen, a chunk adopts the
+per-master state again (a one-time concatenation); where the masters' step counts now differ (a
+param unfrozen after others stepped, a step that skipped a master) the chunks are made again,
+grouped by step count, since a chunk shares one counter.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -79,9 +98,121 @@ from torch.autograd.profiler import record_function
 
 from mixprec.optim import moments as _moments, split as _split
 
-__all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_"]
+__all__ = ["Chunk", "FlatSteps", "unpack_ties", "pack_ties_", "kernel_refusal", "kernel_agrees"]
 
 _TIE = 1 << 15
+_log = logging.getLogger(__name__)
+
+KERNEL_DEVICES = ("cuda",)
+"""Device types whose chunks may take the fused kernel (mixprec.optim.adamw_triton); the CPU
+keeps the twin's foreach step, whose op counts tests/optim/test_step_cost.py pins."""
+
+PROBE_REL_TOL = 0.0
+"""The probe's bound on max |kernel - twin| / max |twin| (values and moments after three steps):
+0, bit for bit. The kernel does torch's CUDA foreach AdamW's operations in its order with the same
+fused multiply-adds (mixprec.optim.adamw_triton), and mixprec promises more than split = full: on
+a GPU, masters follow torch's FP32 optimizer bit for bit (tests/cuda/test_cuda_master_weights.py).
+A GPU where the kernel is off by an ulp keeps the twin; the log line gives the measured error.
+Under the interpreter on a CPU, where torch's kernels order two operations otherwise, the tests
+set it to their measured bound."""
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _probe_case(device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    n = 3001                                       # ragged: not a multiple of the kernel's block
+    w = torch.randn(n, generator=gen).to(device)
+    return w, [(torch.randn(n, generator=gen) * 1e-2).to(device) for _ in range(3)]
+
+
+def _rel_err(got: Tensor, ref: Tensor) -> Tensor:
+    return (got.float() - ref.float()).abs().max() / ref.float().abs().max()
+
+
+def kernel_agrees(kernel: Callable[..., None], device: torch.device) -> bool:
+    """Whether ``kernel`` (``adamw_triton.adamw_chunk_``'s signature) runs on ``device`` and does
+    the twin's step there, on a ragged chunk of 3001 elements: three steps with FP32 moments and
+    weight decay within :data:`PROBE_REL_TOL` (0: bit for bit) of torch's foreach AdamW (values
+    and moments); its first step with BF16 moments gives the FP32 run's values bit for bit and its
+    moments rounded to nearest, or with the given noise as ``_AdamWFP32Math`` rounds them
+    (mixprec.optim.adamw); and a step with the flag set writes nothing. A few host reads: run
+    once per device."""
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    args = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+    try:
+        w0, grads = _probe_case(device)
+        p, w = w0.clone(), w0.clone()
+        twin = torch.optim.AdamW([p], foreach=True, **hyper)          # type: ignore[arg-type]
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
+        firsts: list[Tensor] = []
+        for t, g in enumerate(grads, 1):
+            p.grad = g.clone()
+            twin.step()
+            kernel(w, g, m, v, step=float(t), **args)
+            if t == 1:
+                firsts = [w.clone(), m.clone(), v.clone()]
+        st = twin.state[p]
+        err = max(float(_rel_err(a, b)) for a, b in ((w, p), (m, st["exp_avg"]), (v, st["exp_avg_sq"])))
+        if not err <= PROBE_REL_TOL:
+            _log.info("mixprec's AdamW kernel disagreed with torch's foreach AdamW on %s: max rel err %.3g "
+                      "(allowed %.3g)", device, err, PROBE_REL_TOL)
+            return False
+        gen = torch.Generator(device=device).manual_seed(0)
+        noise = tuple(torch.randint(0, 1 << 16, w.shape, dtype=torch.int32, device=device, generator=gen)
+                      for _ in range(2))
+        for nz in (None, noise):                   # BF16 moments: to nearest, then stochastically
+            wb = w0.clone()
+            mb, vb = torch.zeros_like(w, dtype=torch.bfloat16), torch.zeros_like(w, dtype=torch.bfloat16)
+            kernel(wb, grads[0], mb, vb, step=1.0, noise=nz, **args)
+            want = [x.to(torch.bfloat16) if nz is None else
+                    x.view(torch.int32).add(r).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+                    for x, r in zip(firsts[1:], nz or (None, None))]
+            if not (torch.equal(wb, firsts[0]) and torch.equal(mb, want[0]) and torch.equal(vb, want[1])):
+                return False
+        before = [t.clone() for t in (w, m, v)]
+        kernel(w, grads[0], m, v, step=4.0, found=torch.ones((), dtype=torch.bool, device=device), **args)
+        if not all(torch.equal(a, b) for a, b in zip(before, (w, m, v))):
+            return False
+    except Exception as e:                # a kernel that fails to compile or launch: the twin
+        _log.info("mixprec's AdamW kernel failed its probe on %s: %s", device, e)
+        return False
+    return True
+
+
+@functools.cache
+def _kernel_agrees_on(device: str) -> bool:
+    from mixprec.optim.adamw_triton import adamw_chunk_      # optional: Triton
+    return kernel_agrees(adamw_chunk_, torch.device(device))
+
+
+_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable", "fused")
+
+
+def kernel_refusal(twin: torch.optim.Optimizer, hyper: dict[str, Any], device: torch.device) -> str | None:
+    """Why a chunk of ``twin`` with the group's ``hyper`` on ``device`` keeps the twin's step
+    rather than the fused kernel (mixprec.optim.adamw_triton); None: it takes the kernel."""
+    if device.type not in KERNEL_DEVICES:
+        return f"the fused AdamW kernel runs on {', '.join(KERNEL_DEVICES)} only, not {device.type}"
+    if type(twin) is not torch.optim.AdamW and not vars(type(twin)).get("mixprec_adamw_ops", False):
+        return f"the fused kernel does AdamW, not {type(twin).__name__}"
+    for key in _UNSUPPORTED:
+        if hyper.get(key):
+            return f"the fused AdamW kernel does not support {key}=True"
+    if hyper.get("foreach") is False:
+        return "foreach=False: the twin's per-tensor kernels order the math otherwise"
+    if isinstance(hyper.get("lr"), Tensor) or isinstance(hyper.get("betas", (0,))[0], Tensor):
+        return "a tensor lr or betas (the kernel takes host scalars)"
+    if hyper.get("decoupled_weight_decay") is False:
+        return "decoupled_weight_decay=False (L2 penalty): not AdamW"
+    if not _triton_importable():
+        return "Triton is not importable"
+    if not _kernel_agrees_on(str(device)):
+        return "mixprec's AdamW kernel failed or disagreed with the twin's foreach step in its probe"
+    return None
 
 
 def unpack_ties(bits: Tensor, n: int, shifts: Tensor) -> Tensor:
@@ -94,6 +225,12 @@ def pack_ties_(bits: Tensor, flags: Tensor, shifts: Tensor) -> None:
     """Pack bool ``flags`` (length ``8 * bits.numel()``) into ``bits`` in place."""
     packed = flags.view(-1, 8).to(torch.uint8).bitwise_left_shift_(shifts).sum(1, dtype=torch.uint8)
     bits.copy_(packed)
+
+
+def _queues_copy(step: Tensor, skip: Tensor) -> bool:
+    """Whether stepping ``step`` (a host counter) back by the device flag ``skip`` must wait for
+    the flag: then the step queues a host copy and :meth:`FlatSteps.settle` reads it later."""
+    return step.device != skip.device
 
 
 class _Bytes:
@@ -195,6 +332,9 @@ class FlatSteps:
         self.key: tuple[int, ...] = ()   # the owner's trainable masters these chunks were made for
         self.pool: dict = {}         # 8-bit packing buffers, one per device and block length
         self.moments = moments       # 8-bit moments ("int8", "fp8", ...): decoded around the twin's step
+        self.kernel_notes: dict[str, str] = {}   # per device: "kernel", or why its chunks keep the twin
+        self._pending: list[tuple[Tensor, tuple[Tensor, Tensor, Any]]] = []   # counters to step back
+        self._copies: dict[int, tuple[Tensor, Tensor, Any]] = {}                # (see settle)
         plan: list[tuple[int, torch.device, list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]]] = []
         need: dict[torch.device, int] = {}
         for gi, members in enumerate(groups):
@@ -313,6 +453,7 @@ class FlatSteps:
     def unshare(self, inner_state: dict[Tensor, dict[str, Any]]) -> None:
         """Before a per-master step: give each master its own step counter (the views share one)
         and make every chunk adopt the per-master state again at its next flat step."""
+        self.settle()
         for chunk in self.chunks:
             if chunk.viewed:
                 for m in chunk.masters:
@@ -350,11 +491,13 @@ class FlatSteps:
             if plain:
                 torch._foreach_copy_([st[key] for st in plain], [views[i] for i in chunk.plain])
 
-    def _keep(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> dict[str, Any]:
-        """Copies of what the step is about to change (a masked step; fixed ops per chunk)."""
-        kept: dict[str, Any] = {"W": chunk.param.clone()}
+    def _keep(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]], values: bool = True) -> dict[str, Any]:
+        """Copies of what the step is about to change (a masked step; fixed ops per chunk).
+        ``values=False``: the fused kernel writes nothing where the flag is set, so only the 8-bit
+        codes (encoded again after it) need keeping."""
+        kept: dict[str, Any] = {"W": chunk.param.clone()} if values else {}
         st = self.twin.state.get(chunk.param)
-        if st and not self.moments:
+        if st and not self.moments and values:
             kept.update({k: v.clone() for k, v in st.items()
                          if isinstance(v, Tensor) and v.dim() == 1 and v.numel() == chunk.numel})
         if self.moments:
@@ -365,7 +508,8 @@ class FlatSteps:
 
     def _restore_where(self, chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]], kept: dict[str, Any],
                        skip: Tensor) -> None:
-        torch.where(skip, kept["W"], chunk.param, out=chunk.param)
+        if "W" in kept:
+            torch.where(skip, kept["W"], chunk.param, out=chunk.param)
         st = self.twin.state[chunk.param]
         for k, old in kept.items():
             if k in st:
@@ -375,7 +519,41 @@ class FlatSteps:
             chunk.stored.restore_where(kept["bytes"], skip)
         step = st.get("step")
         if isinstance(step, Tensor):
-            step.sub_(skip.to(device=step.device, dtype=step.dtype))
+            if _queues_copy(step, skip):               # settled before the counter is read again
+                self._pending.append((step, self._host_flag(skip)))
+            else:                                      # a CPU run: no copy, no wait
+                step.sub_(skip.to(dtype=step.dtype))
+
+    def _host_flag(self, skip: Tensor) -> tuple[Tensor, Tensor, Any]:
+        """A host copy of the device flag ``skip``, queued without waiting (pinned memory and an
+        event on CUDA), one per flag and step."""
+        got = self._copies.get(id(skip))
+        if got is None:
+            host = torch.empty((), dtype=torch.bool, pin_memory=skip.is_cuda)
+            host.copy_(skip, non_blocking=skip.is_cuda)
+            event = torch.cuda.Event() if skip.is_cuda else None
+            if event is not None:
+                event.record()
+            got = self._copies[id(skip)] = (skip, host, event)     # holds skip: its id stays unique
+        return got
+
+    def settle(self) -> None:
+        """Step back the counters of chunks whose last step was skipped on an accelerator.
+
+        torch's AdamW keeps ``step`` on the host; the flag is on the device. Stepping the counter
+        back at once would copy the flag to the host and wait for it: a sync every step. So the
+        masked step queues a host copy of its flag (``_host_flag``) and this reads it before
+        anything reads the counters again (the owner calls it at the start of its next step and
+        of ``state_dict()``). The copy was queued before the step's update, so by then it waits for
+        nothing queued since (``fit()`` reads its own copy of the same flag at the same point,
+        ``Trainer.conclude``)."""
+        for step, (_, host, event) in self._pending:
+            if event is not None:
+                event.synchronize()
+            if bool(host):
+                step.sub_(1)
+        self._pending.clear()
+        self._copies.clear()
 
     @staticmethod
     def _stored_tensors(chunk: Chunk, inner_state: dict[Tensor, dict[str, Any]]) -> list[Tensor]:
@@ -401,6 +579,45 @@ class FlatSteps:
             first = self.twin.state[self.chunks[0].param]["step"]
             self.inner._reseed(int(float(first)), {c.param.device for c in self.chunks})  # type: ignore[attr-defined]
 
+    def _takes_kernel(self, chunk: Chunk, hyper: dict[str, Any]) -> bool:
+        """Whether this chunk's update is the fused kernel (mixprec.optim.adamw_triton) instead of
+        ``twin.step()``: on CUDA, once the twin has made the chunk's state (its first step is the
+        twin's, which creates the state in its own layout), when :func:`kernel_refusal` has no
+        objection. The reason is logged once per device; a CPU never takes the kernel."""
+        dev = chunk.param.device
+        st = self.twin.state.get(chunk.param)
+        if dev.type not in KERNEL_DEVICES or not st:
+            return False
+        step = st.get("step")
+        why = kernel_refusal(self.twin, hyper, dev) if isinstance(step, Tensor) and step.device.type == "cpu" \
+            else "the step counter is not a CPU tensor (the kernel's bias corrections are host scalars)"
+        note = "kernel" if why is None else why
+        if self.kernel_notes.get(str(dev)) != note:
+            self.kernel_notes[str(dev)] = note
+            _log.info("mixprec flat step on %s: %s", dev, "one fused AdamW kernel per chunk" if why is None
+                      else f"the twin optimizer steps each chunk ({why})")
+        return why is None
+
+    def _kernel_step(self, chunk: Chunk, hyper: dict[str, Any], skip: Tensor | None) -> None:
+        """The twin's step as one kernel launch: the same step counter (a CPU tensor, advanced on
+        the host as the twin does; a skipped step steps it back, ``_restore_where``), the same
+        rounding noise for BF16 moments (the twin's generator, reseeded as its step does, two
+        draws: exp_avg's, then exp_avg_sq's), nothing written where ``skip`` is set."""
+        from mixprec.optim.adamw_triton import adamw_chunk_       # optional: Triton
+        dev, st, twin = chunk.param.device, self.twin.state[chunk.param], self.twin
+        step = st["step"]
+        noise = None
+        if getattr(twin, "stochastic_rounding", False) and st["exp_avg"].dtype == torch.bfloat16:
+            twin._reseed(int(float(step)), {dev})                                    # type: ignore[attr-defined]
+            gen = twin._generator(dev)                                                # type: ignore[attr-defined]
+            noise = tuple(torch.randint(0, 1 << 16, (chunk.numel,), dtype=torch.int32, device=dev, generator=gen)
+                          for _ in range(2))
+        step.add_(1.0)
+        beta1, beta2 = hyper["betas"]
+        adamw_chunk_(chunk.param, chunk.param.grad, st["exp_avg"], st["exp_avg_sq"], lr=hyper["lr"], beta1=beta1,
+                     beta2=beta2, eps=hyper["eps"], weight_decay=hyper["weight_decay"], step=float(step),
+                     found=skip, noise=noise)   # type: ignore[arg-type]
+
     @torch.no_grad()
     def step_chunk(self, chunk: Chunk, hyper: dict[str, Any], factors: list[Tensor],
                    inner_state: dict[Tensor, dict[str, Any]], skip: Tensor | None = None) -> None:
@@ -423,9 +640,13 @@ class FlatSteps:
                 torch._foreach_copy_(chunk.own_g, [m.grad for m in chunk.own_masters])
         if self.moments:
             self._decode(chunk, inner_state)
-        kept = self._keep(chunk, inner_state) if skip is not None else None
+        fused = self._takes_kernel(chunk, hyper)
+        kept = self._keep(chunk, inner_state, values=not fused) if skip is not None else None
         self.twin.param_groups = [{**hyper, "params": [chunk.param]}]
-        self.twin.step()
+        if fused:
+            self._kernel_step(chunk, hyper, skip)
+        else:
+            self.twin.step()
         if self.moments:
             self._encode(chunk, inner_state)
         elif not chunk.viewed or any(self.twin.state[chunk.param].get(k) is not v for k, v in chunk.shared.items()):

@@ -21,7 +21,7 @@ from torch.autograd.profiler import record_function
 from mixprec.optim import inputs as _inputs, sharded as _sharded
 from mixprec.optim.flat import FlatSteps
 
-__all__ = ["step_masters", "leave", "drop", "members", "make_twin", "flat_key", "ready", "step"]
+__all__ = ["step_masters", "settle", "leave", "drop", "members", "make_twin", "flat_key", "ready", "step"]
 
 MasterWeights = Any
 """The optimizer these serve: a :class:`mixprec.optim.MasterWeights` (not imported: master.py
@@ -55,6 +55,13 @@ def step_masters(opt: MasterWeights, found_inf: Tensor | None,
         opt._step_per_master(parts, around, found_inf if on_device else None)
     finally:
         opt._end_step()
+
+
+def settle(opt: MasterWeights) -> None:
+    """The chunks' host step counters brought up to date after a step skipped on the device
+    (``FlatSteps.settle``): before the next step and before a state dict."""
+    if opt._flat is not None:
+        opt._flat.settle()
 
 
 def leave(opt: MasterWeights) -> None:

@@ -93,8 +93,9 @@ class MasterWeights(torch.optim.Optimizer):
             FP32 masters, an elementwise inner optimizer); ``True`` refuses other optimizers;
             ``False`` keeps full FP32 masters.
         master_params: the parameters that get a separate FP32 master, exactly these: the per-layer
-            table's ``master`` column (``Precision.setup`` passes it); listed FP32 params are
-            converted to ``param_dtype``, unlisted ones are their own master. ``None`` (a
+            table's ``master`` column (``Precision.layers.master_params(model)``, which ``Precision.setup``
+            passes); listed FP32 params are converted to ``param_dtype``, unlisted ones are their
+            own master. ``None`` (a
             hand-built optimizer): decided by dtype (``mixprec.optim.master_table.Masters``).
 
     It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
@@ -163,8 +164,7 @@ class MasterWeights(torch.optim.Optimizer):
             _split.resolve_split(split, optimizer_cls, master_dtype)
         return False
 
-    # The bookkeeping, for the split layout and tests: id(model param) -> its master; the FP32
-    # grad buffers of full masters (mixprec.optim.master_table.Masters holds both).
+    # id(model param) -> its master; the FP32 grad buffers (the table's, for the split layout)
     _master_of = property(lambda self: self._table.master_of)
     _grad_of = property(lambda self: self._table.grad_of)
 
@@ -255,6 +255,7 @@ class MasterWeights(torch.optim.Optimizer):
         Params in no part are not stepped.
         """
         loss = None
+        flat_dispatch.settle(self)        # counters of a step skipped on the device (flat.settle)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -308,6 +309,7 @@ class MasterWeights(torch.optim.Optimizer):
         """The inner optimizer's state dict plus the masters (by flat param index), in FP32:
         references, not copies, as torch's; the same file with and without split masters;
         loads with ``torch.load(..., weights_only=True)`` (mixprec.optim.master_checkpoint)."""
+        flat_dispatch.settle(self)
         return master_checkpoint.save(self._inner, self.master_dtype, self._table.all_params,
                                       self._table.model_params, self.masters)
 

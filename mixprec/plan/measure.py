@@ -291,9 +291,9 @@ def format_variants(model: nn.Module, formats: Sequence[str], device: torch.devi
         prec.setup(trial)
         trial.train()
         variants[f] = trial
-        why = {n: r for rep in (prec.fp8_report, prec.micro_report) if rep is not None
-               for n, r in rep.skipped}
-        refused[f] = {n: why.get(n, f"runs {got}") for n, got in prec.layer_formats.items() if got != f}
+        # The table set-up resolved: the one eligibility function's reason in its refused column.
+        refused[f] = {r.name: r.refused or f"runs {r.compute}" for r in prec.layers.table
+                      if r.per_layer and r.compute != f}
     return variants, refused
 
 

@@ -243,7 +243,7 @@ def plan_precision(model: nn.Module, batches: Sequence[Any], *,
 
     plan = PrecisionPlan(base=base_name, layers=measures, throughput=throughput, target=target,
                          budget=budget, criterion=criterion, loss=ref_loss, notes=notes,
-                         base_format=base_precision.base_format, min_sqnr_db=min_sqnr_db,
+                         base_format=base_precision.recipe.base_format, min_sqnr_db=min_sqnr_db,
                          max_flush=max_flush, max_sqnr_drop_db=max_sqnr_drop_db,
                          linears=[n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)])
     choose(plan, cands)

@@ -16,7 +16,7 @@ every layer is at its most accurate format (said in the notes: the layers outsid
 the data, change the loss more than the budget allows).
 
 Cost per round: one forward over the calibration and held-out batches per movable layer; the
-model is copied once and layers are swapped in place (:meth:`mixprec.Precision.set_layer_format`).
+model is copied once and layers are swapped in place (:meth:`mixprec.Precision.layers.set_format`).
 """
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ def enforce_budget(plan: PrecisionPlan, model: nn.Module, *, calib: Sequence[Any
             safer = safer_format(m, cands)
             if safer is None:
                 continue
-            precision.set_layer_format(trial, m.name, safer)
+            precision.layers.set_format(trial, m.name, safer)
             trial_change = measure()
-            precision.set_layer_format(trial, m.name, m.chosen)
+            precision.layers.set_format(trial, m.name, m.chosen)
             key = (worst(trial_change), m.name)
             if best is None or key < best[0]:
                 best = (key, m, safer, trial_change)
@@ -108,7 +108,7 @@ def enforce_budget(plan: PrecisionPlan, model: nn.Module, *, calib: Sequence[Any
         plan.demoted.append({"layer": m.name, "from": m.chosen, "to": safer,
                              "calibration": current[0], "heldout": current[1]})
         by_name[m.name].chosen = safer
-        precision.set_layer_format(trial, m.name, safer)
+        precision.layers.set_format(trial, m.name, safer)
     plan.measured_calibration, plan.measured_heldout = current
     plan.loss_change = worst(current)
     update_times(plan)

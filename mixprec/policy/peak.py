@@ -36,7 +36,7 @@ __all__ = ["matmul_flops", "cuda_flops", "cuda_seconds", "time_matmul", "peak_fl
            "no_peak_reason", "cache_dir", "peak_record", "describe_peak", "format_peak_source", "low_peak_reason",
            "MAX_AGE_S", "CACHE_FILE", "FAR_BELOW_DATASHEET"]
 
-log = logging.getLogger("mixprec.peak")
+log = logging.getLogger(__name__)
 
 MAX_AGE_S = 7 * 24 * 3600
 """A cached peak older than this (seconds) is measured again: the machine, its load and its
@@ -355,7 +355,7 @@ def no_peak_reason(fmt: str, device: torch.device | str | None = None) -> str | 
 def format_peak_flops(fmt: str, device: torch.device | str | None = None, *,
                       refresh: bool = False) -> float | None:
     """Measured dense peak of ``fmt``'s GEMMs on ``device`` (``fmt``: what
-    :attr:`mixprec.Precision.peak_format` says, ``fp8``, ``tf32``, ``bf16``, ``fp16`` or ``fp32``),
+    :attr:`mixprec.Precision.layers.peak_format` says, ``fp8``, ``tf32``, ``bf16``, ``fp16`` or ``fp32``),
     or None where the device has no such GEMMs (:func:`no_peak_reason` says why: emulated, so an
     MFU against it would mean nothing). ``fit()``'s MFU and ``mixprec estimate --gpu cpu`` use this."""
     device = torch.device(device) if device is not None else (

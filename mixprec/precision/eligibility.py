@@ -5,9 +5,9 @@
 
 * the conversions, :func:`~mixprec.precision.convert_to_fp8` and
   :func:`~mixprec.precision.convert_to_micro` (:mod:`mixprec.precision.convert`, one walk);
-* :meth:`mixprec.Precision.resolve`, whose per-layer table shows the answer in its ``refused``
+* :meth:`mixprec.Precision.resolve` (``Layers.resolve``), whose per-layer table shows the answer in its ``refused``
   column before set-up as after (the audit, the planner and ``describe`` read the table);
-* :func:`~mixprec.precision.layer_formats.swap_layer` behind ``Precision.set_layer_format``: the
+* :func:`~mixprec.precision.layers.swap_layer` behind ``precision.layers.set_format``: the
   re-planner and the guard (:mod:`mixprec.monitor`) and ``mixprec plan``'s verification.
 
 The rules, in the order they are asked (the first that applies is the answer):
@@ -122,7 +122,7 @@ def refusal(qualified_name: str, module: nn.Module, config: FormatConfig, facts:
     """Why ``module`` (named ``qualified_name`` in the model ``facts`` describe) may not run in
     ``config``'s format, in one line; None: it may. The rules and their order: the module
     docstring. ``keeps_fp32(name, module)``: the precision policy's FP32 exemption and its reason
-    (``Precision.keep_fp32_reason``), None: not kept. ``module_filter_fn(module, name)``: a user's
+    (``Precision.layers.keep_fp32_reason``), None: not kept. ``module_filter_fn(module, name)``: a user's
     filter, False keeps the layer out. ``explicit``: an override named this format for this layer
     (a recipe's first/last-blocks rule spares it)."""
     if not swappable(module, config):

@@ -10,15 +10,16 @@ every choice of the run     the frozen :class:`~mixprec.precision.recipe.Recipe`
                             from (:attr:`Precision.recipe`), fixed at construction
 what each layer is         the rule book, :mod:`mixprec.precision.rules`
 every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model)
-storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
-                            ``keep_fp32_names`` stay FP32: :meth:`Precision.keep_fp32_reason`)
+every per-layer question    :attr:`Precision.layers` (:class:`~mixprec.precision.layers.Layers`):
+                            storage dtype (``param_dtype_for``; norms, gates, ``keep_in_fp32``,
+                            ``keep_fp32_names`` stay FP32: ``keep_fp32_reason``), each Linear's
+                            format (``format_for``; per-module overrides, first match wins), the
+                            live formats (``formats``) and the table of the model set up
 FP32 master weights         :attr:`Precision.keeps_masters`; which params: the table's ``master``
-                            column, :meth:`Precision.master_params`, handed to ``MasterWeights``
+                            column, ``layers.master_params``, handed to ``MasterWeights``
 FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
 micro-format GEMMs          :meth:`Precision.micro_config` (MXFP8 / MXFP4 / NVFP4 recipes and
                             their options); :meth:`setup` swaps eligible Linears
-each Linear's format        :meth:`Precision.format_for` (per-module overrides, first match
-                            wins); :meth:`setup` swaps FP8 / FP32 / BF16 / FP16 layers
 loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
 the forward's dtype         :meth:`autocast`, :meth:`convert_output`
 gradient reduction          :attr:`reduce_dtype`, :meth:`fsdp_mixed_precision`,
@@ -48,19 +49,19 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from mixprec import _moved
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import AdamW, MasterWeights
 from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
 from mixprec.policy import hardware
-from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.policy.overrides import check_patterns, normalize_overrides
 from mixprec.policy.policy import Policy, get_policy
-from mixprec.precision import rules
 from mixprec.precision.autocast import autocast
 from mixprec.precision.cast import cast_module
+from mixprec.precision.layers import Layers
 from mixprec.precision.recipe import Recipe
-from mixprec.precision.table import LayerRow, LayerTable
+from mixprec.precision.table import LayerTable
 
 if TYPE_CHECKING:
     from mixprec.optim.overlap import OverlappedUpdate
@@ -68,10 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["Precision", "OptimizerSpec", "StepTaken", "prepare_fp8"]
 
 _F32 = torch.float32
-_PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW = (torch.bfloat16, torch.float16)
-_PEAK_RANK = {"fp4": 0, "fp8": 1, "bf16": 2, "fp16": 2, "tf32": 3, "fp32": 4}
-"""Matmul formats from the fastest dense peak to the slowest (FP16 and BF16 share theirs)."""
 
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters, a factory ``params -> optimizer``, or None."""
@@ -179,16 +177,9 @@ class Precision:
         self._scaler: GradScaler | None = None   # built on first use: cheap questions need none
         self.notes: list[str] = list(recipe.notes)
         """What building the recipe and :meth:`setup` chose on the user's behalf, for the run log."""
-        self.fp8_report = None
-        self.micro_report = None
-        """What the micro-format conversion did (:class:`mixprec.precision.ConversionReport`)."""
-        self.table: LayerTable | None = None
-        """The per-layer table of the model :meth:`setup` set up (:meth:`resolve` at the end of
-        it, refreshed when a layer's format changes); what FSDP2's islands are read from."""
-        self.layer_formats: dict[str, str] = {}
-        """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
-        self._set_up_formats: dict[str, str] = {}
-        """:attr:`layer_formats` as :meth:`setup` made them, before any switch while training."""
+        self.layers = Layers(recipe)
+        """Every per-layer question, and the live formats of the model :meth:`setup` set up
+        (:class:`~mixprec.precision.layers.Layers`)."""
         self.last_grad_norm: torch.Tensor | None = None
         """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
 
@@ -215,42 +206,6 @@ class Precision:
     @property
     def name(self) -> str:
         return self.policy.name if self.policy.name != "custom" else self.policy.spec()
-
-    @property
-    def has_plan(self) -> bool:
-        """Some layers carry a per-layer format (``precision_overrides``, a plan file): what runs
-        is a per-layer plan on top of the mode, not the mode alone."""
-        return bool(self.policy.overrides)
-
-    @property
-    def label(self) -> str:
-        """The run's short name for what runs, the one every label asks: the run folder's
-        suffix, the last line of ``train``, ``config.toml`` and the reports. The mode's name, with
-        ``+plan`` when per-layer formats run on top of it (``32-true+plan``)."""
-        return f"{self.name}+plan" if self.has_plan else self.name
-
-    def format_counts(self) -> str:
-        """How many Linears run in each format after :meth:`setup` (``8 nvfp4, 1 fp32``; ``""``
-        before it), largest count first."""
-        counts: dict[str, int] = {}
-        for f in self.layer_formats.values():
-            counts[f] = counts.get(f, 0) + 1
-        return ", ".join(f"{n} {f}" for f, n in sorted(counts.items(), key=lambda c: -c[1]))
-
-    @property
-    def switched(self) -> bool:
-        """Some Linear changed format while training (the guard promoted it, re-planning or a
-        restored checkpoint moved it): what runs now is not what :meth:`setup` made."""
-        return bool(self._set_up_formats) and self.layer_formats != self._set_up_formats
-
-    def ran(self) -> str:
-        """:attr:`label` with the Linear layers' formats when a plan runs (``32-true+plan (8
-        nvfp4, 1 fp32)``) or when layers switched format while training (``fp8-tensorwise+switched
-        (9 bf16)``: a guarded run whose FP8 layers all went to BF16 is not an FP8 run): what a
-        run's last line and record say ran."""
-        counts = self.format_counts()
-        label = f"{self.label}+switched" if self.switched else self.label
-        return f"{label} ({counts})" if (self.has_plan or self.switched) and counts else label
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -296,11 +251,6 @@ class Precision:
         return self.autocasts and self.param_dtype.itemsize > self.compute_dtype.itemsize
 
     @property
-    def fp8_recipe(self) -> str | None:
-        """The FP8 recipe name of ``fp8-*`` modes, else None."""
-        return self.policy.fp8_recipe
-
-    @property
     def fp8_config(self):
         """The :class:`mixprec.formats.Fp8Config` of ``fp8-*`` modes, else None."""
         return self.recipe.fp8
@@ -314,147 +264,6 @@ class Precision:
         """The :class:`mixprec.formats.MicroConfig` of micro format ``fmt`` with the mode's
         ``micro_options``."""
         return self.recipe.micro_config(fmt)
-
-    @property
-    def matmul_format(self) -> str:
-        """The format the mode's GEMMs run in: ``fp4`` (MXFP4, NVFP4), ``fp8`` (FP8, MXFP8),
-        ``bf16``, ``fp16``, ``tf32`` or ``fp32``."""
-        if self.policy.micro_format:
-            return "fp8" if self.policy.micro_format == "mxfp8" else "fp4"
-        if self.policy.fp8_recipe:
-            return "fp8"
-        if self.autocasts or self.stores_low_precision:
-            return dtype_name(self.compute_dtype)
-        return "tf32" if self.policy.allow_tf32 else "fp32"
-
-    @property
-    def activation_format(self) -> torch.dtype:
-        """The format whose range activations must fit (FP8 E4M3 for ``fp8-*``)."""
-        return FP8_E4M3 if self.policy.fp8_recipe else self.compute_dtype
-
-    @property
-    def gradient_format(self) -> torch.dtype:
-        """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
-        return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
-
-    def range_formats(self, model: nn.Module) -> dict[str, tuple[torch.dtype, torch.dtype]]:
-        """Per module of the table, the formats its activations and gradients must fit, from the
-        format it actually computes in: E4M3/E5M2 for an ``fp8-*`` layer, FP32/BF16/FP16 for a
-        layer running in that format (a per-layer override included), else the mode's
-        (:attr:`activation_format`, :attr:`gradient_format`): norms (FP32 statistics, output in
-        the mode's format), embeddings, block-scaled formats."""
-        mode = (self.activation_format, self.gradient_format)
-        out = {}
-        for row in self.resolve(model):
-            if row.compute.startswith("fp8-"):
-                out[row.name] = (FP8_E4M3, FP8_E5M2)
-            elif row.compute in _PLAIN and row.kind != "norm":
-                out[row.name] = (_PLAIN[row.compute],) * 2
-            else:
-                out[row.name] = mode
-        return out
-
-    @property
-    def peak_format(self) -> str:
-        """The format whose dense matmul peak is the denominator of MFU, in ``fit()``'s metrics and
-        in ``mixprec estimate`` alike: :attr:`matmul_format` (``fp8`` for ``fp8-*`` modes), or,
-        after :meth:`setup`, the narrowest format a Linear layer runs in when a per-layer format
-        (a plan, an override) is narrower than the mode's: a 32-true plan with FP8 layers is
-        measured against the FP8 peak (and where FP8 is emulated, gets no MFU at all)."""
-        narrowest = self.matmul_format
-        for fmt in self.layer_formats.values():
-            kind = ("fp4" if fmt in ("mxfp4", "nvfp4") else "fp8" if fmt.startswith("fp8-") or fmt == "mxfp8"
-                    else fmt if fmt in _PEAK_RANK else narrowest)
-            if _PEAK_RANK[kind] < _PEAK_RANK.get(narrowest, len(_PEAK_RANK)):
-                narrowest = kind
-        return narrowest
-
-    def keep_fp32_reason(self, qualified_name: str, module: nn.Module) -> str | None:
-        """Why ``module``'s own parameters stay FP32 (the rule book's
-        :func:`~mixprec.precision.rules.keep_fp32_reason`, or a Linear whose per-layer format is
-        ``fp32``), or None."""
-        why = rules.keep_fp32_reason(self.policy, qualified_name, module)
-        if why is None and isinstance(module, nn.Linear):
-            fmt = self.policy.override_for(qualified_name)
-            why = "per-layer format fp32" if fmt == "fp32" else None
-        return why
-
-    def keeps_fp32(self, qualified_name: str, module: nn.Module) -> bool:
-        """Whether ``module``'s own parameters stay FP32 (:meth:`keep_fp32_reason`)."""
-        return self.keep_fp32_reason(qualified_name, module) is not None
-
-    def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype:
-        """The dtype ``module``'s own floating parameters are stored in under this mode."""
-        return _F32 if self.keeps_fp32(qualified_name, module) else self.param_dtype
-
-    # --- per-layer formats ----------------------------------------------------------------------
-
-    @property
-    def base_format(self) -> str:
-        """The format a layer computes in when nothing makes it FP8 or overrides it: the compute
-        dtype's name (``fp32``, ``bf16`` or ``fp16``)."""
-        return dtype_name(self.compute_dtype)
-
-    @property
-    def default_format(self) -> str:
-        """What a Linear without an override asks for: ``fp8-<recipe>`` in ``fp8-*`` modes, the
-        micro format in ``mxfp8`` / ``mxfp4`` / ``nvfp4`` modes."""
-        if self.policy.micro_format:
-            return self.policy.micro_format
-        return f"fp8-{self.policy.fp8_recipe}" if self.policy.fp8_recipe else self.base_format
-
-    @property
-    def uses_fp8(self) -> bool:
-        """Some layer may run in FP8 (an ``fp8-*`` mode, or an FP8 override)."""
-        return bool(self.policy.fp8_recipe) or any(f.startswith("fp8-") for _, f in self.policy.overrides)
-
-    def requested_format(self, qualified_name: str) -> str:
-        """The format a Linear named ``qualified_name`` asks for: its first matching override,
-        else :attr:`default_format`. FP8 is granted only where the FP8 rules allow (see
-        :meth:`format_for`)."""
-        return self.policy.override_for(qualified_name) or self.default_format
-
-    def format_for(self, qualified_name: str, module: nn.Module) -> str:
-        """The format ``module`` computes in: after :meth:`setup`, what the layer actually runs
-        (an ``Fp8Linear``'s recipe, a ``FormatLinear``'s format, else the surrounding
-        :attr:`base_format`); for a Linear not yet set up, :meth:`requested_format`."""
-        from mixprec.formats import Fp8Conv1D, Fp8Linear, MicroLinear
-        from mixprec.nn import FormatLinear
-        if isinstance(module, (Fp8Linear, Fp8Conv1D)):
-            return f"fp8-{module.config.recipe}"
-        if isinstance(module, MicroLinear):
-            return module.config.recipe
-        if isinstance(module, FormatLinear):
-            return module.compute_format
-        if isinstance(module, nn.Linear) and qualified_name not in self.layer_formats:
-            return self.requested_format(qualified_name)
-        return self.base_format
-
-    def set_layer_format(self, model: nn.Module, qualified_name: str, fmt: str) -> str:
-        """Switch one Linear of a set-up ``model`` to ``fmt`` while training (re-planning).
-
-        The new module shares the old one's Parameters, so parameters, FP32 masters and optimizer
-        state are untouched; a delayed-scaling FP8 layer starts a fresh amax history. Storage
-        dtypes do not change (a layer switched to ``fp32`` computes in FP32 from its stored
-        weights). Returns the format the layer now runs in (FP8 rules may refuse FP8: then the
-        surrounding format)."""
-        from mixprec.precision.layer_formats import swap_layer
-        got = swap_layer(self, model, qualified_name, fmt)
-        self.layer_formats[qualified_name] = got
-        if self.table is not None:
-            self.table = self.resolve(model)
-        return got
-
-    def apply_layer_formats(self, model: nn.Module, formats: dict[str, str]) -> None:
-        """Bring a set-up ``model``'s Linears to ``formats`` (a saved :attr:`layer_formats`)."""
-        for name, fmt in formats.items():
-            if name in self.layer_formats and self.layer_formats[name] != fmt:
-                self.set_layer_format(model, name, fmt)
-
-    def describe_layers(self) -> list[str]:
-        """One line per Linear: its resolved format (after :meth:`setup`)."""
-        width = max((len(n) for n in self.layer_formats), default=0)
-        return [f"{n:<{width}}  {f}" for n, f in self.layer_formats.items()]
 
     def casts_before_sharding(self) -> bool:
         """Under FSDP2 the FP32 shards are the masters; only a mode without masters casts the
@@ -479,75 +288,15 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
 
     def resolve(self, model: nn.Module) -> LayerTable:
-        """Every decision for ``model``, one row per parameter-owning module (before or after
-        :meth:`setup`; after it, the formats the layers actually run). See :mod:`mixprec.precision.table`."""
-        from mixprec.formats import Fp8Config
-        from mixprec.policy.overrides import is_micro
-        from mixprec.precision.eligibility import model_facts, refusal, swappable
-        facts = model_facts(model)
-        rows = []
-        for name, module in facts.modules.items():
-            own = list(module.parameters(recurse=False))
-            if not own:
-                continue
-            kind = rules.layer_kind(name, module, facts.embeddings)
-            keep = self.keep_fp32_reason(name, module)
-            why = [f"kept FP32: {keep}"] if keep else []
-            storage = _F32 if keep else self.param_dtype
-            per_layer = rules.is_gemm_layer(module)
-            refused = None
-            if per_layer:
-                compute = self.format_for(name, module)
-                asked = self.requested_format(name)
-                if self.policy.override_for(name):
-                    why.append(f"per-layer format {asked}")
-                config = (Fp8Config.from_recipe(asked) if asked.startswith("fp8-") else
-                          self.micro_config(asked) if is_micro(asked) else None)
-                if config is not None and swappable(module, config):
-                    # Not (or not yet) converted: the conversion's own answer (the one function).
-                    refused = refusal(name, module, config, facts, keeps_fp32=self.keep_fp32_reason,
-                                      explicit=self.policy.override_for(name) is not None)
-                    if refused:
-                        why.append(f"{asked} refused: {refused}")
-                    compute = self.base_format if refused else asked
-            elif kind == "norm" and (keep or self.autocasts):
-                compute = "fp32"            # statistics in FP32 (mixprec's norms; autocast's rule)
-            elif kind == "embedding":
-                compute = "-"               # a lookup, no matmul
-            else:
-                compute = self.base_format
-            master = storage in _LOW and self.keeps_masters
-            if storage in _LOW and not master:
-                why.append("16-bit without FP32 masters (master_weights=False)")
-            rows.append(LayerRow(name=name, type=type(module).__name__, kind=kind,
-                                 params=sum(p.numel() for p in own), storage=storage, compute=compute,
-                                 fp32_island=keep is not None, master=master,
-                                 why="; ".join(why) or "the mode",
-                                 per_layer=per_layer, refused=refused or ""))
-        return LayerTable(self.name, tuple(rows))
-
-    def master_params(self, model: nn.Module) -> list[torch.Tensor]:
-        """The parameters the per-layer table gives FP32 masters (its ``master`` column), in
-        ``model.parameters()`` order: the set :meth:`setup` hands ``MasterWeights``. A parameter
-        shared by several modules (a tied head) gets one if any of its rows says so."""
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        wanted: set[int] = set()
-        for row in self.resolve(model):
-            if row.master:
-                wanted.update(id(p) for p in model.get_submodule(row.name).parameters(recurse=False))
-        return [p for p in model.parameters() if id(p) in wanted]
+        """Every decision for ``model``, one row per parameter-owning module (:meth:`Layers.resolve`)."""
+        return self.layers.resolve(model)
 
     def describe(self, model: nn.Module | None = None) -> str:
-        """With ``model``: the per-layer table of every decision for it (:meth:`resolve`), to
-        print. Without: one line for logs (after :meth:`setup`, with how many Linears run in
-        each format)."""
-        if model is not None:
-            return str(self.resolve(model))
-        text = self.policy.describe()
-        if self.layer_formats:
-            text += "; Linear layers: " + self.format_counts()
-        return text
+        """With ``model``: its per-layer table, to print; without: one line for logs (:meth:`Layers.describe`)."""
+        return self.layers.describe(model)
+
+    def __getattr__(self, name: str) -> Any:
+        _moved.refuse_member("Precision", name)   # members retired in 0.4: one line naming the new home
 
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
@@ -602,11 +351,11 @@ class Precision:
             # Storage dtypes (FP32 exemptions kept; an fp16_params optimizer's exact FP32 masters
             # go back into exempt parameters).
             master_of = getattr(optimizer, "master_of", None)
-            cast_module(model, self.policy, dtype_for=self.param_dtype_for,
+            cast_module(model, self.policy, dtype_for=self.layers.param_dtype_for,
                         master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
-        self.apply_formats(model)
+        self.layers.apply(model)
         setattr(model, _SETUP_TAG, self._identity())
-        self.table = self.resolve(model)
+        self.layers.table = self.layers.resolve(model)
         return model
 
     @property
@@ -630,14 +379,6 @@ class Precision:
     def _identity(self) -> str:
         ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
         return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
-
-    def apply_formats(self, model: nn.Module) -> None:
-        """Give every Linear its format: FP8 layers become ``Fp8Linear`` (asked per module; the FP8
-        rules may keep one out, and the report says why), layers whose format differs from the
-        surrounding one become ``FormatLinear``; the rest stay as they are."""
-        from mixprec.precision.layer_formats import apply_formats
-        self.layer_formats = apply_formats(self, model)
-        self._set_up_formats = dict(self.layer_formats)
 
     def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
                         sharded: bool = False) -> torch.optim.Optimizer | None:
@@ -663,7 +404,7 @@ class Precision:
         # The recipe's layout: split_masters=False keeps full FP32 masters for your optimizer too
         # (it was ignored here: found writing docs/ARCHITECTURE.md's walk); True splits where exact.
         split = None if self.recipe.split_masters else False
-        return MasterWeights(type(optimizer), groups, master_params=self.master_params(model),
+        return MasterWeights(type(optimizer), groups, master_params=self.layers.master_params(model),
                              split=split, **defaults)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
@@ -703,7 +444,7 @@ class Precision:
                               + (" (matrices; vectors keep FP32 moments), sharded and resharded with the "
                                  "parameters" if moments != "bf16" else ""))
             return sharded_adamw(param_groups, moments=moments, **adamw_options)
-        masters = self.master_params(model) if model is not None else None
+        masters = self.layers.master_params(model) if model is not None else None
         if _fuses(param_groups, masters, moments, self.keeps_masters, adamw_options):
             adamw_options = {**adamw_options, "fused": True}
             self.notes.append("AdamW: torch's fused kernel (fused=True, CUDA), which skips a non-finite "
@@ -856,8 +597,8 @@ def prepare_fp8(model: nn.Module, policy: Policy | str) -> Any:
     """Swap ``model``'s Linears to the formats ``mixprec.Precision(policy)`` gives them, without
     casting parameters or touching an optimizer; the FP8 report, or None when no layer asks for FP8.
 
-    A thin call of the decider (:meth:`mixprec.Precision.apply_formats`); ``fit()`` and
+    A thin call of the decider (:meth:`mixprec.precision.layers.Layers.apply`); ``fit()`` and
     ``Precision.setup`` do this themselves, so call it only to study FP8 numerics by hand."""
-    precision = Precision(policy)
-    precision.apply_formats(model)
-    return precision.fp8_report
+    layers = Precision(policy).layers
+    layers.apply(model)
+    return layers.fp8_report

@@ -35,7 +35,7 @@ from mixprec.errors import ConfigError, closest
 from mixprec.formats.fp8_config import Fp8Config
 from mixprec.formats.micro_config import MicroConfig, parse_micro_options
 from mixprec.optim.moments import MOMENTS
-from mixprec.policy.dtypes import dtype_name, parse_dtype
+from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name, parse_dtype
 from mixprec.policy.overrides import PlanOrigin, is_micro, normalize_overrides
 from mixprec.policy.policy import Policy, get_policy
 
@@ -190,6 +190,64 @@ class Recipe:
     def scales_loss(self) -> bool:
         return bool(self.policy.loss_scaling)
 
+    # --- the formats (asked per layer by mixprec.precision.layers.Layers) -----------------------
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The FP8 recipe name of ``fp8-*`` modes, else None."""
+        return self.policy.fp8_recipe
+
+    @property
+    def has_plan(self) -> bool:
+        """Some layers carry a per-layer format (overrides, a plan file) on top of the mode."""
+        return bool(self.policy.overrides)
+
+    @property
+    def label(self) -> str:
+        """What runs, short (run folder, last line, reports): :attr:`name`, ``+plan`` with one."""
+        return f"{self.name}+plan" if self.has_plan else self.name
+
+    @property
+    def base_format(self) -> str:
+        """A layer's format when nothing makes it FP8 or overrides it: the compute dtype's name."""
+        return dtype_name(self.policy.compute_dtype)
+
+    @property
+    def default_format(self) -> str:
+        """What a Linear without an override asks for: ``fp8-<recipe>``, the micro format, else
+        :attr:`base_format`."""
+        if self.policy.micro_format:
+            return self.policy.micro_format
+        return f"fp8-{self.policy.fp8_recipe}" if self.policy.fp8_recipe else self.base_format
+
+    @property
+    def uses_fp8(self) -> bool:
+        """Some layer may run in FP8 (an ``fp8-*`` mode, or an FP8 override)."""
+        return bool(self.policy.fp8_recipe) or any(f.startswith("fp8-") for _, f in self.policy.overrides)
+
+    @property
+    def matmul_format(self) -> str:
+        """The format the mode's GEMMs run in: ``fp4`` (MXFP4, NVFP4), ``fp8`` (FP8, MXFP8),
+        ``bf16``, ``fp16``, ``tf32`` or ``fp32``."""
+        p = self.policy
+        if p.micro_format:
+            return "fp8" if p.micro_format == "mxfp8" else "fp4"
+        if p.fp8_recipe:
+            return "fp8"
+        if p.is_mixed or p.low_precision_params:
+            return self.base_format
+        return "tf32" if p.allow_tf32 else "fp32"
+
+    @property
+    def activation_format(self) -> torch.dtype:
+        """The format whose range activations must fit (FP8 E4M3 for ``fp8-*``)."""
+        return FP8_E4M3 if self.policy.fp8_recipe else self.policy.compute_dtype
+
+    @property
+    def gradient_format(self) -> torch.dtype:
+        """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
+        return FP8_E5M2 if self.policy.fp8_recipe else self.policy.compute_dtype
+
     @property
     def scaler_options(self) -> dict[str, Any]:
         """The loss-scaler settings as ``GradScaler`` keyword arguments."""
@@ -225,125 +283,28 @@ class Recipe:
             "mixprec.Precision('auto', optimizer=optimizer)), or build the optimizer without fp16_params")
 
     def __str__(self) -> str:
-        p = self.policy
-        dts = ", ".join(f"{k} {dtype_name(getattr(p, f))}" for k, f in (
-            ("params", "param_dtype"), ("compute", "compute_dtype"), ("output", "output_dtype"),
-            ("reduce", "reduce_dtype")))
-        masters = {"none": "none", "full": "full FP32 copies",
-                   "split": "split (the BF16 parameter + a 16-bit remainder)"}[self.masters]
-        if self.policy.low_precision_params and not self.keeps_masters:
-            masters = "none (16-bit parameters updated in place: master_weights=False)"
-        scale = "off"
-        if self.scales_loss:
-            s = {**_SCALER_ARGS, **dict(self.scaler)}
-            scale = (f"dynamic (init {s['init_scale']:g}, growth every {s['growth_interval']} clean "
-                     f"steps, hysteresis {s['hysteresis']}, min {s['min_scale']:g}, "
-                     f"stuck: {s['on_min_scale']})")
-        kept = ["norms" if p.keep_norms_fp32 else "", *p.keep_fp32_names,
-                *(t.__name__ for t in p.keep_fp32_types)]
-        rows = [("dtypes", dts), ("masters", masters), ("moments", self.moments),
-                ("activations", "saved in FP8 E4M3 (fp8_activations)" if self.fp8_activations
-                 else "saved as computed"),
-                ("loss scale", scale), ("tf32", "on" if p.allow_tf32 else "off"),
-                ("fp8", f"{self.fp8.recipe}: {self.fp8.describe()}" if self.fp8 else "-"),
-                ("micro", "; ".join(c.describe() for _, c in self.micro) or "-"),
-                ("kept fp32", ", ".join(k for k in kept if k) or "-"),
-                ("overrides", ", ".join(f"{pat}={fmt}" for pat, fmt in p.overrides) + " (first match wins)"
-                 if p.overrides else "-")]
-        if p.plan is not None:
-            rows.append(("plan", f"{p.plan.path}" + (f" (made for {p.plan.made_for})" if p.plan.made_for else "")))
-        head = f"recipe {self.name}" + (f" (asked: {self.resolved_from})" if self.resolved_from else "")
-        return "\n".join([head, *(f"  {k:<12}{v}" for k, v in rows)])
+        return _describe(self)
 
     # ------------------------------------------------------------------ serialising
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str, bool, int, float, lists, dicts) that :meth:`from_dict` rebuilds this
         recipe from; what ``config.toml``'s ``[recipe]`` table holds."""
-        p = self.policy
-        out: dict[str, Any] = {"name": p.name}
-        for f in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
-            out[f] = dtype_name(getattr(p, f))
-        out.update(master_weights=bool(p.master_weights), loss_scaling=bool(p.loss_scaling),
-                   allow_tf32=p.allow_tf32, keep_norms_fp32=p.keep_norms_fp32,
-                   keep_fp32_names=list(p.keep_fp32_names),
-                   keep_fp32_types=[f"{t.__module__}:{t.__qualname__}" for t in p.keep_fp32_types],
-                   masters=self.masters, split_masters=self.split_masters, moments=self.moments,
-                   fp8_activations=self.fp8_activations)
-        if p.fp8_recipe:
-            out["fp8_recipe"] = p.fp8_recipe
-        if p.micro_format:
-            out["micro_format"] = p.micro_format
-        if self.resolved_from:
-            out["resolved_from"] = self.resolved_from
-        if p.micro_options:      # TOML has no None: an "int or None" option is written "none"
-            out["micro_options"] = {k: ("none" if v is None else v) for k, v in p.micro_options}
-        if self.scaler:
-            for k, v in self.scaler:
-                if not isinstance(v, (bool, int, float, str)):
-                    raise ConfigError(f"the loss-scaler setting {k}={v!r} cannot be written to a "
-                                      "recipe table (numbers, true/false and names only)")
-            out["scaler"] = dict(self.scaler)
-        if p.overrides:
-            out["overrides"] = dict(p.overrides)
-        if p.plan is not None:
-            out["plan"] = {"path": p.plan.path, "made_for": p.plan.made_for,
-                           "linears": list(p.plan.linears)}
-        return out
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
         """The recipe :meth:`to_dict` wrote (unknown keys refused in one line)."""
-        data = dict(data)
-        known = {"name", "param_dtype", "compute_dtype", "output_dtype", "reduce_dtype",
-                 "master_weights", "loss_scaling", "allow_tf32", "keep_norms_fp32",
-                 "keep_fp32_names", "keep_fp32_types", "masters", "split_masters", "moments",
-                 "fp8_activations", "fp8_recipe", "micro_format", "micro_options", "scaler",
-                 "overrides", "plan", "resolved_from"}
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"unknown recipe key '{key}'{closest(key, known)}; valid: "
-                                  f"{', '.join(sorted(known))}")
-        plan = data.get("plan")
-        policy = Policy(
-            name=data.get("name", "custom"),
-            **{f: parse_dtype(data[f]) for f in ("param_dtype", "compute_dtype", "output_dtype",
-                                                  "reduce_dtype") if f in data},
-            **{f: data[f] for f in ("master_weights", "loss_scaling", "allow_tf32", "keep_norms_fp32",
-                                    "fp8_recipe", "micro_format") if f in data},
-            micro_options=parse_micro_options(data.get("micro_options") or ()),
-            keep_fp32_names=tuple(data.get("keep_fp32_names", ())),
-            keep_fp32_types=tuple(_import_type(t) for t in data.get("keep_fp32_types", ())),
-            overrides=normalize_overrides(data.get("overrides") or ()),
-            plan=PlanOrigin(path=plan["path"], made_for=plan.get("made_for", ""),
-                            linears=tuple(plan.get("linears", ()))) if plan else None)
-        recipe = cls(policy=policy, split_masters=data.get("split_masters", True),
-                     moments=data.get("moments", "fp32"),
-                     fp8_activations=data.get("fp8_activations", False),
-                     scaler=data.get("scaler") or (), resolved_from=data.get("resolved_from", ""))
-        if "masters" in data and data["masters"] != recipe.masters:
-            raise ConfigError(f"the recipe says masters={data['masters']} but its settings give "
-                              f"{recipe.masters}; drop 'masters' (it is derived) or fix split_masters")
-        return recipe
+        return _from_dict(cls, data)
 
     def to_toml(self, table: str = "recipe") -> str:
         """The recipe as a TOML table ``[table]`` (with sub-tables), read back by :meth:`from_toml`."""
-        data = self.to_dict()
-        subs = {k: data.pop(k) for k in ("micro_options", "scaler", "overrides", "plan") if k in data}
-        lines = [f"[{table}]", *(f"{k} = {_toml_value(v)}" for k, v in data.items())]
-        for key, sub in subs.items():
-            lines += ["", f"[{table}.{key}]", *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in sub.items())]
-        return "\n".join(lines) + "\n"
+        return _to_toml(self.to_dict(), table)
 
     @classmethod
     def from_toml(cls, text: str | dict[str, Any], table: str = "recipe") -> "Recipe":
         """The recipe of TOML text holding a ``[table]`` (or of the parsed table itself)."""
-        data = tomllib.loads(text) if isinstance(text, str) else text
-        if isinstance(text, str):
-            if table not in data:
-                raise ConfigError(f"no [{table}] table in the TOML text; write one with Recipe.to_toml()")
-            data = data[table]
-        return cls.from_dict(data)
+        return cls.from_dict(_toml_table(text, table))
 
     def replace(self, **changes: Any) -> "Recipe":
         """A new recipe with some choices changed (validated again)."""
@@ -377,3 +338,124 @@ def _import_type(path: str) -> type:
     except (ImportError, AttributeError):
         raise ConfigError(f"keep_fp32_types: cannot import '{path}' (write module:Class)") from None
     return obj
+
+
+def _describe(recipe: Recipe) -> str:
+    """:meth:`Recipe.__str__`: one readable block, a row per choice."""
+    p = recipe.policy
+    dts = ", ".join(f"{k} {dtype_name(getattr(p, f))}" for k, f in (
+        ("params", "param_dtype"), ("compute", "compute_dtype"), ("output", "output_dtype"),
+        ("reduce", "reduce_dtype")))
+    masters = {"none": "none", "full": "full FP32 copies",
+               "split": "split (the BF16 parameter + a 16-bit remainder)"}[recipe.masters]
+    if p.low_precision_params and not recipe.keeps_masters:
+        masters = "none (16-bit parameters updated in place: master_weights=False)"
+    scale = "off"
+    if recipe.scales_loss:
+        s = {**_SCALER_ARGS, **dict(recipe.scaler)}
+        scale = (f"dynamic (init {s['init_scale']:g}, growth every {s['growth_interval']} clean "
+                 f"steps, hysteresis {s['hysteresis']}, min {s['min_scale']:g}, "
+                 f"stuck: {s['on_min_scale']})")
+    kept = ["norms" if p.keep_norms_fp32 else "", *p.keep_fp32_names,
+            *(t.__name__ for t in p.keep_fp32_types)]
+    rows = [("dtypes", dts), ("masters", masters), ("moments", recipe.moments),
+            ("activations", "saved in FP8 E4M3 (fp8_activations)" if recipe.fp8_activations
+             else "saved as computed"),
+            ("loss scale", scale), ("tf32", "on" if p.allow_tf32 else "off"),
+            ("fp8", f"{recipe.fp8.recipe}: {recipe.fp8.describe()}" if recipe.fp8 else "-"),
+            ("micro", "; ".join(c.describe() for _, c in recipe.micro) or "-"),
+            ("kept fp32", ", ".join(k for k in kept if k) or "-"),
+            ("overrides", ", ".join(f"{pat}={fmt}" for pat, fmt in p.overrides) + " (first match wins)"
+             if p.overrides else "-")]
+    if p.plan is not None:
+        rows.append(("plan", f"{p.plan.path}" + (f" (made for {p.plan.made_for})" if p.plan.made_for else "")))
+    head = f"recipe {recipe.name}" + (f" (asked: {recipe.resolved_from})" if recipe.resolved_from else "")
+    return "\n".join([head, *(f"  {k:<12}{v}" for k, v in rows)])
+
+
+_KEYS = {"name", "param_dtype", "compute_dtype", "output_dtype", "reduce_dtype", "master_weights",
+         "loss_scaling", "allow_tf32", "keep_norms_fp32", "keep_fp32_names", "keep_fp32_types", "masters",
+         "split_masters", "moments", "fp8_activations", "fp8_recipe", "micro_format", "micro_options",
+         "scaler", "overrides", "plan", "resolved_from"}
+"""The keys of a recipe table (:meth:`Recipe.to_dict`)."""
+
+
+def _to_dict(recipe: Recipe) -> dict[str, Any]:
+    """:meth:`Recipe.to_dict`."""
+    p = recipe.policy
+    out: dict[str, Any] = {"name": p.name}
+    for f in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
+        out[f] = dtype_name(getattr(p, f))
+    out.update(master_weights=bool(p.master_weights), loss_scaling=bool(p.loss_scaling),
+               allow_tf32=p.allow_tf32, keep_norms_fp32=p.keep_norms_fp32,
+               keep_fp32_names=list(p.keep_fp32_names),
+               keep_fp32_types=[f"{t.__module__}:{t.__qualname__}" for t in p.keep_fp32_types],
+               masters=recipe.masters, split_masters=recipe.split_masters, moments=recipe.moments,
+               fp8_activations=recipe.fp8_activations)
+    if p.fp8_recipe:
+        out["fp8_recipe"] = p.fp8_recipe
+    if p.micro_format:
+        out["micro_format"] = p.micro_format
+    if recipe.resolved_from:
+        out["resolved_from"] = recipe.resolved_from
+    if p.micro_options:      # TOML has no None: an "int or None" option is written "none"
+        out["micro_options"] = {k: ("none" if v is None else v) for k, v in p.micro_options}
+    if recipe.scaler:
+        for k, v in recipe.scaler:
+            if not isinstance(v, (bool, int, float, str)):
+                raise ConfigError(f"the loss-scaler setting {k}={v!r} cannot be written to a "
+                                  "recipe table (numbers, true/false and names only)")
+        out["scaler"] = dict(recipe.scaler)
+    if p.overrides:
+        out["overrides"] = dict(p.overrides)
+    if p.plan is not None:
+        out["plan"] = {"path": p.plan.path, "made_for": p.plan.made_for, "linears": list(p.plan.linears)}
+    return out
+
+
+def _from_dict(cls: type[Recipe], data: dict[str, Any]) -> Recipe:
+    """:meth:`Recipe.from_dict`."""
+    data = dict(data)
+    for key in data:
+        if key not in _KEYS:
+            raise ConfigError(f"unknown recipe key '{key}'{closest(key, _KEYS)}; valid: "
+                              f"{', '.join(sorted(_KEYS))}")
+    plan = data.get("plan")
+    policy = Policy(
+        name=data.get("name", "custom"),
+        **{f: parse_dtype(data[f]) for f in ("param_dtype", "compute_dtype", "output_dtype",
+                                              "reduce_dtype") if f in data},
+        **{f: data[f] for f in ("master_weights", "loss_scaling", "allow_tf32", "keep_norms_fp32",
+                                "fp8_recipe", "micro_format") if f in data},
+        micro_options=parse_micro_options(data.get("micro_options") or ()),
+        keep_fp32_names=tuple(data.get("keep_fp32_names", ())),
+        keep_fp32_types=tuple(_import_type(t) for t in data.get("keep_fp32_types", ())),
+        overrides=normalize_overrides(data.get("overrides") or ()),
+        plan=PlanOrigin(path=plan["path"], made_for=plan.get("made_for", ""),
+                        linears=tuple(plan.get("linears", ()))) if plan else None)
+    recipe = cls(policy=policy, split_masters=data.get("split_masters", True),
+                 moments=data.get("moments", "fp32"), fp8_activations=data.get("fp8_activations", False),
+                 scaler=data.get("scaler") or (), resolved_from=data.get("resolved_from", ""))
+    if "masters" in data and data["masters"] != recipe.masters:
+        raise ConfigError(f"the recipe says masters={data['masters']} but its settings give "
+                          f"{recipe.masters}; drop 'masters' (it is derived) or fix split_masters")
+    return recipe
+
+
+def _to_toml(data: dict[str, Any], table: str) -> str:
+    """A recipe's :meth:`~Recipe.to_dict` as a TOML table ``[table]`` with sub-tables."""
+    subs = {k: data.pop(k) for k in ("micro_options", "scaler", "overrides", "plan") if k in data}
+    lines = [f"[{table}]", *(f"{k} = {_toml_value(v)}" for k, v in data.items())]
+    for key, sub in subs.items():
+        lines += ["", f"[{table}.{key}]", *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in sub.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_table(text: str | dict[str, Any], table: str) -> dict[str, Any]:
+    """The table ``[table]`` of TOML text (or the parsed table itself)."""
+    if not isinstance(text, str):
+        return text
+    data = tomllib.loads(text)
+    if table not in data:
+        raise ConfigError(f"no [{table}] table in the TOML text; write one with Recipe.to_toml()")
+    return data[table]

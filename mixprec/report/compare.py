@@ -2,7 +2,7 @@
 
 The first run is the reference (called so only when it ran one mode everywhere: a run with
 per-layer formats is "the first run, a per-layer plan", :func:`reference_words`). Plots (drawn with :mod:`mixprec.report.figures`; each line is
-labelled with its run's folder name, the table maps names to what ran, ``Precision.label``): train loss, validation
+labelled with its run's folder name, the table maps names to what ran, ``Precision.recipe.label``): train loss, validation
 loss, learning rate, the relative difference of each run's loss from the reference's
 (``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
 (log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary

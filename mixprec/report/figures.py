@@ -22,6 +22,11 @@ _MARKED = {"resume": ("resumed", "tab:green"), "interrupted": ("stopped", "tab:p
            "guard_promote": ("guard: promoted", "tab:olive"),
            "loss_scale_stuck": ("stopped: loss scale stuck", "tab:pink"),
            "guard": ("guard", "tab:brown")}
+_LINE_STYLE = {"resumed": ":", "stopped": "-.", "diverged": "--", "re-plan": (0, (6, 2)),
+               "guard: promoted": (0, (3, 1, 1, 1)), "stopped: loss scale stuck": (0, (1, 1)),
+               "guard": (0, (8, 3, 2, 3))}
+"""Each kind of event its own line style: an overlay draws a run's events in the run's colour,
+where the colour no longer tells a resume from a stop."""
 
 _CAPTIONS = {
     "loss": "Training and validation loss",
@@ -154,7 +159,7 @@ def mark_events(ax, events: list[dict[str, Any]], *, skips: bool = True, colour:
     seen: set[str] = set()
     for step, label, own in _marks(events):
         text = f"{run}: {label}" if run else label
-        ax.axvline(step, color=colour or own, lw=0.9, ls="--", alpha=0.8,
+        ax.axvline(step, color=colour or own, lw=0.9, ls=_LINE_STYLE[label], alpha=0.8,
                    label=text if text not in seen else None)
         seen.add(text)
     if skips:

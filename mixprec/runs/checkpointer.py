@@ -67,7 +67,7 @@ class Checkpointer:
             "precision": precision.name,
             "overrides": [list(o) for o in precision.policy.overrides],
             # The current per-layer formats (re-planning changes them) and the re-planner's state.
-            "layer_formats": dict(precision.layer_formats),
+            "layer_formats": dict(precision.layers.formats),
             "replan": replanner.state_dict() if replanner is not None else None,
             # The training guard's windows, counters and snapshot (mixprec/monitor/guard.py).
             "guard": guard.state_dict() if guard is not None else None,
@@ -131,7 +131,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} does not fit this model ({misfit}); resume with "
                                   "the model settings it was saved with") from None
         # Same Parameters whatever the formats: restore the plan, then the optimizer.
-        precision.apply_layer_formats(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
+        precision.layers.restore(strategy.unwrap(model), dict(state.get("layer_formats") or {}))
         if replanner is not None and state.get("replan"):
             replanner.load_state_dict(state["replan"])
         if guard is not None and state.get("guard"):

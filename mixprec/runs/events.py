@@ -123,20 +123,20 @@ class RunEvents:
                  f"device: {self.strategy.device} x {self.strategy.world_size} "
                  f"({type(self.strategy).__name__})",
                  f"model: {_count(params)} parameters; steps: {step} -> {total}; " + _mfu_basis(
-                     precision.peak_format, self.strategy.device),
+                     precision.layers.peak_format, self.strategy.device),
                  f"run folder: {run_dir}"]
         # The conversion reports list every module they converted or kept out; the terminal
         # gets their headline and ONE per-layer list (the formats table, with the reason a layer
         # was kept out); events.jsonl keeps the full reports.
-        reports = [(name, r) for name, r in (("fp8", fp8_report), ("micro", precision.micro_report))
+        reports = [(name, r) for name, r in (("fp8", fp8_report), ("micro", precision.layers.micro_report))
                    if r is not None]
         full = lines + [f"{name}: {r}" for name, r in reports]
         lines += [f"{name}: {str(r).partition(chr(10))[0]}" for name, r in reports]   # whole first line
-        if len(set(precision.layer_formats.values())) > 1 or precision.has_plan:
+        if len(set(precision.layers.formats.values())) > 1 or precision.recipe.has_plan:
             why = {n: w for _, r in reports for n, w in getattr(r, "skipped", [])}
             table = ["layer formats:", *(f"  {row}" + (f"  ({why[n]})" if n in why else "")
-                                         for n, row in zip(precision.layer_formats,
-                                                           precision.describe_layers()))]
+                                         for n, row in zip(precision.layers.formats,
+                                                           precision.layers.describe_lines()))]
             lines += table
             full += table
             self._listed_layers = True
@@ -145,11 +145,11 @@ class RunEvents:
         for line in lines:
             print(f"[mixprec] {line}", file=sys.stderr)
         self.logger.event({"kind": "start", "step": step, "precision": precision.describe(),
-                           "label": precision.label, "plan": precision.has_plan,
+                           "label": precision.recipe.label, "plan": precision.recipe.has_plan,
                            "watching": list(watching), "message": "; ".join(full)})
-        self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layer_formats),
-                           "message": f"{len(precision.layer_formats)} Linear layers: "
-                                      + ", ".join(f"{n}={f}" for n, f in precision.layer_formats.items())})
+        self.logger.event({"kind": "formats", "step": step, "layers": dict(precision.layers.formats),
+                           "message": f"{len(precision.layers.formats)} Linear layers: "
+                                      + ", ".join(f"{n}={f}" for n, f in precision.layers.formats.items())})
 
     def skip(self, step: int, out: Any, origin_event: Any) -> None:
         """Log a skipped step (``out``: the step's :class:`~mixprec.train.step.StepOutput`), with the

@@ -69,7 +69,7 @@ def layer_formats_over_run(events: list[dict[str, Any]]) -> tuple[dict[str, str]
 
 
 def format_counts(formats: dict[str, str]) -> str:
-    """``9 bf16, 1 fp32`` (largest count first), as ``Precision.format_counts`` says it."""
+    """``9 bf16, 1 fp32`` (largest count first), as ``Precision.layers.format_counts`` says it."""
     counts: dict[str, int] = {}
     for f in formats.values():
         counts[f] = counts.get(f, 0) + 1
@@ -77,9 +77,9 @@ def format_counts(formats: dict[str, str]) -> str:
 
 
 def run_label(config: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str | None, bool]:
-    """What ran, by its short label (``Precision.label``: ``32-true``, or ``32-true+plan`` when
+    """What ran, by its short label (``Precision.recipe.label``: ``32-true``, or ``32-true+plan`` when
     per-layer formats ran on top of the mode; ``+switched`` when layers changed format while
-    training, as ``Precision.ran`` says), and whether it was a per-layer plan. From the start
+    training, as ``Precision.layers.ran`` says), and whether it was a per-layer plan. From the start
     event; runs written before it recorded them: asked of ``Precision`` from ``config.toml``."""
     start, end = layer_formats_over_run(events)
     switched = "+switched" if start != end else ""
@@ -93,7 +93,7 @@ def run_label(config: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str
         precision = Precision(name, overrides=dict(config.get("overrides") or {}) or None)
     except ValueError:
         return name + switched, bool(config.get("overrides"))
-    return precision.label + switched, precision.has_plan
+    return precision.recipe.label + switched, precision.recipe.has_plan
 
 
 def run_scales_loss(config: dict[str, Any]) -> bool | None:

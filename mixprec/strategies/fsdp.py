@@ -154,7 +154,7 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         islands: set[str] = set()   # parameter names (fully_shard replaces the tensors)
         island = precision.fsdp_island_policy() if precision is not None else None
         if island is not None:
-            table = precision.table if precision.table is not None else precision.resolve(model)
+            table = precision.layers.table if precision.layers.table is not None else precision.resolve(model)
             for qname in table.islands:   # the FP32 islands of the table Precision.setup produced
                 if not qname:
                     continue                                 # the root is sharded last, below

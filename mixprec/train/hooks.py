@@ -33,8 +33,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from mixprec.monitor.guard import StepOutcome
+from mixprec.train.ending import stop_if_diverged
 
-__all__ = ["StepHook", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook", "GuardHook"]
+__all__ = ["StepHook", "around", "NumericsHook", "ReplanHook", "ScaleWatchHook", "ProfilerHook",
+           "GuardHook"]
+
+
+def around(trainer: Any, part: str, step: int) -> contextlib.ExitStack:
+    """Every hook's ``part`` context (``around_step``/``_forward``/``_update``) of
+    ``trainer.hooks``, in list order."""
+    stack = contextlib.ExitStack()
+    for hook in trainer.hooks:
+        stack.enter_context(getattr(hook, part)(trainer, step))
+    return stack
 
 
 class StepHook:
@@ -173,4 +184,4 @@ class GuardHook(StepHook):
         for action in self.guard.after_step(outcome, probe=trainer.replay_forward):
             trainer.events.guard(action)
             if action.kind == "give-up":
-                trainer._stop_if_diverged(action.message)   # exit 3, as a diverged run
+                stop_if_diverged(trainer, action.message)   # exit 3, as a diverged run

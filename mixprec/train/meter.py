@@ -40,12 +40,12 @@ class IntervalMeter:
         self.note = note          # one line to the run's terminal and events.jsonl
         # The peak of the format the mode's GEMMs run in (fp8 for fp8-*), as `mixprec estimate`
         # uses; None where this device has no such GEMMs (emulated): MFU is then not measured.
-        self.peak = format_peak_flops(precision.peak_format, self.device)
+        self.peak = format_peak_flops(precision.layers.peak_format, self.device)
         if self.peak is not None and strategy.is_main:
-            self.note(f"MFU peak: {precision.peak_format.upper()} {self.peak / 1e9:.3g} GFLOP/s, "
-                      + format_peak_source(precision.peak_format, self.device))
-        elif strategy.is_main and (low := low_peak_reason(precision.peak_format, self.device)):
-            self.note(f"MFU not measured: the {precision.peak_format.upper()} peak measured now "
+            self.note(f"MFU peak: {precision.layers.peak_format.upper()} {self.peak / 1e9:.3g} GFLOP/s, "
+                      + format_peak_source(precision.layers.peak_format, self.device))
+        elif strategy.is_main and (low := low_peak_reason(precision.layers.peak_format, self.device)):
+            self.note(f"MFU not measured: the {precision.layers.peak_format.upper()} peak measured now "
                       f"is not trusted ({low}); it was not cached")
         self.counted_flops = hasattr(model, "flops_per_token")
         # A model that does not count its own: matmul parameters (no embedding look-ups) and the
@@ -111,14 +111,14 @@ class IntervalMeter:
         if mfu is not None and mfu > 1.0 and not self.refreshed:
             # The cached peak was measured on a busy machine: measure it again.
             self.refreshed = True
-            self.peak = format_peak_flops(precision.peak_format, self.device, refresh=True)
+            self.peak = format_peak_flops(precision.layers.peak_format, self.device, refresh=True)
             mfu = tps / strategy.world_size * self.flops_per_token / self.peak
         if mfu is not None and mfu > 1.0:
             # Still above the measured peak: the peak cannot be trusted here; no MFU from now on.
             counted = ("the model's flops_per_token()" if self.counted_flops else
                        self.model_flops.describe(tokens / self.samples if self.samples else None))
             self.note(f"MFU not measured from step {step} on: {mfu:.0%} of the measured "
-                      f"{precision.peak_format.upper()} peak ({self.peak / 1e9:.1f} GFLOP/s), so the "
+                      f"{precision.layers.peak_format.upper()} peak ({self.peak / 1e9:.1f} GFLOP/s), so the "
                       f"peak (measured while other jobs ran?) or the FLOPs per token ({counted}) "
                       "is not this run's")
             self.peak = mfu = None

@@ -1,7 +1,8 @@
-"""What the training loop passes around: a batch, what one optimizer step produced, and a step
-whose outcome the host has not read yet."""
+"""What the training loop passes around: a batch (grouped into the micro-batches of a step), what
+one optimizer step produced, and a step whose outcome the host has not read yet."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,12 +10,31 @@ import torch
 
 from mixprec.precision import StepTaken
 
-__all__ = ["Batch", "StepOutput", "PendingStep"]
+__all__ = ["Batch", "micro_batch_groups", "StepOutput", "PendingStep"]
 
 Batch = Any
 """What a loader yields: ``(inputs, targets)`` (mixprec's token loaders: both ``int64`` of shape
 ``(B, T)``, the targets already shifted by one token), a dict with ``labels``, or an object with
 ``.to()``; :mod:`mixprec.models.objective` turns it into a loss."""
+
+
+def micro_batch_groups(loader: Any, k: int, *, epoch: int,
+                       resumed: bool) -> Iterator[tuple[int, list[Batch]]]:
+    """Endless ``(epoch, group of k micro-batches)``, advancing epochs as needed from ``epoch``;
+    ``resumed``: the loader was restored and already knows its epoch and position."""
+    while True:
+        if hasattr(loader, "set_epoch") and not resumed:
+            loader.set_epoch(epoch)
+        resumed = False
+        with torch.random.fork_rng(devices=[]):  # iterator creation must not shift the RNG
+            it = iter(loader)
+        group: list[Batch] = []
+        for batch in it:
+            group.append(batch)
+            if len(group) == k:
+                yield epoch, group
+                group = []
+        epoch += 1
 
 
 class StepOutput:

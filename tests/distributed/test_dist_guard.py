@@ -55,7 +55,7 @@ def fit_job(rank: int, run_dir: str) -> dict:
     weights = {k: v.detach().clone() for k, v in trainer.strategy.unwrap(trainer.model).state_dict().items()}
     return {"actions": [(a.kind, a.step, a.switch.module if a.switch else None)
                         for a in trainer.guard.actions],
-            "formats": dict(trainer.precision.layer_formats), "weights": weights}
+            "formats": dict(trainer.precision.layers.formats), "weights": weights}
 
 
 def test_both_ranks_promote_the_same_layer_and_restore_alike_when_one_rank_sees_the_fault(tmp_path):

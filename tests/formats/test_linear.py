@@ -90,7 +90,7 @@ def test_master_weights_untouched_and_parameters_shared():
 
 def test_execution_path_is_decided_and_logged_once_at_conversion(caplog):
     lin, x, _ = _problem()
-    with caplog.at_level(logging.INFO, logger="mixprec.fp8"):
+    with caplog.at_level(logging.INFO, logger="mixprec.formats"):
         m = Fp8Linear.from_linear(lin, Fp8Config.from_recipe("rowwise"), fqn="blocks.0.fc")
     assert m.execution_path == "emulated" and "no FP8 GEMM hardware" in m.execution_reason
     assert "blocks.0.fc" in caplog.text and "emulated path" in caplog.text

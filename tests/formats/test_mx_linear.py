@@ -101,25 +101,25 @@ def test_presets_resolve_and_report_their_layers(name):
     assert p.policy.micro_format == name and p.compute_dtype == torch.bfloat16
     model = _small()
     p.setup(model)
-    assert p.micro_report.expected_path == "emulated"
-    assert dict(p.micro_report.skipped)["head"] == "output head tied to an embedding"
-    assert p.layer_formats["blocks.0.mlp.fc"] == name
+    assert p.layers.micro_report.expected_path == "emulated"
+    assert dict(p.layers.micro_report.skipped)["head"] == "output head tied to an embedding"
+    assert p.layers.formats["blocks.0.mlp.fc"] == name
     assert isinstance(model.blocks[0].mlp.fc, MicroLinear)
-    assert p.matmul_format == ("fp8" if name == "mxfp8" else "fp4")
+    assert p.recipe.matmul_format == ("fp8" if name == "mxfp8" else "fp4")
 
 
 def test_nvfp4_preset_keeps_the_last_blocks_in_bf16_an_explicit_override_wins():
     p = mixprec.Precision("nvfp4")
     p.setup(_small())
-    assert {f for n, f in p.layer_formats.items() if n.startswith("blocks.3.")} == {"bf16"}
-    assert "keeps the first 0 / last 1 of 4 blocks" in dict(p.micro_report.skipped)["blocks.3.mlp.fc"]
+    assert {f for n, f in p.layers.formats.items() if n.startswith("blocks.3.")} == {"bf16"}
+    assert "keeps the first 0 / last 1 of 4 blocks" in dict(p.layers.micro_report.skipped)["blocks.3.mlp.fc"]
     p = mixprec.Precision("nvfp4", overrides={"blocks.3.mlp.fc": "nvfp4"})
     p.setup(_small())
-    assert p.layer_formats["blocks.3.mlp.fc"] == "nvfp4" and p.layer_formats["blocks.3.attn.qkv"] == "bf16"
+    assert p.layers.formats["blocks.3.mlp.fc"] == "nvfp4" and p.layers.formats["blocks.3.attn.qkv"] == "bf16"
     p = mixprec.Precision("nvfp4", micro_options="bf16_last=0,hadamard_wgrad=false")
     model = _small()
     p.setup(model)
-    assert p.layer_formats["blocks.3.mlp.fc"] == "nvfp4"
+    assert p.layers.formats["blocks.3.mlp.fc"] == "nvfp4"
     assert model.blocks[3].mlp.fc.config.hadamard_wgrad is False
     assert "micro=nvfp4(bf16_last=0,hadamard_wgrad=False)" in p.policy.spec()
 
@@ -140,12 +140,12 @@ def test_per_layer_micro_formats_in_overrides_plan_files_and_layer_switches(tmp_
     p = mixprec.Precision(f"plan:{plan}")
     model = _small()
     p.setup(model)
-    assert p.layer_formats["blocks.0.attn.qkv"] == "mxfp4"
-    assert p.layer_formats["blocks.1.mlp.fc"] == "nvfp4"       # explicit: not kept by the recipe
-    assert p.layer_formats["blocks.2.mlp.fc"] == "fp32"
-    assert p.set_layer_format(model, "blocks.2.mlp.fc", "mxfp8") == "mxfp8"
+    assert p.layers.formats["blocks.0.attn.qkv"] == "mxfp4"
+    assert p.layers.formats["blocks.1.mlp.fc"] == "nvfp4"       # explicit: not kept by the recipe
+    assert p.layers.formats["blocks.2.mlp.fc"] == "fp32"
+    assert p.layers.set_format(model, "blocks.2.mlp.fc", "mxfp8") == "mxfp8"
     assert isinstance(model.blocks[2].mlp.fc, MicroLinear)
-    assert p.set_layer_format(model, "blocks.2.mlp.fc", "fp32") == "fp32"
+    assert p.layers.set_format(model, "blocks.2.mlp.fc", "fp32") == "fp32"
     assert type(model.blocks[2].mlp.fc) is nn.Linear
     x = torch.randint(0, 256, (2, 32))
     loss = model(x, x)
@@ -158,8 +158,8 @@ def test_layers_whose_features_miss_the_mx_block_are_kept_out():
     model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 64))
     p = mixprec.Precision("32-true", overrides={"*": "mxfp8"})
     p.setup(model)
-    assert p.layer_formats == {"0": "fp32", "2": "mxfp8"}
-    assert "multiples of its 32-element block" in dict(p.micro_report.skipped)["0"]
+    assert p.layers.formats == {"0": "fp32", "2": "mxfp8"}
+    assert "multiples of its 32-element block" in dict(p.layers.micro_report.skipped)["0"]
 
 
 def test_planner_takes_micro_candidates_at_blackwell_rates_and_drops_them_when_measuring_here():

@@ -56,7 +56,7 @@ def test_gpt2_conversion_counts_layers_keeps_head_and_embeddings_and_says_so(hf_
     keys = {k: v.shape for k, v in model.state_dict().items()}
     precision = mp.Precision("fp8-tensorwise")
     model, optimizer = precision.setup(model, optimizer)
-    report = precision.fp8_report
+    report = precision.layers.fp8_report
     # 2 blocks x (c_attn, attn.c_proj, c_fc, mlp.c_proj)
     assert report.num_converted == 8
     assert all(isinstance(model.get_submodule(n), Fp8Conv1D) for n in report.converted)

@@ -106,7 +106,7 @@ def test_lightning_trainer_gives_the_hand_loops_weights_bit_for_bit(mode, option
         assert got[name].dtype == want[name].dtype, name
         assert torch.equal(got[name], want[name]), name
     assert plugin.mixprec.scale == ref_precision.scale
-    assert list(plugin.mixprec.layer_formats.values()) == list(ref_precision.layer_formats.values())
+    assert list(plugin.mixprec.layers.formats.values()) == list(ref_precision.layers.formats.values())
 
 
 def test_gradient_accumulation_matches_the_hand_loop_bit_for_bit():
@@ -149,7 +149,7 @@ def test_fp8_mode_swaps_linears_to_fp8():
     plugin = MixprecPrecision("fp8-rowwise")
     module = Module(make_net())
     trainer(plugin, steps=2).fit(module, loader(x, y))
-    assert any(f.startswith("fp8-") for f in plugin.mixprec.layer_formats.values())
+    assert any(f.startswith("fp8-") for f in plugin.mixprec.layers.formats.values())
     assert type(module.net[0]).__name__ == "Fp8Linear"
 
 

@@ -86,9 +86,9 @@ def test_hf_trainer_gives_the_hand_loops_weights(mode, options, tmp_path):
         assert got.dtype == want.dtype, name
         assert torch.equal(got, want), name
     assert callback.mixprec.scale == ref_precision.scale
-    assert list(callback.mixprec.layer_formats.values()) == list(ref_precision.layer_formats.values())
+    assert list(callback.mixprec.layers.formats.values()) == list(ref_precision.layers.formats.values())
     if "overrides" in options:
-        assert {"fp8-tensorwise", "bf16"} <= set(callback.mixprec.layer_formats.values())
+        assert {"fp8-tensorwise", "bf16"} <= set(callback.mixprec.layers.formats.values())
 
 
 def test_bf16_true_keeps_norms_fp32_with_fp32_masters_and_writes_a_run_folder_with_numerics(tmp_path, capsys,
@@ -167,7 +167,7 @@ def test_a_skipped_step_is_traced_to_its_layer_in_the_log(mode, tmp_path, capsys
     assert callback.mixprec.num_skipped_steps == 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1          # no schedule step for the skip
     if mode.startswith("fp8"):
-        assert any(f.startswith("fp8-") for f in callback.mixprec.layer_formats.values())
+        assert any(f.startswith("fp8-") for f in callback.mixprec.layers.formats.values())
 
 
 def test_an_optimizer_and_scheduler_passed_in_get_masters_and_keep_their_schedule(tmp_path):

@@ -47,7 +47,7 @@ def test_setup_hands_the_tables_set_to_the_optimizer():
     model = mp.Transformer.from_preset("tiny", num_layers=1)
     precision = mp.Precision("bf16-true")
     model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    table = {id(p) for p in precision.master_params(model)}
+    table = {id(p) for p in precision.layers.master_params(model)}
     rows = {r.name: r for r in precision.resolve(model)}
     assert rows["blocks.0.attn.qkv"].master and not rows["blocks.0.ln1"].master
     for p in model.parameters():

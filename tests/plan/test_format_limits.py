@@ -78,7 +78,7 @@ def test_a_whatif_plan_with_nvfp4_layers_trains_under_the_guard_without_promotio
                          guard=True, ckpt_interval=0, log_interval=1, lr=1e-3)
     trainer.fit(loader(seed=3, n=4))
     assert [a.message for a in trainer.guard.actions] == []
-    assert {n for n, f in trainer.precision.layer_formats.items() if f == "nvfp4"} == planned
+    assert {n for n, f in trainer.precision.layers.formats.items() if f == "nvfp4"} == planned
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])

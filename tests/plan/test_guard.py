@@ -43,7 +43,7 @@ def test_a_layer_making_nan_in_fp8_is_promoted_and_the_run_finishes(tmp_path):
     run = tmp_path / "run"
     trainer, result = _fit(_faulty_net("fp8"), run, 8)
     start = next(e for e in _events(run) if e["kind"] == "formats")["layers"]
-    final = trainer.precision.layer_formats
+    final = trainer.precision.layers.formats
     assert final[FAULTY] == "bf16" and start[FAULTY] == "fp8-tensorwise"
     assert {n: f for n, f in final.items() if n != FAULTY} == \
         {n: f for n, f in start.items() if n != FAULTY}                # no other layer changed
@@ -60,7 +60,7 @@ def test_a_layer_making_nan_in_fp8_is_promoted_and_the_run_finishes(tmp_path):
                        run_dir=str(run), progress=False, audit=False, guard=True, ckpt_interval=0,
                        log_interval=1, lr=1e-3)
     again.fit(_loader(), resume=True)
-    assert again.precision.layer_formats[FAULTY] == "bf16"
+    assert again.precision.layers.formats[FAULTY] == "bf16"
     from mixprec.report.report import summarize
     from mixprec.runs.metrics import read_events, read_metrics
     assert "blocks.1.fc fp8-tensorwise -> bf16" in summarize(read_metrics(run), read_events(run))["guard"]
@@ -104,13 +104,13 @@ def _outlier_guard(every: int):
 
 def test_a_sampled_low_sqnr_layer_is_promoted_alone():
     net, opt, sched, precision, guard, probe = _outlier_guard(every=1)
-    before = dict(precision.layer_formats)
+    before = dict(precision.layers.formats)
     actions = guard.after_step(StepOutcome(1, 2.0, False), probe)
     assert [(a.kind, a.switch.module, a.switch.new) for a in actions] == [("promote", "blocks.0.proj", "bf16")]
     assert "SQNR" in actions[0].message
     assert guard.last_sqnr["blocks.0.proj"] < 20 < min(v for n, v in guard.last_sqnr.items()
                                                        if n != "blocks.0.proj")
-    assert {n: f for n, f in precision.layer_formats.items() if n != "blocks.0.proj"} == \
+    assert {n: f for n, f in precision.layers.formats.items() if n != "blocks.0.proj"} == \
         {n: f for n, f in before.items() if n != "blocks.0.proj"}
 
 
@@ -188,7 +188,7 @@ def test_a_resumed_guarded_run_decides_and_trains_exactly_as_the_uninterrupted_o
         assert _guard_records(run, k) == _guard_records(tmp_path / "straight", k)
         a, b = straight.model.state_dict(), resumed.model.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), k
-        assert resumed.precision.layer_formats == straight.precision.layer_formats
+        assert resumed.precision.layers.formats == straight.precision.layers.formats
         assert resumed.scheduler.last_epoch == straight.scheduler.last_epoch
 
 
@@ -235,7 +235,7 @@ def test_a_layer_bad_from_the_start_is_promoted_at_step_1_and_that_step_undone(t
     result = trainer.fit(_loader())
     assert [(a.kind, a.step) for a in trainer.guard.actions] == [("restore", 1), ("promote", 1)]
     assert "restored to step 0" in trainer.guard.actions[0].message
-    formats = trainer.precision.layer_formats
+    formats = trainer.precision.layers.formats
     assert formats["blocks.0.proj"] == "bf16"
     assert {f for n, f in formats.items() if n not in ("blocks.0.proj", "head")} == {"fp8-tensorwise"}
     after = trainer.model.state_dict()
@@ -334,7 +334,7 @@ def test_a_guarded_run_whose_fp8_layers_all_went_to_bf16_is_labelled_by_what_ran
                          progress=False, audit=False, guard=True, guard_min_sqnr=200.0,
                          ckpt_interval=0, log_interval=1, lr=1e-3)
     result = trainer.fit(_loader())
-    assert set(trainer.precision.layer_formats.values()) == {"bf16"}
+    assert set(trainer.precision.layers.formats.values()) == {"bf16"}
     assert result.policy == "fp8-tensorwise+switched (5 bf16)"
     summary = summarize(read_metrics(run), read_events(run), read_run_config(run))
     assert summary["ran"] == "fp8-tensorwise+switched (5 bf16)"
@@ -369,7 +369,7 @@ def test_skips_of_the_scalers_search_before_the_first_taken_step_promote_nothing
     first in one Linear on steps 1-2, and the guard moved it to FP32 (two layers by step 4)."""
     guard = _fp16_guard()
     assert [guard.after_step(_skip(s, scale=1e6 / 2 ** s)) for s in range(4)] == [[], [], [], []]
-    assert set(guard.precision.layer_formats.values()) == {"fp16"}
+    assert set(guard.precision.layers.formats.values()) == {"fp16"}
     # After a taken step the scale has found a level: the same two skips are the layer's.
     assert guard.after_step(StepOutcome(5, 2.0, False)) == []
     guard.after_step(_skip(6))

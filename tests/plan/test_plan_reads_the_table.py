@@ -3,6 +3,8 @@ a layer the table keeps in FP32 (an MoE gate named ``gating``, a ``keep_in_fp32`
 a candidate; each candidate's current format is the table's."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,3 +80,34 @@ def test_a_base_plans_fp32_override_does_not_hide_a_layer_from_the_new_plan(tmp_
                              target="H100", seed=0)
     assert list(plan.formats) == ["fc", "out"] and plan.base == "bf16-mixed"
     assert "the base's 1 per-layer overrides are replaced by this plan's" in plan.notes
+
+
+def test_the_formats_a_variant_refuses_are_the_tables_refusals():
+    """``format_variants`` reports why a layer does not take a format from the table its set-up
+    resolved (the one eligibility function's reason), not from a re-derived answer."""
+    from mixprec.plan.measure import format_variants
+    model = _model()
+    _, refused = format_variants(model, ["fp8-tensorwise", "mxfp8"], torch.device("cpu"))
+    for fmt, why in refused.items():
+        precision = mp.Precision("32-true", overrides={"*": fmt}, device="cpu")
+        precision.setup(_model())
+        assert why == {r.name: r.refused or f"runs {r.compute}" for r in precision.layers.table
+                       if r.per_layer and r.compute != fmt}
+        assert why["gating"] == "MoE gate/router ('gating', Linear)" and "fc" not in why
+
+
+def test_the_audit_asks_the_table_what_a_layer_is(monkeypatch):
+    """A 16-bit MoE gate is found as the table's kind says: relabel the row and the finding follows."""
+    from mixprec.monitor.audit import audit
+    from mixprec.precision.layers import Layers
+    model = _model()
+    model.gating.to(torch.bfloat16)
+    assert "half-precision-gate" in {f.code for f in audit(model, policy="32-true")}
+    real = Layers.resolve
+
+    def relabelled(self, m):
+        table = real(self, m)
+        return dataclasses.replace(table, rows=tuple(
+            dataclasses.replace(r, kind="linear") if r.name == "gating" else r for r in table))
+    monkeypatch.setattr(Layers, "resolve", relabelled)
+    assert "half-precision-gate" not in {f.code for f in audit(model, policy="32-true")}

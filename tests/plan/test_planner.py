@@ -168,7 +168,7 @@ def test_plan_is_deterministic_and_round_trips_as_a_precision(plan, tmp_path):
     assert json.loads(path.read_text())["layers"][0]["name"] == "blocks.0.fc"
     precision = mp.Precision(f"plan:{path}")
     model, _ = precision.setup(_Net())
-    assert precision.layer_formats == plan.formats
+    assert precision.layers.formats == plan.formats
     assert plan.plot(tmp_path / "plan.png").stat().st_size > 1000
 
 

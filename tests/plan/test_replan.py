@@ -45,8 +45,8 @@ def test_growing_outliers_promote_the_layer_at_the_next_sample_and_resume_keeps_
     assert [(e["step"], e["module"], e["from"], e["to"]) for e in switches] == \
         [(6, "blocks.1.proj", "fp8-tensorwise", "bf16")]               # first sample after step 5
     assert "flush to zero" in switches[0]["message"]
-    assert t.precision.layer_formats["blocks.1.proj"] == "bf16"
-    assert t.precision.layer_formats["blocks.0.proj"] == "fp8-tensorwise"
+    assert t.precision.layers.formats["blocks.1.proj"] == "bf16"
+    assert t.precision.layers.formats["blocks.0.proj"] == "fp8-tensorwise"
     losses = [float(r["loss"]) for r in mp.runs.metrics.read_metrics(run)]
     assert len(losses) == 7 and all(math.isfinite(v) for v in losses)
     assert t.precision.num_skipped_steps == 0
@@ -59,7 +59,7 @@ def test_growing_outliers_promote_the_layer_at_the_next_sample_and_resume_keeps_
 
     resumed = _fit(run, 8, resume=True)                                   # step 8: a sample, healthy 1
     model = resumed.strategy.unwrap(resumed.model)
-    assert resumed.precision.layer_formats["blocks.1.proj"] == "bf16"    # the saved plan, not the initial
+    assert resumed.precision.layers.formats["blocks.1.proj"] == "bf16"    # the saved plan, not the initial
     assert type(model.blocks[1].proj) is nn.Linear                       # bf16: the mode's own format
     assert resumed.replanner.healthy["blocks.1.proj"] == 0               # outliers still there
 
@@ -74,10 +74,10 @@ def test_a_switch_keeps_parameters_and_optimizer_state():
     opt.step()
     before = model.blocks[0].fc.weight
     state = opt.state[before]["exp_avg"].clone()
-    assert precision.set_layer_format(model, "blocks.0.fc", "fp32") == "fp32"
+    assert precision.layers.set_format(model, "blocks.0.fc", "fp32") == "fp32"
     assert model.blocks[0].fc.weight is before and torch.equal(opt.state[before]["exp_avg"], state)
-    assert precision.set_layer_format(model, "blocks.0.fc", "fp8-tensorwise") == "fp8-tensorwise"
-    assert precision.set_layer_format(model, "head", "fp8-tensorwise") == "bf16"   # FP8 rules hold
+    assert precision.layers.set_format(model, "blocks.0.fc", "fp8-tensorwise") == "fp8-tensorwise"
+    assert precision.layers.set_format(model, "head", "fp8-tensorwise") == "bf16"   # FP8 rules hold
     replanner = LayerReplanner(precision, model, every=1)
     assert "head" not in replanner.planned
 

@@ -22,17 +22,17 @@ def _model() -> nn.Module:
 def test_first_matching_pattern_wins():
     specific_first = mp.Precision("bf16-mixed", overrides=(("blocks.0.mlp.fc", "fp32"), ("blocks.0.*", "fp16")))
     broad_first = mp.Precision("bf16-mixed", overrides=(("blocks.0.*", "fp16"), ("blocks.0.mlp.fc", "fp32")))
-    assert specific_first.requested_format("blocks.0.mlp.fc") == "fp32"
-    assert specific_first.requested_format("blocks.0.attn.qkv") == "fp16"
-    assert broad_first.requested_format("blocks.0.mlp.fc") == "fp16"
-    assert specific_first.requested_format("blocks.1.mlp.fc") == "bf16"   # no match: the mode's
+    assert specific_first.layers.requested_format("blocks.0.mlp.fc") == "fp32"
+    assert specific_first.layers.requested_format("blocks.0.attn.qkv") == "fp16"
+    assert broad_first.layers.requested_format("blocks.0.mlp.fc") == "fp16"
+    assert specific_first.layers.requested_format("blocks.1.mlp.fc") == "bf16"   # no match: the mode's
 
 
 def test_a_parent_name_covers_its_layers_and_dict_order_is_kept():
     p = mp.Precision("32-true", overrides={"blocks.1": "bf16", "head": "bf16"})
     assert p.policy.overrides == (("blocks.1", "bf16"), ("head", "bf16"))
-    assert p.requested_format("blocks.1.attn.qkv") == "bf16"
-    assert p.requested_format("blocks.10.attn.qkv") == "fp32"
+    assert p.layers.requested_format("blocks.1.attn.qkv") == "bf16"
+    assert p.layers.requested_format("blocks.10.attn.qkv") == "fp32"
 
 
 def test_unknown_pattern_names_the_closest_layer():
@@ -54,13 +54,13 @@ def test_formats_per_layer_after_setup():
     assert type(b0.attn.qkv) is nn.Linear                         # bf16 = the mode's non-FP8 format
     assert isinstance(b1.attn.qkv, Fp8Linear) and b1.attn.qkv.config.recipe == "tensorwise"
     assert isinstance(b1.mlp.fc, Fp8Linear) and b1.mlp.fc.config.recipe == "blockwise"
-    assert p.layer_formats == {
+    assert p.layers.formats == {
         "blocks.0.attn.qkv": "bf16", "blocks.0.attn.proj": "bf16", "blocks.0.mlp.fc": "fp32",
         "blocks.0.mlp.proj": "bf16", "blocks.1.attn.qkv": "fp8-tensorwise",
         "blocks.1.attn.proj": "fp8-blockwise", "blocks.1.mlp.fc": "fp8-blockwise",
         "blocks.1.mlp.proj": "fp8-blockwise", "head": "bf16"}    # the tied head never goes FP8
     assert "1 fp32" in p.describe()
-    assert "blocks.0.mlp.fc     fp32" in p.describe_layers()
+    assert "blocks.0.mlp.fc     fp32" in p.layers.describe_lines()
     findings = mp.monitor.audit(model, precision=p)
     assert any(f.code == "layer-formats" and "blocks.0.mlp.fc=fp32" in f.message for f in findings)
 
@@ -180,7 +180,7 @@ def test_auto_switching_to_a_true_mode_keeps_the_overrides():
     p = mp.Precision("auto", overrides={"head": "fp32"}, optimizer=optimizer)
     model, _ = p.setup(model, optimizer)
     assert p.name == "bf16-true" and p.policy.overrides == (("head", "fp32"),)
-    assert p.layer_formats["head"] == "fp32"
+    assert p.layers.formats["head"] == "fp32"
 
 
 @pytest.mark.parametrize("mode, overrides", [
@@ -219,7 +219,7 @@ def test_hooks_survive_a_layer_switch_while_training():
     precision = mp.Precision("bf16-mixed")
     model, _ = precision.setup(model)
     for fmt in ("fp8-tensorwise", "fp32", "bf16"):
-        precision.set_layer_format(model, "0", fmt)
+        precision.layers.set_format(model, "0", fmt)
         with precision.autocast():
             model(torch.randn(2, 32))
     assert calls == ["Fp8Linear", "FormatLinear", "Linear"]

@@ -68,7 +68,7 @@ def _answers(fmt: str, *, explicit: bool = False, policy=None, module_filter_fn=
     model = Zoo()
     facts = model_facts(model)
     config = _config(precision, fmt)
-    return {n: refusal(n, m, config, facts, keeps_fp32=precision.keep_fp32_reason,
+    return {n: refusal(n, m, config, facts, keeps_fp32=precision.layers.keep_fp32_reason,
                        module_filter_fn=module_filter_fn, explicit=explicit)
             for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
@@ -93,7 +93,7 @@ def test_the_table_before_and_after_setup_and_the_conversion_report_give_the_fun
     before = precision.resolve(model)
     assert {n: before[n].refused or None for n in want} == want
     precision.setup(model)
-    report = precision.fp8_report if fmt.startswith("fp8-") else precision.micro_report
+    report = precision.layers.fp8_report if fmt.startswith("fp8-") else precision.layers.micro_report
     assert set(report.converted) == {n for n, why in want.items() if why is None}
     assert {n: why for n, why in report.skipped if n in want} == \
         {n: why for n, why in want.items() if why is not None}
@@ -111,7 +111,7 @@ def test_a_layer_switch_re_planning_and_the_guard_make_gives_the_functions_answe
     precision = Precision(policy)
     model = Zoo()
     precision.setup(model)
-    got = {n: precision.set_layer_format(model, n, fmt) for n in want}
+    got = {n: precision.layers.set_format(model, n, fmt) for n in want}
     assert {n for n, f in got.items() if f == fmt} == {n for n, why in want.items() if why is None}
     assert all(f in ("fp32", fmt) for f in got.values())
 

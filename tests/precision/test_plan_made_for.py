@@ -38,4 +38,4 @@ def test_an_old_plan_file_without_its_linear_layers_still_loads(tmp_path):
     plan.write_text(json.dumps({"precision": "32-true", "overrides": [["0", "bf16"]]}))
     p = Precision(f"plan:{plan}", device="cpu")
     p.setup(_net(3))
-    assert p.layer_formats["0"] == "bf16"
+    assert p.layers.formats["0"] == "bf16"

@@ -163,7 +163,7 @@ def test_fp8_mode_swaps_linears_and_reports():
     p.setup(model)
     from mixprec.formats import Fp8Linear
     assert isinstance(model.blocks[0].mlp.fc, Fp8Linear)
-    assert p.fp8_report is not None and p.fp8_report.converted
+    assert p.layers.fp8_report is not None and p.layers.fp8_report.converted
 
 
 def test_step_taken_reads_the_flag_only_when_asked_and_acts_as_a_bool():

@@ -43,7 +43,7 @@ def test_a_gating_module_is_a_gate_for_casting_fp8_conversion_and_the_audit():
     fp8 = mp.Precision("fp8-tensorwise")
     fp8.setup(fp8_model)
     assert type(fp8_model.gating) is nn.Linear and "fp8" in type(fp8_model.fc).__name__.lower()
-    assert "gate" in dict(fp8.fp8_report.skipped)["gating"].lower()
+    assert "gate" in dict(fp8.layers.fp8_report.skipped)["gating"].lower()
     # a gate the user cast to 16 bits by hand is what the audit warns about
     hand = GatedNet().to(torch.bfloat16)
     assert "half-precision-gate" in {f.code for f in audit(hand, policy="bf16-true")}
@@ -76,7 +76,7 @@ def test_the_memory_estimate_stores_untagged_norms_in_16_bits_when_the_policy_sa
 
 def test_an_fp8_run_measures_mfu_against_the_peak_estimate_uses(monkeypatch, tmp_path):
     precision = mp.Precision("fp8-tensorwise")
-    assert precision.peak_format == "fp8" and peak_kind(precision) == "fp8"
+    assert precision.layers.peak_format == "fp8" and peak_kind(precision) == "fp8"
     asked = []
 
     def fake_peak(fmt, device=None, *, refresh=False):
@@ -109,6 +109,6 @@ def test_without_fp8_gemms_an_fp8_run_records_no_mfu_rather_than_a_bf16_one(tmp_
 
 def test_cheap_questions_of_the_mode_build_no_loss_scaler():
     precision = mp.Precision("16-mixed")
-    assert precision.scales_loss and precision.peak_format == "fp16" and precision.param_dtype == torch.float32
+    assert precision.scales_loss and precision.layers.peak_format == "fp16" and precision.param_dtype == torch.float32
     assert precision._scaler is None
     assert precision.scaler.is_enabled() and precision._scaler is not None

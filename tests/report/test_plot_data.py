@@ -9,6 +9,7 @@ import pytest
 
 from mixprec.report import compare, report
 from mixprec.report.compare import compare_summary, load_run, write_comparison
+from mixprec.report.figures import _LINE_STYLE
 from mixprec.runs.metrics import MetricsLogger
 
 
@@ -145,7 +146,7 @@ def test_single_run_pictures_lr_separate_mfu_memory_label_events_and_titles(tmp_
     assert [a.get_ylabel() for a in throughput] == ["tokens/s", "MFU (%)"]    # two panels, not one axis
     assert "RSS" in drawn["memory.png"].axes[0].get_title()                   # says what it measures
     loss = drawn["loss.png"].axes[0]
-    marked = {tuple(l.get_xdata())[0]: l.get_label() for l in loss.lines if l.get_linestyle() == "--"}
+    marked = {tuple(l.get_xdata())[0]: l.get_label() for l in loss.lines if l.get_label() in _LINE_STYLE}
     assert marked == {20: "resumed", 30: "re-plan"}
     ticks = [l for l in loss.lines if l.get_label() == "skipped step"]
     assert list(ticks[0].get_xdata()) == [5, 6]
@@ -158,7 +159,7 @@ def test_a_run_with_one_logged_row_draws_its_point(tmp_path, drawn):
     report.write_report(tmp_path / "run", tmp_path / "out")
     for name in ("throughput.png", "loss.png", "lr.png", "memory.png"):
         drawn_lines = [line for ax in drawn[name].axes for line in ax.lines
-                       if len(line.get_xdata()) == 1 and line.get_linestyle() != "--"]
+                       if len(line.get_xdata()) == 1 and line.get_label() not in _LINE_STYLE]
         assert drawn_lines and all(line.get_marker() not in (None, "", "None") for line in drawn_lines), name
     tokens = drawn["throughput.png"].axes[0].lines[0]
     assert list(tokens.get_xdata()) == [1] and list(tokens.get_ydata()) == [1001.0]
@@ -176,7 +177,7 @@ def test_memory_picture_marks_where_the_run_was_resumed(tmp_path, drawn):
     _run(tmp_path / "run", steps=40, max_steps=40, final=3.0, events=_RESUMED)
     report.write_report(tmp_path / "run", tmp_path / "out")
     ax = drawn["memory.png"].axes[0]
-    marked = {tuple(l.get_xdata())[0]: l.get_label() for l in ax.lines if l.get_linestyle() == "--"}
+    marked = {tuple(l.get_xdata())[0]: l.get_label() for l in ax.lines if l.get_label() != "peak memory"}
     assert marked == {20: "resumed"}
     assert _legend_names(drawn["memory.png"]) == {"peak memory", "resumed"}
 
@@ -204,5 +205,21 @@ def test_guard_promotions_are_marked_as_the_guard_and_re_plan_switches_as_re_pla
     write_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
     for name, prefix in (("loss.png", ""), ("compare_loss.png", "b: ")):
         ax = drawn[name].axes[0]
-        marked = {tuple(l.get_xdata())[0]: l.get_label() for l in ax.lines if l.get_linestyle() == "--"}
+        marked = {tuple(l.get_xdata())[0]: l.get_label() for l in ax.lines if l.get_label() != "peak memory"}
         assert marked == {10: f"{prefix}re-plan", 30: f"{prefix}guard: promoted"}, name
+
+
+def test_an_overlay_tells_a_runs_resume_from_its_stop_by_line_style(tmp_path, drawn):
+    """Overlays draw a run's events in the run's colour; every event was dashed, so a resume and a
+    stop of one run were two identical lines told apart only by the legend's order."""
+    events = ({"kind": "start", "step": 10, "message": "resumed"},
+              {"kind": "interrupted", "step": 20, "message": "stopped by SIGINT at step 20"})
+    _run(tmp_path / "a", steps=30, max_steps=30, final=3.0, events=events)
+    _run(tmp_path / "b", steps=30, max_steps=30, final=3.0)
+    write_comparison([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp")
+    ax = drawn["compare_loss.png"].axes[0]
+    marks = {l.get_label(): l for l in ax.lines if l.get_label().startswith("a: ")}
+    assert set(marks) == {"a: resumed", "a: stopped"}
+    resumed, stopped = marks["a: resumed"], marks["a: stopped"]
+    assert resumed.get_color() == stopped.get_color()               # the run's colour, both
+    assert resumed.get_linestyle() != stopped.get_linestyle()

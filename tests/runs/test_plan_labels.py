@@ -1,4 +1,4 @@
-"""A run with per-layer formats (a plan) is labelled as one everywhere, from ``Precision.label``:
+"""A run with per-layer formats (a plan) is labelled as one everywhere, from ``Precision.recipe.label``:
 its run folder, its last line, ``config.toml`` and the comparison report; and the FP8 start line
 names every recipe a plan mixes."""
 from __future__ import annotations
@@ -45,12 +45,12 @@ def _fit(run_dir, **kw):
 
 
 def test_the_label_is_the_mode_or_the_mode_with_plan():
-    assert Precision("32-true").label == "32-true" and not Precision("32-true").has_plan
+    assert Precision("32-true").recipe.label == "32-true" and not Precision("32-true").recipe.has_plan
     plan = Precision("32-true", overrides=PLAN)
-    assert plan.label == "32-true+plan" and plan.has_plan
-    assert plan.ran() == "32-true+plan"                      # before set-up: no layer counts yet
+    assert plan.recipe.label == "32-true+plan" and plan.recipe.has_plan
+    assert plan.layers.ran() == "32-true+plan"                      # before set-up: no layer counts yet
     plan.setup_module(_Net())
-    assert plan.ran() == "32-true+plan (1 fp8-blockwise, 1 fp8-tensorwise, 1 fp32)"
+    assert plan.layers.ran() == "32-true+plan (1 fp8-blockwise, 1 fp8-tensorwise, 1 fp32)"
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +98,17 @@ def test_runs_recorded_before_the_label_are_labelled_from_their_config():
 def test_the_fp8_start_line_names_each_recipe_a_plan_mixes():
     precision = Precision("32-true", overrides=PLAN)
     precision.setup_module(_Net())
-    head = str(precision.fp8_report).splitlines()[0]
+    head = str(precision.layers.fp8_report).splitlines()[0]
     # Was "fp8-blockwise (...): 2 Linear layers converted": one recipe named for two.
     assert head.startswith("1 fp8-blockwise (blockwise scaling") and ", 1 fp8-tensorwise (tensorwise" in head
     assert "2 Linear layers converted" in head
     one = Precision("fp8-tensorwise")
     one.setup_module(_Net())
-    assert str(one.fp8_report).startswith("fp8-tensorwise (tensorwise scaling")
+    assert str(one.layers.fp8_report).startswith("fp8-tensorwise (tensorwise scaling")
 
 
 def test_the_micro_start_line_counts_each_format_a_plan_mixes():
     precision = Precision("32-true", overrides=(("fc", "mxfp8"), ("*", "nvfp4")))
     precision.setup_module(_Net())
-    head = str(precision.micro_report).splitlines()[0]
+    head = str(precision.layers.micro_report).splitlines()[0]
     assert head.startswith("1 mxfp8 (") and ", 1 nvfp4 (" in head and "2 Linear layers converted" in head

@@ -7,6 +7,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.train.hooks import GuardHook, StepHook
+from mixprec.train.outcome import watch
 
 
 class _Net(nn.Module):
@@ -48,7 +49,7 @@ def test_the_guard_is_the_last_step_hook_and_sees_each_step(tmp_path, monkeypatc
         trainer.step = step - 1
         out = trainer.train_step([batch])
         trainer.step = step
-        trainer._watch([batch], out, None)
+        watch(trainer, [batch], out, None)
     assert calls == [1, 2]
     assert seen == [(1, 1, None), (2, 1, None)]
 

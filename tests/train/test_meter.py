@@ -117,9 +117,9 @@ def test_a_plan_with_fp8_layers_is_measured_against_the_fp8_peak_and_gets_no_mfu
     import mixprec as mp
     from mixprec.estimate.gpus import peak_kind
     precision = mp.Precision("32-true", overrides={"blocks.*.mlp.*": "fp8-tensorwise"})
-    assert precision.peak_format == "fp32"               # before set-up: the mode's own
+    assert precision.layers.peak_format == "fp32"               # before set-up: the mode's own
     precision.setup(mp.models.Transformer.from_preset("tiny"))
-    assert precision.peak_format == "fp8" and peak_kind(precision) == "fp8"   # MFU and estimate alike
+    assert precision.layers.peak_format == "fp8" and peak_kind(precision) == "fp8"   # MFU and estimate alike
     from mixprec.policy.peak import no_peak_reason
     assert no_peak_reason("fp8", "cpu") is not None      # this CPU: no honest FP8 peak, no MFU
 

@@ -124,7 +124,7 @@ def test_delayed_scaling_fp8_reads_each_outcome_right_after_its_step(tmp_path):
     trainer = Trainer(model, run_dir=str(tmp_path / "r"), mixed_precision="fp8-delayed",
                       progress=False, audit=False, loss_fn=lambda out, y: (out.float() - y).pow(2).mean())
     trainer.prepare(total_steps=4)
-    assert "fp8-delayed" in trainer.precision.layer_formats.values() and not trainer.outcome_lags
+    assert "fp8-delayed" in trainer.precision.layers.formats.values() and not trainer.outcome_lags
 
 
 def test_a_step_output_reads_whether_it_was_skipped_only_when_asked():

@@ -1,16 +1,19 @@
 """The trainer declares its state: every attribute it ever sets is set in ``__init__``, and the
-optional per-step helpers it was given are one list of step hooks (train/hooks.py)."""
+optional per-step helpers it was given are one list of step hooks (train/hooks.py). It is the loop,
+under 250 lines, with its collaborators in train/ used by composition."""
 from __future__ import annotations
 
 import ast
 import inspect
 import textwrap
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import mixprec as mp
 from mixprec.train.hooks import NumericsHook, ScaleWatchHook, StepHook
+from mixprec.train.outcome import Outcomes
 from mixprec.train.trainer import Trainer
 
 
@@ -33,6 +36,23 @@ def test_every_attribute_the_trainer_sets_is_declared_in_init():
     declared = _assigned(methods.pop("__init__"))
     late = {name: attr for name, f in methods.items() for attr in _assigned(f) - declared}
     assert late == {}
+
+
+def test_the_trainer_is_the_loop_under_250_lines_and_no_class_of_train_is_longer():
+    import mixprec.train
+    lines = {}
+    for path in sorted(Path(mixprec.train.__file__).parent.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                lines[f"{path.name}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert lines["trainer.py:Trainer"] < 250
+    assert {name: n for name, n in lines.items() if n >= 250} == {}
+
+
+def test_the_trainer_composes_its_collaborators_instead_of_inheriting_them():
+    assert Trainer.__bases__ == (object,)
+    trainer = mp.Trainer(_Net(), mixed_precision="32-true", progress=False)
+    assert isinstance(trainer.outcomes, Outcomes)
 
 
 class _Net(nn.Module):
