@@ -136,13 +136,10 @@ class GradScaler:
                  on_min_scale: Literal["raise", "warn"] = "raise", check_finite: bool = True,
                  process_group: Any = None) -> None:
         self._device, enabled = _home(device, enabled, check_finite)
-        loss_scaler = DynamicLossScaler(init_scale, growth_factor, growth_interval,
-                                        backoff_factor=backoff_factor, hysteresis=hysteresis,
-                                        min_scale=min_scale, max_scale=max_scale,
-                                        on_min_scale=on_min_scale)
-        self._scaling = enabled
-        self._check_finite = check_finite
-        self._process_group = process_group
+        loss_scaler = DynamicLossScaler(
+            init_scale, growth_factor, growth_interval, backoff_factor=backoff_factor,
+            hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale, on_min_scale=on_min_scale)
+        self._scaling, self._check_finite, self._process_group = enabled, check_finite, process_group
         self._iteration = Iteration()                   # the optimizers of the iteration still open
         self._host = LazyHost(loss_scaler, enabled)     # the scale, counters, the device's lead
 
@@ -323,8 +320,7 @@ class GradScaler:
         it, self._iteration = self._iteration, Iteration()
         self._host.end(it, new_scale, lazy, self._MAX_PENDING)
 
-    # Which way the scale moves on the device (tests look): the general way's float64 state,
-    # the fused way's int32 growth tracker (amp.device_scale.ScaleTensors).
+    # The device's way (tests look): the general way's float64 state, the fused way's int32 tracker.
     _dev_state = property(lambda self: self._host.tensors.state)
     _dev_tracker = property(lambda self: self._host.tensors.tracker)
 
