@@ -323,7 +323,7 @@ class FlatSteps:
     any layout: a chunk holds split, full and self-mastered members side by side.
 
     Built from the owner's param groups once (again after ``add_param_group``); the owner decides
-    each step whether the flat step applies (``MasterWeights._flat_ready``)."""
+    each step whether the flat step applies (``mixprec.optim.flat_dispatch.ready``)."""
 
     def __init__(self, groups: list[list[tuple[Tensor, Tensor, str, Tensor | None, float | None]]],
                  make_twin: Callable[[list[Tensor]], torch.optim.Optimizer],

@@ -43,7 +43,7 @@ class FitResult:
     final_loss: float | None
     final_val_loss: float | None
     policy: str
-    """What ran (``Precision.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
+    """What ran (``Precision.layers.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
     ``fp8-tensorwise+switched (5 bf16)`` when layers changed format while training (the guard)."""
 
 
