@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__all__ = ["MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder", "MovedPathError",
-           "install", "message", "refuse"]
+__all__ = ["MOVED_MEMBERS", "MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder", "MovedPathError",
+           "install", "message", "refuse", "refuse_member"]
 
 RELEASE = "0.4"
 
@@ -104,6 +104,34 @@ MOVED_NAMES = {
 }
 """Old ``package.name`` -> its new home."""
 
+MOVED_MEMBERS = {
+    # Precision became a thin face over its recipe and plugins (#38, item 2): the dtype questions
+    # are the recipe's, the step's counters the scaler's, the set-up tag module functions, the
+    # FSDP2 policies the FSDP2 plugin's
+    "Precision.param_dtype": "Precision.recipe.param_dtype",
+    "Precision.compute_dtype": "Precision.recipe.compute_dtype",
+    "Precision.reduce_dtype": "Precision.recipe.reduce_dtype",
+    "Precision.stores_low_precision": "Precision.recipe.stores_low_precision",
+    "Precision.keeps_masters": "Precision.recipe.keeps_masters",
+    "Precision.loses_small_updates": "Precision.recipe.loses_small_updates",
+    "Precision.scales_loss": "Precision.recipe.scales_loss",
+    "Precision.autocasts": "Precision.recipe.autocasts",
+    "Precision.autocast_copies_weights": "Precision.recipe.autocast_copies_weights",
+    "Precision.last_step_skipped": "Precision.scaler.last_step_skipped",
+    "Precision.num_skipped_steps": "Precision.scaler.num_skipped_steps",
+    "Precision.scale": "Precision.scaler.get_scale()",
+    "Precision.last_grad_norm": "Precision.scaler.last_grad_norm",
+    "Precision.identity": "mixprec.precision.identity(precision.policy)",
+    "Precision.setup_identity": "mixprec.precision.setup_identity(model)",
+    "Precision.forget_setup": "mixprec.precision.forget_setup(model)",
+    "Precision.check_optimizer": "Precision.recipe.check_optimizer",
+    "Precision.casts_before_sharding": "mixprec.precision.plugins.Fsdp2Plugin(recipe).casts_before_sharding",
+    "Precision.fsdp_mixed_precision": "mixprec.precision.plugins.Fsdp2Plugin(recipe).mixed_precision()",
+    "Precision.fsdp_island_policy": "mixprec.precision.plugins.Fsdp2Plugin(recipe).island_policy()",
+}
+"""Old ``Class.member`` -> where it went (refused by the class's ``__getattr__``,
+:func:`refuse_member`)."""
+
 
 
 def _shown(home: str, name: str) -> str:
@@ -112,11 +140,15 @@ def _shown(home: str, name: str) -> str:
     return f"{name} (now {renamed.rpartition('.')[2]})" if renamed else name
 
 
+def _new_home(old: str) -> str:
+    return MOVED_MODULES.get(old) or MOVED_NAMES.get(old) or MOVED_MEMBERS[old]
+
+
 def message(old: str) -> str:
-    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES` or :data:`MOVED_NAMES`)."""
+    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES`, :data:`MOVED_NAMES` or :data:`MOVED_MEMBERS`)."""
     split = SPLIT.get(old)
     if split is None:
-        return f"{old} moved to {MOVED_MODULES.get(old) or MOVED_NAMES[old]} in {RELEASE}; see CHANGELOG.md"
+        return f"{old} moved to {_new_home(old)} in {RELEASE}; see CHANGELOG.md"
     names = [f"{', '.join(_shown(home, name) for name in n) or 'its other names'} -> {home}"
              for home, n in split.items()]
     modules = [f"{m} -> {new}" for m, new in MOVED_MODULES.items() if m.startswith(f"{old}.")]
@@ -129,7 +161,7 @@ class MovedPathError(ModuleNotFoundError):
 
     def __init__(self, old: str) -> None:
         super().__init__(message(old))
-        self.old, self.new = old, MOVED_MODULES.get(old) or MOVED_NAMES[old]
+        self.old, self.new = old, _new_home(old)
 
 
 class MovedAttributeError(AttributeError):
@@ -139,7 +171,7 @@ class MovedAttributeError(AttributeError):
 
     def __init__(self, old: str) -> None:
         super().__init__(message(old))
-        self.old, self.new = old, MOVED_MODULES.get(old) or MOVED_NAMES[old]
+        self.old, self.new = old, _new_home(old)
 
 
 class MovedFinder(importlib.abc.MetaPathFinder):
@@ -168,3 +200,12 @@ def refuse(package: str, name: str):
     if old in MOVED_MODULES or old in MOVED_NAMES:
         raise MovedAttributeError(old)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
+def refuse_member(cls: type, name: str):
+    """A class's ``__getattr__``: :class:`MovedAttributeError` for a member of
+    :data:`MOVED_MEMBERS` (``Precision.keeps_masters``), a plain AttributeError otherwise."""
+    old = f"{cls.__name__}.{name}"
+    if old in MOVED_MEMBERS:
+        raise MovedAttributeError(old)
+    raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}")

@@ -219,6 +219,9 @@ class GradScaler:
         self._inv_scale_t: dict[torch.device, Tensor] = {}
         self._iter_skipped = False
         self._last_step_skipped = False
+        self.last_grad_norm: Tensor | None = None
+        """The unscaled global gradient norm of the last ``Precision.step`` that clipped or measured
+        it (``clip_grad_norm`` / ``measure_grad_norm``), a device tensor; None otherwise."""
         self._num_skipped_steps = 0
         self._num_overflows = 0
         # Lazy (device-side) bookkeeping: per iteration a list of (flag, stepped, counted) whose

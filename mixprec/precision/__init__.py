@@ -21,13 +21,15 @@ from mixprec.precision.cast import cast_module, mark_fp32_params
 from mixprec.precision.convert import ConversionReport, convert_to_fp8, convert_to_micro
 from mixprec.precision.eligibility import block_index, refusal
 from mixprec.precision.recipe import Recipe
-from mixprec.precision.precision import OptimizerSpec, Precision, StepTaken, prepare_fp8
+from mixprec.precision.precision import (OptimizerSpec, Precision, StepTaken, forget_setup, identity,
+                                        prepare_fp8, setup_identity)
 from mixprec.precision.rules import is_gate, is_norm, keep_fp32_reason
 from mixprec.precision.table import LayerRow, LayerTable
 
 __all__ = [
     # the decider
     "Precision", "Recipe", "OptimizerSpec", "StepTaken", "autocast", "LayerTable", "LayerRow",
+    "identity", "setup_identity", "forget_setup",
     # the rule book and applying it
     "rules", "is_norm", "is_gate", "keep_fp32_reason", "cast_module", "mark_fp32_params",
     "refusal", "convert_to_fp8", "prepare_fp8", "convert_to_micro", "ConversionReport", "block_index",

@@ -39,7 +39,6 @@ A hand-written loop and :func:`mixprec.train.fit` use the same object, so they c
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -50,22 +49,23 @@ from torch.autograd.profiler import record_function
 
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
-from mixprec.optim import AdamW, MasterWeights
+from mixprec import _moved
+from mixprec.optim import MasterWeights
 from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
 from mixprec.policy import hardware
 from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
 from mixprec.policy.overrides import check_patterns, normalize_overrides
 from mixprec.policy.policy import Policy, get_policy
 from mixprec.precision import rules
-from mixprec.precision.autocast import autocast
-from mixprec.precision.cast import cast_module
+from mixprec.precision.plugins import plugins_for
 from mixprec.precision.recipe import Recipe
 from mixprec.precision.table import LayerRow, LayerTable
 
 if TYPE_CHECKING:
     from mixprec.optim.overlap import OverlappedUpdate
 
-__all__ = ["Precision", "OptimizerSpec", "StepTaken", "prepare_fp8"]
+__all__ = ["Precision", "OptimizerSpec", "StepTaken", "prepare_fp8", "identity", "setup_identity",
+           "forget_setup"]
 
 _F32 = torch.float32
 _PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,12 +77,6 @@ OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | N
 """An optimizer over the model's parameters, a factory ``params -> optimizer``, or None."""
 
 _SETUP_TAG = "_mixprec_precision"
-
-
-_FSDP2_NO_SPLIT = ("split masters: nothing to split under FSDP2, whose FP32 parameter shards are the "
-                   "masters (4 bytes per parameter / world, what split masters' BF16 parameter + 16-bit "
-                   "remainder also cost) and whose BF16 copies exist only while a layer is gathered")
-"""Why ``split_masters`` has no effect under FSDP2 (docs/lean.md), recorded in ``Precision.notes``."""
 
 
 class StepTaken:
@@ -128,7 +122,15 @@ class StepTaken:
         return repr(self._value) if self._value is not None else "StepTaken(<on the device>)"
 
 
-class Precision:
+class _Face(type):
+    """``Precision``'s type: a member retired in 0.4 named on the class (``Precision.setup_identity``)
+    says where it went, as on an instance."""
+
+    def __getattr__(cls, name: str) -> Any:
+        _moved.refuse_member(cls, name)
+
+
+class Precision(metaclass=_Face):
     """The precision mode of a run, and every decision it implies.
 
     Args:
@@ -176,6 +178,7 @@ class Precision:
                                   split_masters=split_masters, moments=moments,
                                   fp8_activations=fp8_activations, **scaler_options)
         self._recipe = recipe
+        self._plugins = plugins_for(recipe)
         self._scaler: GradScaler | None = None   # built on first use: cheap questions need none
         self.notes: list[str] = list(recipe.notes)
         """What building the recipe and :meth:`setup` chose on the user's behalf, for the run log."""
@@ -189,14 +192,12 @@ class Precision:
         """Each Linear's resolved compute format after :meth:`setup` (qualified name -> format)."""
         self._set_up_formats: dict[str, str] = {}
         """:attr:`layer_formats` as :meth:`setup` made them, before any switch while training."""
-        self.last_grad_norm: torch.Tensor | None = None
-        """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
 
     @property
     def scaler(self) -> GradScaler:
         """The loss scaler of the step (disabled unless the mode scales), built on first use."""
         if self._scaler is None:
-            self._scaler = GradScaler(enabled=self.scales_loss, **self.recipe.scaler_options)
+            self._scaler = GradScaler(enabled=self.recipe.scales_loss, **self.recipe.scaler_options)
         return self._scaler
 
     @property
@@ -253,49 +254,6 @@ class Precision:
         return f"{label} ({counts})" if (self.has_plan or self.switched) and counts else label
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        return self.policy.param_dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.policy.compute_dtype
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        """The dtype gradients are reduced in across ranks."""
-        return self.policy.reduce_dtype
-
-    @property
-    def stores_low_precision(self) -> bool:
-        """Parameters (other than the FP32 exemptions) are stored in 16 bits."""
-        return self.policy.param_dtype in _LOW
-
-    @property
-    def keeps_masters(self) -> bool:
-        """16-bit parameters are updated through FP32 master copies in the optimizer."""
-        return self.stores_low_precision and bool(self.policy.master_weights)
-
-    @property
-    def loses_small_updates(self) -> bool:
-        """16-bit parameters without masters: updates below half an ULP are rounded away."""
-        return self.stores_low_precision and not self.policy.master_weights
-
-    @property
-    def scales_loss(self) -> bool:
-        """Dynamic loss scaling is on (FP16 compute or storage)."""
-        return bool(self.policy.loss_scaling)
-
-    @property
-    def autocasts(self) -> bool:
-        """The forward runs under autocast (the compute dtype is below FP32)."""
-        return self.policy.is_mixed
-
-    @property
-    def autocast_copies_weights(self) -> bool:
-        """Autocast makes compute-dtype copies of weights stored in a wider dtype."""
-        return self.autocasts and self.param_dtype.itemsize > self.compute_dtype.itemsize
-
-    @property
     def fp8_recipe(self) -> str | None:
         """The FP8 recipe name of ``fp8-*`` modes, else None."""
         return self.policy.fp8_recipe
@@ -323,19 +281,19 @@ class Precision:
             return "fp8" if self.policy.micro_format == "mxfp8" else "fp4"
         if self.policy.fp8_recipe:
             return "fp8"
-        if self.autocasts or self.stores_low_precision:
-            return dtype_name(self.compute_dtype)
+        if self.recipe.autocasts or self.recipe.stores_low_precision:
+            return dtype_name(self.recipe.compute_dtype)
         return "tf32" if self.policy.allow_tf32 else "fp32"
 
     @property
     def activation_format(self) -> torch.dtype:
         """The format whose range activations must fit (FP8 E4M3 for ``fp8-*``)."""
-        return FP8_E4M3 if self.policy.fp8_recipe else self.compute_dtype
+        return FP8_E4M3 if self.policy.fp8_recipe else self.recipe.compute_dtype
 
     @property
     def gradient_format(self) -> torch.dtype:
         """The format whose range gradients must fit (FP8 E5M2 for ``fp8-*``)."""
-        return FP8_E5M2 if self.policy.fp8_recipe else self.compute_dtype
+        return FP8_E5M2 if self.policy.fp8_recipe else self.recipe.compute_dtype
 
     def range_formats(self, model: nn.Module) -> dict[str, tuple[torch.dtype, torch.dtype]]:
         """Per module of the table, the formats its activations and gradients must fit, from the
@@ -385,7 +343,7 @@ class Precision:
 
     def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype:
         """The dtype ``module``'s own floating parameters are stored in under this mode."""
-        return _F32 if self.keeps_fp32(qualified_name, module) else self.param_dtype
+        return _F32 if self.keeps_fp32(qualified_name, module) else self.recipe.param_dtype
 
     # --- per-layer formats ----------------------------------------------------------------------
 
@@ -393,7 +351,7 @@ class Precision:
     def base_format(self) -> str:
         """The format a layer computes in when nothing makes it FP8 or overrides it: the compute
         dtype's name (``fp32``, ``bf16`` or ``fp16``)."""
-        return dtype_name(self.compute_dtype)
+        return dtype_name(self.recipe.compute_dtype)
 
     @property
     def default_format(self) -> str:
@@ -456,28 +414,6 @@ class Precision:
         width = max((len(n) for n in self.layer_formats), default=0)
         return [f"{n:<{width}}  {f}" for n, f in self.layer_formats.items()]
 
-    def casts_before_sharding(self) -> bool:
-        """Under FSDP2 the FP32 shards are the masters; only a mode without masters casts the
-        model to its 16-bit storage dtype before sharding."""
-        return self.loses_small_updates
-
-    def fsdp_mixed_precision(self):
-        """FSDP2's ``MixedPrecisionPolicy`` for the ordinary units (see strategies/fsdp.py)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        gather = self.compute_dtype if self.autocasts else self.param_dtype
-        if gather == _F32:
-            return MixedPrecisionPolicy(reduce_dtype=None if self.reduce_dtype == _F32 else self.reduce_dtype)
-        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=self.reduce_dtype)
-
-    def fsdp_island_policy(self):
-        """FSDP2's policy for units kept in FP32 (norms, gates), or None when every unit gathers
-        FP32 anyway: parameters FP32, output cast back to the gather dtype."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        gather = self.fsdp_mixed_precision().param_dtype
-        if gather is None:
-            return None
-        return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
-
     def resolve(self, model: nn.Module) -> LayerTable:
         """Every decision for ``model``, one row per parameter-owning module (before or after
         :meth:`setup`; after it, the formats the layers actually run). See :mod:`mixprec.precision.table`."""
@@ -493,7 +429,7 @@ class Precision:
             kind = rules.layer_kind(name, module, facts.embeddings)
             keep = self.keep_fp32_reason(name, module)
             why = [f"kept FP32: {keep}"] if keep else []
-            storage = _F32 if keep else self.param_dtype
+            storage = _F32 if keep else self.recipe.param_dtype
             per_layer = rules.is_gemm_layer(module)
             refused = None
             if per_layer:
@@ -510,13 +446,13 @@ class Precision:
                     if refused:
                         why.append(f"{asked} refused: {refused}")
                     compute = self.base_format if refused else asked
-            elif kind == "norm" and (keep or self.autocasts):
+            elif kind == "norm" and (keep or self.recipe.autocasts):
                 compute = "fp32"            # statistics in FP32 (mixprec's norms; autocast's rule)
             elif kind == "embedding":
                 compute = "-"               # a lookup, no matmul
             else:
                 compute = self.base_format
-            master = storage in _LOW and self.keeps_masters
+            master = storage in _LOW and self.recipe.keeps_masters
             if storage in _LOW and not master:
                 why.append("16-bit without FP32 masters (master_weights=False)")
             rows.append(LayerRow(name=name, type=type(module).__name__, kind=kind,
@@ -552,6 +488,9 @@ class Precision:
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
 
+    def __getattr__(self, name: str) -> Any:
+        _moved.refuse_member(Precision, name)     # members retired in 0.4 say where they went
+
     def __str__(self) -> str:
         return self.name
 
@@ -568,28 +507,21 @@ class Precision:
         mode returns the same objects; another mode is refused.
         """
         built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        self.check_optimizer(built)
+        self.recipe.check_optimizer(built)
         model = self.setup_module(model, optimizer=built)
         return model, self.setup_optimizer(optimizer, model)
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Refuse, in one line, an optimizer that stores the model's parameters in a 16-bit dtype
-        this mode does not (``mixprec.optim.AdamW(..., fp16_params=True)``). The mode is fixed
-        when the Precision is built: for ``auto`` to follow such an optimizer, build it with the
-        optimizer, ``Precision("auto", optimizer=optimizer)`` (``fit()`` does)."""
-        self.recipe.check_optimizer(optimizer)
-
     def setup_module(self, model: nn.Module, *, sharded: bool = False,
                      optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
-        """Storage dtypes and the FP8 swap, in place. ``sharded``: FSDP2 will shard the model, and
-        its FP32 shards are the masters (cast only modes without masters). ``optimizer``: one that
-        already converted parameters (``fp16_params=True``); FP32-exempt ones get their exact FP32
-        master values back."""
-        done = getattr(model, _SETUP_TAG, None)
+        """The plugins' module conversion, in place: storage dtypes (FP32 exemptions kept), then
+        each Linear's format. ``sharded``: FSDP2 will shard the model, and its FP32 shards are the
+        masters (cast only modes without masters). ``optimizer``: one that already converted
+        parameters (``fp16_params=True``); FP32-exempt ones get their exact FP32 master values back."""
+        done, mine = setup_identity(model), identity(self.policy)
         if done is not None:
-            if done != self._identity():
+            if done != mine:
                 raise ConfigError(f"this model was already set up for precision {done}; build a "
-                                  f"new model to train it in {self._identity()}")
+                                  f"new model to train it in {mine}")
             return model
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         if self.policy.plan is not None:        # a plan file made for another model: refused
@@ -598,38 +530,11 @@ class Precision:
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device
-        if not sharded or self.casts_before_sharding():
-            # Storage dtypes (FP32 exemptions kept; an fp16_params optimizer's exact FP32 masters
-            # go back into exempt parameters).
-            master_of = getattr(optimizer, "master_of", None)
-            cast_module(model, self.policy, dtype_for=self.param_dtype_for,
-                        master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
-        self.apply_formats(model)
-        setattr(model, _SETUP_TAG, self._identity())
+        for plugin in self._plugins.converting(sharded=sharded):   # storage, then formats
+            model = plugin.convert_module(self, model, optimizer=optimizer)
+        setattr(model, _SETUP_TAG, mine)
         self.table = self.resolve(model)
         return model
-
-    @property
-    def identity(self) -> str:
-        """The mode and overrides a model set up by this object is tagged with."""
-        return self._identity()
-
-    @staticmethod
-    def setup_identity(model: nn.Module) -> str | None:
-        """What ``model`` was set up for (:attr:`identity`), None if it never was."""
-        return getattr(model, _SETUP_TAG, None)
-
-    @staticmethod
-    def forget_setup(model: nn.Module) -> None:
-        """Let another Precision set ``model`` up. Only for a model whose set-up left its modules
-        and dtypes as they were (``32-true`` without overrides), e.g. the planner's copies of a
-        model ``fit()`` trained in FP32."""
-        if hasattr(model, _SETUP_TAG):
-            delattr(model, _SETUP_TAG)
-
-    def _identity(self) -> str:
-        ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
-        return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
 
     def apply_formats(self, model: nn.Module) -> None:
         """Give every Linear its format: FP8 layers become ``Fp8Linear`` (asked per module; the FP8
@@ -641,7 +546,9 @@ class Precision:
 
     def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
                         sharded: bool = False) -> torch.optim.Optimizer | None:
-        """The optimizer this mode needs: ``optimizer`` itself, or wrapped in FP32 masters."""
+        """The optimizer this mode needs: ``optimizer`` itself (a factory ``params -> optimizer``
+        is called first), or wrapped in FP32 masters (the params plugin; FSDP2's shards are the
+        masters already)."""
         if optimizer is None:
             return None
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -649,95 +556,44 @@ class Precision:
                 raise ConfigError(f"optimizer must be a torch optimizer or a factory params -> "
                                   f"optimizer, not {type(optimizer).__name__}")
             optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
-        if isinstance(optimizer, MasterWeights) or sharded or not self.keeps_masters:
-            return optimizer
-        if optimizer.state:
-            raise ConfigError(f"the {type(optimizer).__name__} has already stepped; call "
-                              "precision.setup(model, optimizer) before training")
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-                  for g in optimizer.param_groups]
-        self.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
-                          "(mixprec.optim.MasterWeights)")
-        # The recipe's layout: split_masters=False keeps full FP32 masters for your optimizer too
-        # (it was ignored here: found writing docs/ARCHITECTURE.md's walk); True splits where exact.
-        split = None if self.recipe.split_masters else False
-        return MasterWeights(type(optimizer), groups, master_params=self.master_params(model),
-                             split=split, **defaults)
+        return self._plugins.optimizing(sharded=sharded).setup_optimizer(self, optimizer, model)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
                        split_masters: bool | None = None, moments: str | None = None,
                        model: nn.Module | None = None,
                        **adamw_options: Any) -> torch.optim.Optimizer:
-        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
-        into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
-        ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
-        masters (torch's AdamW, FP32 moments only). ``model``: masters exactly for the table's set
-        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``).
-
-        Where no parameter has a separate master (``32-true``, ``bf16-mixed``, ``16-mixed``) and
-        the parameters are on CUDA, the inner torch AdamW is ``fused=True`` (unless ``fused`` or
-        ``foreach`` is given): torch's fast path, and it skips a non-finite step on the device
-        (:meth:`step`). Not on a CPU: there torch's fused kernel rounds differently from the
-        foreach one (1 ulp), and a step on the CPU stays the bits it was (a hand loop with torch's
-        default AdamW equals ``fit()``). The state dicts of the two are alike: a checkpoint
-        resumes across them (docs/performance.md). ``split_masters`` and ``moments`` default to
-        the recipe's."""
-        from mixprec.optim.moments import MOMENTS
-        split_masters = self.recipe.split_masters if split_masters is None else split_masters
-        moments = self.recipe.moments if moments is None else moments
-        if moments not in MOMENTS:
-            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
-        if sharded or self.loses_small_updates:
-            if sharded and split_masters and self.keeps_masters:
-                self.notes.append(_FSDP2_NO_SPLIT)
-            if moments == "fp32":
-                return torch.optim.AdamW(param_groups, **adamw_options)
-            if self.loses_small_updates:
-                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but precision '{self.name}' keeps "
-                                  "no masters and uses torch's AdamW; use moments=fp32")
-            # FSDP2: its FP32 shards are the masters; the moments shard (and reshard) with them.
-            from mixprec.optim.adamw import sharded_adamw
-            self.notes.append(f"FSDP2: mixprec's FP32-math AdamW steps the FP32 shards with moments={moments}"
-                              + (" (matrices; vectors keep FP32 moments), sharded and resharded with the "
-                                 "parameters" if moments != "bf16" else ""))
-            return sharded_adamw(param_groups, moments=moments, **adamw_options)
-        masters = self.master_params(model) if model is not None else None
-        if _fuses(param_groups, masters, moments, self.keeps_masters, adamw_options):
-            adamw_options = {**adamw_options, "fused": True}
-            self.notes.append("AdamW: torch's fused kernel (fused=True, CUDA), which skips a non-finite "
-                              "step on the device: no host read per step")
-        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
-                    **adamw_options)
-        if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
-            self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
-                              "remainder, no FP32 master gradients (bit-identical)")
-        if moments != "fp32":
-            self.notes.append(f"Adam moments stored in {moments}"
-                              + ("" if moments == "bf16" else " with per-block scales (matrices; "
-                                 "vectors keep FP32 moments)") + ", widened to FP32 in the update "
-                              "(moments; docs/lean.md)")
-        return opt
+        """The default AdamW for this mode, built by the params plugin (masters none, full or split
+        and the moments, from the recipe: :class:`~mixprec.precision.plugins.ParamsPlugin`) or,
+        ``sharded``, by the FSDP2 plugin (the FP32 shards are the masters). ``model``: masters
+        exactly for the table's set (:meth:`master_params`); without it, by dtype.
+        ``split_masters`` and ``moments`` default to the recipe's (another value is checked as
+        the recipe checks it). Where no parameter has a separate master and every parameter is on
+        CUDA, the inner torch AdamW is ``fused=True`` unless ``fused`` or ``foreach`` is given
+        (docs/performance.md)."""
+        plugins = self._plugins
+        if (split_masters, moments) != (None, None):
+            plugins = plugins_for(self.recipe.replace(
+                split_masters=self.recipe.split_masters if split_masters is None else split_masters,
+                moments=self.recipe.moments if moments is None else moments))
+        return plugins.optimizing(sharded=sharded).make_optimizer(self, param_groups, model=model,
+                                                                   **adamw_options)
 
     # ------------------------------------------------------------------ the step
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's context: matmuls in the compute dtype (FP32 means autocast off)."""
-        return autocast(self.policy, device_type=self.device.type)
+        return self._plugins.forward_context(self.device.type)
 
     def convert_output(self, x: Any) -> Any:
         """Cast a floating output tensor to the mode's output dtype (others pass through)."""
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(self.policy.output_dtype)
-        return x
+        return self._plugins.convert_output(x)
 
     def scale_loss(self, loss: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
         """``loss`` multiplied by the loss scale when the mode scales (FP16), else ``loss``: for a
         framework that calls ``backward`` itself (the Lightning plugin). ``scale``: an earlier
         step's scale instead (the non-finite replay)."""
         with record_function("mixprec.scale_loss"):
-            return self.scaler.scale(loss, value=scale)
+            return self._plugins.scale_loss(loss, self.scaler, scale=scale)
 
     def backward(self, loss: torch.Tensor, *, scale: float | None = None) -> None:
         """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16).
@@ -753,7 +609,7 @@ class Precision:
 
         Unscales once (fused with the inf/NaN check, agreed across ranks under
         ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
-        measures their norm with ``measure_grad_norm``; either way :attr:`last_grad_norm`), then
+        measures their norm with ``measure_grad_norm``; either way ``scaler.last_grad_norm``), then
         steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
         updates the loss scale.
 
@@ -763,7 +619,7 @@ class Precision:
         torch's ``GradScaler.step`` hands it; from its second step on: a skipped first step must
         create no state); the loss scale moves on the device too, and the host reads nothing:
         the counters, the scale and the return value's truth are read when asked for
-        (``bool(taken)``, :attr:`num_skipped_steps`, :attr:`scale`, ...; one read for everything
+        (``bool(taken)``, ``scaler.num_skipped_steps``, ``scaler.get_scale()``, ...; one read for everything
         queued). Any other optimizer (or ``overlap``): the host reads the flag first and steps or
         not.
 
@@ -772,11 +628,11 @@ class Precision:
         """
         with record_function("mixprec.unscale"):           # fused with the inf/NaN check
             self.scaler.unscale_(optimizer)
-        self.last_grad_norm = None
+        self.scaler.last_grad_norm = None
         if clip_grad_norm or measure_grad_norm:            # clip sees unscaled gradients
             with record_function("mixprec.clip_grad_norm"):
-                self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
-                                                      clip_grad_norm or math.inf)
+                self.scaler.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
+                                                             clip_grad_norm or math.inf)
         masters = isinstance(optimizer, MasterWeights)
         found = (self.scaler.found_inf(optimizer)
                  if overlap is None and (masters or skips_on_device(optimizer)) else None)
@@ -803,19 +659,6 @@ class Precision:
         self.scaler.update()                               # back off at once, grow when clean
         return take                                        # decided on the host: a bool
 
-    @property
-    def last_step_skipped(self) -> bool:
-        return self.scaler.last_step_skipped
-
-    @property
-    def num_skipped_steps(self) -> int:
-        return self.scaler.num_skipped_steps
-
-    @property
-    def scale(self) -> float:
-        """The current loss scale (1.0 when the mode does not scale)."""
-        return self.scaler.get_scale()
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -831,25 +674,24 @@ class Precision:
 
 
 
-def _fuses(param_groups: list[dict[str, Any]], masters: list[torch.Tensor] | None, moments: str,
-           keeps_masters: bool, options: dict[str, Any]) -> bool:
-    """Whether :meth:`Precision.make_optimizer` makes its torch AdamW ``fused=True``: FP32
-    moments, no separate master (by the table's set, or by the mode without one), every
-    parameter on CUDA, and neither ``fused`` nor ``foreach`` chosen by the caller."""
-    if moments != "fp32" or keeps_masters or masters or "fused" in options or "foreach" in options:
-        return False
-    params = [p for g in param_groups for p in g["params"]]
-    return bool(params) and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
+def identity(policy: Policy) -> str:
+    """The mode and overrides a model set up under ``policy`` is tagged with
+    (``identity(precision.policy)``)."""
+    ov = ",".join(f"{p}={f}" for p, f in policy.overrides)
+    return policy.spec() + (f" overrides[{ov}]" if ov else "")
 
 
-def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,
-                    p: torch.Tensor) -> torch.Tensor | None:
-    if master_of is None:
-        return None
-    try:
-        return master_of(p)
-    except ConfigError:   # not one of the optimizer's parameters
-        return None
+def setup_identity(model: nn.Module) -> str | None:
+    """What ``model`` was set up for (:func:`identity`), None if it never was."""
+    return getattr(model, _SETUP_TAG, None)
+
+
+def forget_setup(model: nn.Module) -> None:
+    """Let another Precision set ``model`` up. Only for a model whose set-up left its modules
+    and dtypes as they were (``32-true`` without overrides), e.g. the planner's copies of a
+    model ``fit()`` trained in FP32."""
+    if hasattr(model, _SETUP_TAG):
+        delattr(model, _SETUP_TAG)
 
 
 def prepare_fp8(model: nn.Module, policy: Policy | str) -> Any:

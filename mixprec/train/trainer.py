@@ -189,7 +189,7 @@ class Trainer:
         found = None
         if self._user_optimizer is None:
             found = self._user_optimizer = self._found_optimizer
-        precision.check_optimizer(self._user_optimizer)   # a ready Precision's mode is its own
+        precision.recipe.check_optimizer(self._user_optimizer)   # a ready Precision's mode is its own
         asked = precision.recipe.resolved_from or precision.name
         if found is not None and strategy.is_main:   # one line: what was found, and what it changed
             change = (f"; it stores parameters in 16 bits, so precision {asked} -> {precision.name}"
@@ -256,7 +256,7 @@ class Trainer:
                         if cfg.monitor_every else None)
         floor = precision.scaler.config        # the Precision's own floor (fit()'s, or a ready one's)
         self.scale_watch = (ScaleWatch(floor.min_scale, on_stuck=floor.on_min_scale)
-                            if precision.scales_loss else None)
+                            if precision.recipe.scales_loss else None)
         # The update of a taken step issued per module, overlapping the next forward (CUDA).
         if self.overlap is not None:
             self.overlap.close()
@@ -334,7 +334,7 @@ class Trainer:
             # advances the schedule before this update runs at it; a skipped one is traced while
             # the parameters are still those it saw.
             self.conclude()
-            scale_before = precision.scale               # this backward's (no read: concluded)
+            scale_before = precision.scaler.get_scale()  # this backward's (no read: concluded)
             lr = opt.param_groups[0]["lr"]               # what this update runs at (metrics' lr)
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
             with self._around("around_update", step):
@@ -342,7 +342,7 @@ class Trainer:
                 # gradients -> step the FP32 masters and copy back, or skip -> update the scale.
                 taken = precision.step(opt, clip_grad_norm=self.config.clip_grad_norm,
                                        measure_grad_norm=logged, overlap=self.overlap)
-        out = StepOutput(loss_sum, precision.last_grad_norm, None, scale_before, tokens, lr,
+        out = StepOutput(loss_sum, precision.scaler.last_grad_norm, None, scale_before, tokens, lr,
                          taken=taken)                    # taken: a bool, or still on the device
         self._pending = PendingStep(step, out, micro_batches, self._step_rng)
         if not self._fitting:
@@ -761,7 +761,7 @@ class Trainer:
                              if r.get("step") is not None and r["step"] <= self.step
                              and is_finite_number(r.get("val_loss"))), None)
         final_loss = float(last_out.loss) if last_out is not None else None
-        return FitResult(self.run_dir, self.step, self.precision.num_skipped_steps, final_loss,
+        return FitResult(self.run_dir, self.step, self.precision.scaler.num_skipped_steps, final_loss,
                          last_val, self.precision.ran())
 
     def _warmup_not_left(self) -> str | None:
@@ -777,7 +777,7 @@ class Trainer:
         # was skipped (it said "never left warm-up ... reached 100 % of the peak").
         if taken >= cfg.warmup_steps or cfg.warmup_steps == 1:
             return None
-        skipped = self.precision.num_skipped_steps
+        skipped = self.precision.scaler.num_skipped_steps
         why = (f"{skipped} of its {self.step} steps were skipped, and a skipped step does not advance it"
                if skipped else f"the run ({self.step} steps) is shorter than warmup_steps={cfg.warmup_steps}")
         peak = self.scheduler.base_lrs[0]
@@ -845,16 +845,16 @@ class Trainer:
         loss_finite = last is not None and bool(torch.isfinite(torch.as_tensor(last.loss)).all())  # once
         scaler = precision.scaler.config        # the Precision's own (fit()'s, or a ready one's)
         health = self.health or RunHealth(cfg, start_step=self.step)
-        cause = health.scaler_cause(scales_loss=precision.scales_loss, scale=precision.scale,
+        cause = health.scaler_cause(scales_loss=precision.recipe.scales_loss, scale=precision.scaler.get_scale(),
                                     init_scale=scaler.init_scale, min_scale=scaler.min_scale,
                                     growth_interval=scaler.scale_window, hysteresis=scaler.hysteresis,
-                                    loss_finite=loss_finite, skipped=precision.num_skipped_steps)
+                                    loss_finite=loss_finite, skipped=precision.scaler.num_skipped_steps)
         if cause is not None:
             message = f"training stopped at step {self.step}: {problem}; {cause}"
             # not divergence: recorded (and plotted) as what it is; the exit status stays 3
             self.events.note(message, self.step, "loss_scale_stuck", say=False)
             raise TrainingDiverged(message)
-        safer = "" if precision.compute_dtype == torch.float32 else ", or pick a safer precision"
+        safer = "" if precision.recipe.compute_dtype == torch.float32 else ", or pick a safer precision"
         message = (f"training diverged at step {self.step}: {problem}; lower lr (now "
                    f"{cfg.lr:g}), keep clip_grad_norm on{safer}; {where}")
         self.events.note(message, self.step, "diverged", say=False)
