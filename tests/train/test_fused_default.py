@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import mixprec.precision.precision as precision_mod
+import mixprec.precision.plugins.params as precision_mod
 from mixprec.optim.inputs import takes_found_inf
 from mixprec.train.trainer import Trainer
 
