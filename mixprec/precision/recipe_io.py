@@ -1,6 +1,8 @@
 """Printing and serialising a :class:`~mixprec.precision.recipe.Recipe`: its readable block
 (``str(recipe)``), its plain-data form (``to_dict`` / ``from_dict``) and its TOML table (the
-``[recipe]`` table of a run's ``config.toml``). The ``Recipe`` methods of the same names call these."""
+``[recipe]`` table of a run's ``config.toml``). The ``Recipe`` methods of the same names call these
+(``recipe``: a ``Recipe``; ``cls``: the class, handed in: recipe.py imports this module, not the
+other way round)."""
 from __future__ import annotations
 
 import importlib
@@ -8,7 +10,7 @@ import inspect
 import json
 import re
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mixprec.amp import GradScaler
 from mixprec.errors import ConfigError, closest
@@ -22,9 +24,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-if TYPE_CHECKING:
-    from mixprec.precision.recipe import Recipe
-
 __all__ = ["describe", "to_dict", "from_dict", "to_toml", "from_toml"]
 
 SCALER_ARGS = {n: p.default for n, p in inspect.signature(GradScaler.__init__).parameters.items()
@@ -33,7 +32,7 @@ SCALER_ARGS = {n: p.default for n, p in inspect.signature(GradScaler.__init__).p
 the policy's ``loss_scaling``; ``device`` the Precision's)."""
 
 
-def describe(recipe: Recipe) -> str:
+def describe(recipe: Any) -> str:
     """The recipe as one readable block (``str(recipe)``)."""
     p = recipe.policy
     dts = ", ".join(f"{k} {dtype_name(getattr(p, f))}" for k, f in (
@@ -66,7 +65,7 @@ def describe(recipe: Recipe) -> str:
     return "\n".join([head, *(f"  {k:<12}{v}" for k, v in rows)])
 
 
-def to_dict(recipe: Recipe) -> dict[str, Any]:
+def to_dict(recipe: Any) -> dict[str, Any]:
     """Plain data (str, bool, int, float, lists, dicts) that :meth:`from_dict` rebuilds this
     recipe from; what ``config.toml``'s ``[recipe]`` table holds."""
     p = recipe.policy
@@ -100,7 +99,7 @@ def to_dict(recipe: Recipe) -> dict[str, Any]:
                        "linears": list(p.plan.linears)}
     return out
 
-def from_dict(cls: type[Recipe], data: dict[str, Any]) -> Recipe:
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
     """The recipe :meth:`to_dict` wrote (unknown keys refused in one line)."""
     data = dict(data)
     known = {"name", "param_dtype", "compute_dtype", "output_dtype", "reduce_dtype",
@@ -134,7 +133,7 @@ def from_dict(cls: type[Recipe], data: dict[str, Any]) -> Recipe:
                           f"{recipe.masters}; drop 'masters' (it is derived) or fix split_masters")
     return recipe
 
-def to_toml(recipe: Recipe, table: str = "recipe") -> str:
+def to_toml(recipe: Any, table: str = "recipe") -> str:
     """The recipe as a TOML table ``[table]`` (with sub-tables), read back by :meth:`from_toml`."""
     data = to_dict(recipe)
     subs = {k: data.pop(k) for k in ("micro_options", "scaler", "overrides", "plan") if k in data}
@@ -143,7 +142,7 @@ def to_toml(recipe: Recipe, table: str = "recipe") -> str:
         lines += ["", f"[{table}.{key}]", *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in sub.items())]
     return "\n".join(lines) + "\n"
 
-def from_toml(cls: type[Recipe], text: str | dict[str, Any], table: str = "recipe") -> Recipe:
+def from_toml(cls: type, text: str | dict[str, Any], table: str = "recipe") -> Any:
     """The recipe of TOML text holding a ``[table]`` (or of the parsed table itself)."""
     data = tomllib.loads(text) if isinstance(text, str) else text
     if isinstance(text, str):

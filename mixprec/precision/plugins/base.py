@@ -23,17 +23,29 @@ not a hook: it is :meth:`mixprec.Precision.step`, top to bottom, the same for ev
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from mixprec.amp import GradScaler
-    from mixprec.precision.precision import Precision
     from mixprec.precision.recipe import Recipe
 
-__all__ = ["PrecisionPlugin"]
+__all__ = ["PrecisionPlugin", "Face"]
+
+
+class Face(Protocol):
+    """What the plugins read of :class:`mixprec.Precision`, which calls them (so they do not import
+    it back): the per-layer decisions and the run log."""
+
+    notes: list[str]
+
+    def param_dtype_for(self, qualified_name: str, module: nn.Module) -> torch.dtype: ...
+
+    def master_params(self, model: nn.Module) -> list[torch.Tensor]: ...
+
+    def apply_formats(self, model: nn.Module) -> None: ...
 
 
 class PrecisionPlugin:
@@ -54,7 +66,7 @@ class PrecisionPlugin:
         return f"{type(self).__name__}({self.recipe.name!r})"
 
     # 1. convert the module
-    def convert_module(self, precision: Precision, model: nn.Module, *,
+    def convert_module(self, precision: Face, model: nn.Module, *,
                        optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
         """Change ``model`` in place for this family; return it."""
         return model
@@ -75,12 +87,12 @@ class PrecisionPlugin:
         return loss
 
     # 4. the optimizer
-    def setup_optimizer(self, precision: Precision, optimizer: torch.optim.Optimizer,
+    def setup_optimizer(self, precision: Face, optimizer: torch.optim.Optimizer,
                         model: nn.Module) -> torch.optim.Optimizer | None:
         """``optimizer`` (built, never stepped) as this family steps it; None: not this family's."""
         return None
 
-    def make_optimizer(self, precision: Precision, param_groups: list[dict[str, Any]], *,
+    def make_optimizer(self, precision: Face, param_groups: list[dict[str, Any]], *,
                        model: nn.Module | None = None, **adamw_options: Any) -> torch.optim.Optimizer | None:
         """The default AdamW over ``param_groups`` for this family; None: not this family's."""
         return None

@@ -8,15 +8,10 @@ that asks each Linear its format once and swaps it to ``Fp8Linear``, ``MicroLine
 would walk the model twice and split a per-layer plan that mixes FP8, NVFP4 and FP32 layers."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from mixprec.precision.plugins.base import PrecisionPlugin
-
-if TYPE_CHECKING:
-    from mixprec.precision.precision import Precision
+from mixprec.precision.plugins.base import Face, PrecisionPlugin
 
 __all__ = ["FormatsPlugin"]
 
@@ -29,7 +24,7 @@ class FormatsPlugin(PrecisionPlugin):
 
     name = "formats"
 
-    def convert_module(self, precision: Precision, model: nn.Module, *,
+    def convert_module(self, precision: Face, model: nn.Module, *,
                        optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
         precision.apply_formats(model)
         return model

@@ -8,16 +8,13 @@ the unit policies and the islands' policy; ``Precision.setup_module(sharded=True
 ``Precision.make_optimizer(sharded=True)`` use it instead of :class:`~.params.ParamsPlugin`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.precision.plugins.base import PrecisionPlugin
+from mixprec.precision.plugins.base import Face, PrecisionPlugin
 from mixprec.precision.plugins.params import ParamsPlugin
-
-if TYPE_CHECKING:
-    from mixprec.precision.precision import Precision
 
 __all__ = ["Fsdp2Plugin"]
 
@@ -40,18 +37,18 @@ class Fsdp2Plugin(PrecisionPlugin):
         (with masters, the FP32 shards are the masters)."""
         return self.recipe.loses_small_updates
 
-    def convert_module(self, precision: Precision, model: nn.Module, *,
+    def convert_module(self, precision: Face, model: nn.Module, *,
                        optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
         if self.casts_before_sharding:
             return ParamsPlugin(self.recipe).convert_module(precision, model, optimizer=optimizer)
         return model
 
-    def setup_optimizer(self, precision: Precision, optimizer: torch.optim.Optimizer,
+    def setup_optimizer(self, precision: Face, optimizer: torch.optim.Optimizer,
                         model: nn.Module) -> torch.optim.Optimizer:
         """The user's optimizer as it is: it steps the FP32 shards, which are the masters."""
         return optimizer
 
-    def make_optimizer(self, precision: Precision, param_groups: list[dict[str, Any]], *,
+    def make_optimizer(self, precision: Face, param_groups: list[dict[str, Any]], *,
                        model: nn.Module | None = None, **adamw_options: Any) -> torch.optim.Optimizer:
         """torch's AdamW on the shards (FP32 moments), or mixprec's FP32-math AdamW for 16-bit
         or 8-bit moments, sharded and resharded with the parameters."""

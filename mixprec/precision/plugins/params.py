@@ -18,11 +18,10 @@ from torch import nn
 from mixprec.errors import ConfigError
 from mixprec.optim import AdamW, MasterWeights
 from mixprec.precision.cast import cast_module
-from mixprec.precision.plugins.base import PrecisionPlugin
+from mixprec.precision.plugins.base import Face, PrecisionPlugin
 
 if TYPE_CHECKING:
     from mixprec.amp import GradScaler
-    from mixprec.precision.precision import Precision
 
 __all__ = ["ParamsPlugin"]
 
@@ -33,7 +32,7 @@ class ParamsPlugin(PrecisionPlugin):
 
     name = "params"
 
-    def convert_module(self, precision: Precision, model: nn.Module, *,
+    def convert_module(self, precision: Face, model: nn.Module, *,
                        optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
         """Storage dtypes, in place. ``optimizer``: one that already stored the parameters in 16
         bits (``fp16_params=True``); FP32-exempt ones get its exact FP32 masters back."""
@@ -48,7 +47,7 @@ class ParamsPlugin(PrecisionPlugin):
             return scaler.scale(loss, value=scale)
         return loss
 
-    def setup_optimizer(self, precision: Precision, optimizer: torch.optim.Optimizer,
+    def setup_optimizer(self, precision: Face, optimizer: torch.optim.Optimizer,
                         model: nn.Module) -> torch.optim.Optimizer:
         """The user's optimizer, wrapped in FP32 masters where the mode keeps them."""
         if isinstance(optimizer, MasterWeights) or not self.recipe.keeps_masters:
@@ -68,7 +67,7 @@ class ParamsPlugin(PrecisionPlugin):
         return MasterWeights(type(optimizer), groups, master_params=precision.master_params(model),
                              split=split, **defaults)
 
-    def make_optimizer(self, precision: Precision, param_groups: list[dict[str, Any]], *,
+    def make_optimizer(self, precision: Face, param_groups: list[dict[str, Any]], *,
                        model: nn.Module | None = None, **adamw_options: Any) -> torch.optim.Optimizer:
         """torch's AdamW for 16-bit parameters without masters (FP32 moments: the recipe refused
         others), else mixprec's AdamW in the recipe's master layout and moments; ``model``:
