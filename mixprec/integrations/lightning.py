@@ -86,7 +86,7 @@ class MixprecPrecision(TrainerPrecision):
         self.num_steps = 0
         """Optimizer steps finished through this plugin (taken or skipped)."""
         self.measure_grad_norm = False
-        """Measure the unscaled gradient norm on every step (``Precision.last_grad_norm``); the
+        """Measure the unscaled gradient norm on every step (``Precision.scaler.last_grad_norm``); the
         callback turns it on when it writes a run folder."""
 
     # --- set-up --------------------------------------------------------------------------------

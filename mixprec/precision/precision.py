@@ -1,28 +1,26 @@
-"""`Precision`: one object per precision mode that makes every precision decision of a run.
+"""`Precision`: the public face of a run's precision, a thin composition of recipe + plugins.
 
-A :class:`~mixprec.precision.Policy` is data (which dtype where). ``Precision`` is where those
-data become decisions, each made here and nowhere else:
+Every choice is the frozen :class:`~mixprec.precision.recipe.Recipe` it is built from
+(:attr:`Precision.recipe`, fixed at construction: its dtypes, ``keeps_masters``, ``masters``,
+``scales_loss``, ...). The small plugins of :mod:`mixprec.precision.plugins` apply it, one per
+family; ``Precision`` calls them and runs the step itself:
 
 ==========================  =====================================================================
-decision                    made by
+what                        who
 ==========================  =====================================================================
-every choice of the run     the frozen :class:`~mixprec.precision.recipe.Recipe` it is built
-                            from (:attr:`Precision.recipe`), fixed at construction
-what each layer is         the rule book, :mod:`mixprec.precision.rules`
-every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model)
-storage dtype of a param    :meth:`Precision.param_dtype_for` (norms, gates, ``keep_in_fp32``,
-                            ``keep_fp32_names`` stay FP32: :meth:`Precision.keep_fp32_reason`)
-FP32 master weights         :attr:`Precision.keeps_masters`; which params: the table's ``master``
-                            column, :meth:`Precision.master_params`, handed to ``MasterWeights``
-FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
-micro-format GEMMs          :meth:`Precision.micro_config` (MXFP8 / MXFP4 / NVFP4 recipes and
-                            their options); :meth:`setup` swaps eligible Linears
-each Linear's format        :meth:`Precision.format_for` (per-module overrides, first match
-                            wins); :meth:`setup` swaps FP8 / FP32 / BF16 / FP16 layers
-loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
-the forward's dtype         :meth:`autocast`, :meth:`convert_output`
-gradient reduction          :attr:`reduce_dtype`, :meth:`fsdp_mixed_precision`,
-                            :meth:`fsdp_island_policy`, :meth:`casts_before_sharding`
+every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model); what
+                            each layer is: the rule book, :mod:`mixprec.precision.rules`
+storage dtypes, masters     ``ParamsPlugin``: the cast (:meth:`Precision.param_dtype_for`), the
+and moments                 optimizer from ``recipe.masters`` / ``recipe.moments``
+                            (:meth:`setup_optimizer`, :meth:`make_optimizer`)
+each Linear's format        ``FormatsPlugin``: FP8 / micro / 16-32-bit layers swapped at
+(FP8, micro formats)        :meth:`setup` (:meth:`Precision.format_for`, first override wins)
+the forward's dtype         ``AutocastPlugin``: :meth:`autocast`, :meth:`convert_output`
+loss scaling                the one plugin whose family scales (:meth:`scale_loss`,
+                            :meth:`backward`); :meth:`step` unscales and updates :attr:`scaler`
+FSDP2                       ``Fsdp2Plugin``: cast before sharding or not, the sharded
+                            optimizer, the units' ``MixedPrecisionPolicy`` (strategies/fsdp.py)
+the step                    :meth:`Precision.step`, here, the same for every family
 ==========================  =====================================================================
 
 A hand-written loop and :func:`mixprec.train.fit` use the same object, so they cannot drift::
@@ -131,30 +129,19 @@ class _Face(type):
 
 
 class Precision(metaclass=_Face):
-    """The precision mode of a run, and every decision it implies.
+    """The precision of a run: its frozen recipe, applied by the plugins, and the step.
 
     Args:
-        precision: a preset name (``"bf16-mixed"``), an alias, the compact form
-            (``"p=f32,c=bf16,o=f32"``), ``True``/``"auto"`` (best safe mode for ``device``), or a
-            :class:`~mixprec.precision.Policy`, or a ready :class:`~mixprec.precision.recipe.Recipe`
-            (which holds every other choice below: pass none of them with it).
+        precision: a ready :class:`~mixprec.precision.recipe.Recipe` (which holds every other
+            choice: pass none of them with it), or what :meth:`Recipe.build` takes to build one: a
+            preset name (``"bf16-mixed"``), an alias, the compact form (``"p=f32,c=bf16,o=f32"``),
+            ``True``/``"auto"`` (best safe mode for ``device``), ``plan:PATH`` or a ``Policy``,
+            with ``overrides``, ``micro_options``, ``optimizer`` (one storing 16-bit parameters
+            decides ``auto``), ``split_masters``, ``moments``, ``fp8_activations`` and the loss
+            scaler's ``**scaler_options`` (scaling is on only where the mode needs it, FP16; the
+            non-finite check and skip are always on).
         device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
             available, else CPU); decides ``auto`` and the autocast device type.
-        overrides: per-module compute formats ``{pattern: format}`` or ``((pattern, format), ...)``
-            (``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``, ``mxfp8``, ``mxfp4``, ``nvfp4``; first
-            match wins); they come before (so win over) overrides the policy already carries, e.g.
-            from a plan file.
-        micro_options: changes to the micro-format recipes (``"hadamard_wgrad=false"``, a dict,
-            or pairs; fields of :class:`mixprec.formats.MicroConfig`), checked here.
-        optimizer: an optimizer that already stores the parameters in 16 bits
-            (``fp16_params=True``): ``auto`` becomes the matching ``*-true`` mode (and says so in
-            :attr:`notes`), another mode with FP32 parameters is refused in one line.
-        split_masters, moments, fp8_activations: the optimizer's master layout and moments
-            storage (:meth:`make_optimizer`), activations saved in FP8 (``fit()``); see
-            :class:`~mixprec.precision.recipe.Recipe`.
-        **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
-            ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
-            on only when the mode needs it (FP16); the non-finite check and skip are always on.
     """
 
     def __init__(self, precision: str | Policy | Recipe | bool | None = "auto", *,
@@ -163,21 +150,10 @@ class Precision(metaclass=_Face):
                  split_masters: bool = True, moments: str = "fp32", fp8_activations: bool = False,
                  **scaler_options: Any) -> None:
         self.device = torch.device(device) if device is not None else hardware.default_device()
-        if isinstance(precision, Recipe):
-            given = [n for n, v in (("overrides", overrides), ("micro_options", micro_options),
-                                    ("optimizer", optimizer), ("split_masters", not split_masters),
-                                    ("moments", moments != "fp32"),
-                                    ("fp8_activations", fp8_activations)) if v] + sorted(scaler_options)
-            if given:
-                raise ConfigError(f"Precision(recipe) takes every choice from the recipe; build the "
-                                  f"recipe with {given[0]}=: Recipe.build(mode, {given[0]}=...)")
-            recipe = precision
-        else:
-            recipe = Recipe.build(precision, device=self.device, overrides=overrides,
-                                  micro_options=micro_options, optimizer=optimizer,
-                                  split_masters=split_masters, moments=moments,
-                                  fp8_activations=fp8_activations, **scaler_options)
-        self._recipe = recipe
+        self._recipe = recipe = _recipe_of(
+            precision, device=self.device, overrides=overrides, micro_options=micro_options,
+            optimizer=optimizer, split_masters=split_masters, moments=moments,
+            fp8_activations=fp8_activations, **scaler_options)
         self._plugins = plugins_for(recipe)
         self._scaler: GradScaler | None = None   # built on first use: cheap questions need none
         self.notes: list[str] = list(recipe.notes)
@@ -215,7 +191,8 @@ class Precision(metaclass=_Face):
 
     @property
     def name(self) -> str:
-        return self.policy.name if self.policy.name != "custom" else self.policy.spec()
+        """The mode's name (the compact form for a custom policy)."""
+        return self.recipe.name
 
     @property
     def has_plan(self) -> bool:
@@ -562,14 +539,11 @@ class Precision(metaclass=_Face):
                        split_masters: bool | None = None, moments: str | None = None,
                        model: nn.Module | None = None,
                        **adamw_options: Any) -> torch.optim.Optimizer:
-        """The default AdamW for this mode, built by the params plugin (masters none, full or split
-        and the moments, from the recipe: :class:`~mixprec.precision.plugins.ParamsPlugin`) or,
-        ``sharded``, by the FSDP2 plugin (the FP32 shards are the masters). ``model``: masters
-        exactly for the table's set (:meth:`master_params`); without it, by dtype.
-        ``split_masters`` and ``moments`` default to the recipe's (another value is checked as
-        the recipe checks it). Where no parameter has a separate master and every parameter is on
-        CUDA, the inner torch AdamW is ``fused=True`` unless ``fused`` or ``foreach`` is given
-        (docs/performance.md)."""
+        """The default AdamW for this mode, built by the params plugin from ``recipe.masters`` and
+        ``recipe.moments`` (:class:`~mixprec.precision.plugins.ParamsPlugin`: fused on CUDA where no
+        parameter has a separate master) or, ``sharded``, by the FSDP2 plugin. ``model``: masters
+        exactly for the table's set (:meth:`master_params`). ``split_masters`` and ``moments``
+        default to the recipe's; others are checked as the recipe checks them."""
         plugins = self._plugins
         if (split_masters, moments) != (None, None):
             plugins = plugins_for(self.recipe.replace(
@@ -602,30 +576,19 @@ class Precision(metaclass=_Face):
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
              measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool | StepTaken:
-        """Finish an optimizer step; return whether it was taken: a ``bool`` where the host
-        decided, a :class:`StepTaken` where the step was skipped (or not) on the device: truthy if
-        taken, falsy if skipped, equal to ``True``/``False``, its truth read from the device only
-        when asked, once (``is True`` does not hold for it: test its truth).
+        """Finish an optimizer step (issue #35's protocol, the same for every family): unscale once
+        (fused with the inf/NaN check, agreed across ranks), clip the unscaled gradients to
+        ``clip_grad_norm`` (or only measure them, ``measure_grad_norm``; ``scaler.last_grad_norm``),
+        step (FP32 masters copied back) or skip the whole step, update the loss scale.
 
-        Unscales once (fused with the inf/NaN check, agreed across ranks under
-        ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
-        measures their norm with ``measure_grad_norm``; either way ``scaler.last_grad_norm``), then
-        steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
-        updates the loss scale.
-
-        The skip: a mixprec master-weight optimizer gets the non-finite flag as a device tensor
-        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device, and so does torch's
-        ``fused=True`` Adam/AdamW/SGD/Adagrad (the flag as its ``found_inf`` attribute, as
-        torch's ``GradScaler.step`` hands it; from its second step on: a skipped first step must
-        create no state); the loss scale moves on the device too, and the host reads nothing:
-        the counters, the scale and the return value's truth are read when asked for
-        (``bool(taken)``, ``scaler.num_skipped_steps``, ``scaler.get_scale()``, ...; one read for everything
-        queued). Any other optimizer (or ``overlap``): the host reads the flag first and steps or
-        not.
-
-        ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
-        issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
-        """
+        A mixprec master-weight optimizer gets the non-finite flag as a device tensor
+        (:class:`~mixprec.optim.inputs.StepInputs`), torch's ``fused=True`` Adam/AdamW/SGD/Adagrad
+        as its ``found_inf`` (from its second step on); both skip on the device, the scale moves
+        there too, and the host reads nothing: the return value is a :class:`StepTaken`, whose
+        truth (like ``scaler.num_skipped_steps``, ``scaler.get_scale()``) is read when asked, one
+        read for everything queued. Any other optimizer, or ``overlap`` (an
+        :class:`~mixprec.optim.overlap.OverlappedUpdate`: a taken step issued per module on a side
+        stream, bit-identical), reads the flag on the host first and returns a ``bool``."""
         with record_function("mixprec.unscale"):           # fused with the inf/NaN check
             self.scaler.unscale_(optimizer)
         self.scaler.last_grad_norm = None
@@ -672,6 +635,25 @@ class Precision(metaclass=_Face):
                                   f"this run uses {self.name}; use the same precision to resume")
         self.scaler.load_state_dict(state["scaler"])
 
+
+
+def _recipe_of(precision: Any, *, device: torch.device, overrides: Any, micro_options: Any,
+               optimizer: torch.optim.Optimizer | None, split_masters: bool, moments: str,
+               fp8_activations: bool, **scaler_options: Any) -> Recipe:
+    """The recipe a :class:`Precision` is built from: ``precision`` itself when it is one (any
+    other choice given with it is refused in one line), else :meth:`Recipe.build`'s."""
+    if not isinstance(precision, Recipe):
+        return Recipe.build(precision, device=device, overrides=overrides, micro_options=micro_options,
+                            optimizer=optimizer, split_masters=split_masters, moments=moments,
+                            fp8_activations=fp8_activations, **scaler_options)
+    given = [n for n, v in (("overrides", overrides), ("micro_options", micro_options),
+                            ("optimizer", optimizer), ("split_masters", not split_masters),
+                            ("moments", moments != "fp32"),
+                            ("fp8_activations", fp8_activations)) if v] + sorted(scaler_options)
+    if given:
+        raise ConfigError(f"Precision(recipe) takes every choice from the recipe; build the "
+                          f"recipe with {given[0]}=: Recipe.build(mode, {given[0]}=...)")
+    return precision
 
 
 def identity(policy: Policy) -> str:
