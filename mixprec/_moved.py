@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib.abc
 import sys
 
-__all__ = ["MOVED_MEMBERS", "MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder", "MovedPathError",
-           "install", "message", "refuse", "refuse_member"]
+__all__ = ["MOVED_MEMBERS", "MOVED_MODULES", "MOVED_NAMES", "SPLIT", "MovedAttributeError", "MovedFinder",
+           "MovedPathError", "install", "message", "refuse", "refuse_member"]
 
 RELEASE = "0.4"
 
@@ -145,7 +145,8 @@ def _new_home(old: str) -> str:
 
 
 def message(old: str) -> str:
-    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES`, :data:`MOVED_NAMES` or :data:`MOVED_MEMBERS`)."""
+    """The one line that refuses ``old`` (a key of :data:`MOVED_MODULES`, :data:`MOVED_NAMES` or
+    :data:`MOVED_MEMBERS`)."""
     split = SPLIT.get(old)
     if split is None:
         return f"{old} moved to {_new_home(old)} in {RELEASE}; see CHANGELOG.md"

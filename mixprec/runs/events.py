@@ -86,7 +86,8 @@ class RunEvents:
         rate = (f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else  # token ids
                 f"{samples_per_s:,.1f} samples/s" if samples_per_s is not None else None)
         # Only modes that scale the loss have a scale worth showing (bf16/fp32: always 1).
-        scale = f"scale {format_scale(self.precision.scaler.get_scale())}" if self.precision.recipe.scales_loss else None
+        scaler = self.precision.scaler
+        scale = f"scale {format_scale(scaler.get_scale())}" if self.precision.recipe.scales_loss else None
         skipped = self.precision.scaler.num_skipped_steps
         partial = steps and log_interval and steps != log_interval
         over = f" (mean of {steps} step{'s' if steps != 1 else ''})" if partial else ""

@@ -213,7 +213,8 @@ def test_a_plain_trainer_with_the_callback_trains_as_mixprec_trainer_does(mode, 
         trainer.train()
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
     assert model.bert.embeddings.LayerNorm.weight.dtype == torch.float32
-    assert isinstance(callback._stepped, mp.optim.MasterWeights) == callback.mixprec.recipe.keeps_masters == (mode == "bf16-true")
+    assert isinstance(callback._stepped, mp.optim.MasterWeights) == callback.mixprec.recipe.keeps_masters \
+        == (mode == "bf16-true")
     for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "out" / "mixprec")] == [1, 2, 3, 4]

@@ -109,6 +109,7 @@ def test_without_fp8_gemms_an_fp8_run_records_no_mfu_rather_than_a_bf16_one(tmp_
 
 def test_cheap_questions_of_the_mode_build_no_loss_scaler():
     precision = mp.Precision("16-mixed")
-    assert precision.recipe.scales_loss and precision.peak_format == "fp16" and precision.recipe.param_dtype == torch.float32
+    assert precision.recipe.scales_loss and precision.peak_format == "fp16"
+    assert precision.recipe.param_dtype == torch.float32
     assert precision._scaler is None
     assert precision.scaler.is_enabled() and precision._scaler is not None
