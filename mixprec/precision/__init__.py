@@ -1,6 +1,8 @@
 """The decider: :class:`Recipe` (every precision choice of a run, frozen) and :class:`Precision`
-(built from one), the one object that turns a policy into decisions (storage
-dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what strategies need);
+(built from one), the face through which the small plugins of :mod:`mixprec.precision.plugins`
+apply it (storage dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what
+FSDP2 needs); :func:`identity` / :func:`setup_identity` / :func:`forget_setup` (the tag of a
+set-up model);
 the rule book it asks (:mod:`~mixprec.precision.rules`: what kind of layer a module is); the
 per-layer table it resolves a model into (:meth:`Precision.describe`); and ``autocast``.
 
