@@ -133,7 +133,7 @@ def train(args, mode: str, seed: int, run_dir: str) -> dict:
         val, skipped = result.final_val_loss, result.skipped_steps
     except TrainingDiverged as e:              # uniform FP8 may diverge: that is a result too
         print(f"[plan_outliers] {mode} seed {seed}: {e}", file=sys.stderr)
-        val, skipped = float("nan"), trainer.precision.num_skipped_steps
+        val, skipped = float("nan"), trainer.precision.scaler.num_skipped_steps
     strategy.teardown()
     events = read_events(run_dir)
     formats = next(e["layers"] for e in events if e.get("kind") == "formats")

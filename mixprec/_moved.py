@@ -139,9 +139,35 @@ MOVED_MEMBERS = {
     "Precision.has_plan": "Precision.recipe.has_plan",
     "Precision.label": "Precision.recipe.label",
     "Precision.fp8_recipe": "Precision.recipe.fp8_recipe",
+    "Precision.fp8_config": "Precision.recipe.fp8",
+    "Precision.micro_formats": "Precision.recipe.micro",
+    "Precision.micro_config": "Precision.recipe.micro_config",
+    # Precision became a thin face over its recipe and plugins (#38, item 2): the dtype questions
+    # are the recipe's, the step's counters the scaler's, the set-up tag module functions, the
+    # FSDP2 policies the FSDP2 plugin's
+    "Precision.param_dtype": "Precision.recipe.param_dtype",
+    "Precision.compute_dtype": "Precision.recipe.compute_dtype",
+    "Precision.reduce_dtype": "Precision.recipe.reduce_dtype",
+    "Precision.stores_low_precision": "Precision.recipe.stores_low_precision",
+    "Precision.keeps_masters": "Precision.recipe.keeps_masters",
+    "Precision.loses_small_updates": "Precision.recipe.loses_small_updates",
+    "Precision.scales_loss": "Precision.recipe.scales_loss",
+    "Precision.autocasts": "Precision.recipe.autocasts",
+    "Precision.autocast_copies_weights": "Precision.recipe.autocast_copies_weights",
+    "Precision.last_step_skipped": "Precision.scaler.last_step_skipped",
+    "Precision.num_skipped_steps": "Precision.scaler.num_skipped_steps",
+    "Precision.scale": "Precision.scaler.get_scale()",
+    "Precision.last_grad_norm": "Precision.scaler.last_grad_norm",
+    "Precision.identity": "mixprec.precision.identity(precision.policy)",
+    "Precision.setup_identity": "mixprec.precision.setup_identity(model)",
+    "Precision.forget_setup": "mixprec.precision.forget_setup(model)",
+    "Precision.check_optimizer": "Precision.recipe.check_optimizer",
+    "Precision.casts_before_sharding": "mixprec.precision.plugins.Fsdp2Plugin(recipe).casts_before_sharding",
+    "Precision.fsdp_mixed_precision": "mixprec.precision.plugins.Fsdp2Plugin(recipe).mixed_precision()",
+    "Precision.fsdp_island_policy": "mixprec.precision.plugins.Fsdp2Plugin(recipe).island_policy()",
 }
-"""Old ``Class.member`` -> its new home, refused by the class's ``__getattr__`` through
-:func:`refuse_member`."""
+"""Old ``Class.member`` -> where it went (refused by the class's ``__getattr__``,
+:func:`refuse_member`)."""
 
 
 
@@ -173,7 +199,7 @@ class MovedPathError(ModuleNotFoundError):
 
     def __init__(self, old: str) -> None:
         super().__init__(message(old))
-        self.old, self.new = old, MOVED_MODULES.get(old) or MOVED_NAMES[old]
+        self.old, self.new = old, _home(old)
 
 
 class MovedAttributeError(AttributeError):
@@ -214,10 +240,10 @@ def refuse(package: str, name: str):
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
 
-def refuse_member(owner: str, name: str):
-    """A class's ``__getattr__``: :class:`MovedAttributeError` for a member of :data:`MOVED_MEMBERS`
-    (``Precision.layer_formats``), the plain AttributeError Python raises otherwise."""
-    old = f"{owner}.{name}"
+def refuse_member(cls: type, name: str):
+    """A class's ``__getattr__``: :class:`MovedAttributeError` for a member of
+    :data:`MOVED_MEMBERS` (``Precision.keeps_masters``), a plain AttributeError otherwise."""
+    old = f"{cls.__name__}.{name}"
     if old in MOVED_MEMBERS:
         raise MovedAttributeError(old)
-    raise AttributeError(f"{owner!r} object has no attribute {name!r}")
+    raise AttributeError(f"{cls.__name__!r} object has no attribute {name!r}")

@@ -142,6 +142,9 @@ class GradScaler:
         self._scaling, self._check_finite, self._process_group = enabled, check_finite, process_group
         self._iteration = Iteration()                   # the optimizers of the iteration still open
         self._host = LazyHost(loss_scaler, enabled)     # the scale, counters, the device's lead
+        self.last_grad_norm: Tensor | None = None
+        """The unscaled global gradient norm of the last ``Precision.step`` that clipped or measured
+        it (``clip_grad_norm`` / ``measure_grad_norm``), a device tensor; None otherwise."""
 
     @classmethod
     def from_policy(cls, policy: Policy | str | bool, device: str | torch.device = "auto",

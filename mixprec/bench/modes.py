@@ -169,7 +169,7 @@ def _mixprec(name: str, cfg: TrainBenchConfig, device: torch.device) -> Contende
     trainer.prepare(total_steps=10**6)
     trainer.model.train()
     batch = [(x, y)]
-    return Contender(name, trainer.precision.compute_dtype, lambda: trainer.train_step(batch))
+    return Contender(name, trainer.precision.recipe.compute_dtype, lambda: trainer.train_step(batch))
 
 
 def _moments_of(variants: frozenset[str]) -> str:

@@ -427,20 +427,21 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
     # Norm weights stay FP32 where the rule book says so (not with keep_norms_fp32=False).
     norms_fp32 = shape is not None and norms_stay_fp32(shape, policy)
     norm_params = shape.norm_parameters() if norms_fp32 else 0
-    pb, cb = _BYTES[policy.param_dtype], _BYTES[policy.compute_dtype]
-    mixed_copies = policy.autocast_copies_weights
+    pb, cb = _BYTES[recipe.param_dtype], _BYTES[recipe.compute_dtype]
+    mixed_copies = recipe.autocast_copies_weights
     layers = _per_layer(shape, policy, pb=pb, cb=cb, copies_on=mixed_copies)
     if layers is not None:
         norm_params += layers[3]                     # fp32 layers store FP32 params, no masters
     low_p = P - norm_params
     params = low_p * pb + norm_params * 4
     grads = params
-    from mixprec.optim.split import CHUNK_NUMEL, flat_chunk_numel, splits
-    split = split_masters and policy.keeps_masters and splits(policy.param_dtype)
-    masters = low_p * (2 if split else 4) if policy.keeps_masters else 0
+    from mixprec.optim.split import CHUNK_NUMEL, flat_chunk_numel
+    layout = recipe if split_masters == recipe.split_masters else recipe.replace(split_masters=split_masters)
+    split = layout.masters == "split"            # the recipe's layout, as the params plugin reads it
+    masters = low_p * (2 if split else 4) if recipe.keeps_masters else 0
     # mixprec's AdamW (one device, a mode that keeps masters or FP32 params) steps flat chunks
     # (mixprec.optim.flat): one chunk's FP32 values and gradients at a time, shared scratch.
-    flat = shards == 1 and not policy.loses_small_updates
+    flat = shards == 1 and not recipe.loses_small_updates
     c = min(P, flat_chunk_numel(P, "cpu" if device == "cpu" else "cuda") if flat else CHUNK_NUMEL)
     master_grads = 4 * min(low_p, c) if split else masters
     if optimizer != "adamw":
@@ -487,7 +488,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         if layers is not None:
             copies += layers[0]
         tokens = batch * seq
-        residual = pb if policy.stores_low_precision else 4
+        residual = pb if recipe.stores_low_precision else 4
         kept_moe, rec_moe = activation_bytes_per_token(shape, cb, residual_bytes=residual,
                                                        checkpointing=checkpointing, moe=True)
         kept_dense, rec_dense = activation_bytes_per_token(shape, cb, residual_bytes=residual,
@@ -497,7 +498,7 @@ def estimate_memory(shape: ModelShape | None, precision: str, *, batch: int, seq
         recompute = max(rec_moe if shape.moe_layers else 0, rec_dense if dense_layers else 0)
         from mixprec.nn.attention import upcasts_short_attention
         upcast = 10 * shape.d_model if device is not None and upcasts_short_attention(
-            device, policy.compute_dtype, seq, shape.d_model // shape.num_heads) else 0
+            device, recipe.compute_dtype, seq, shape.d_model // shape.num_heads) else 0
         if checkpointing:
             recompute += upcast
         else:

@@ -80,7 +80,7 @@ class StepIfTaken:
         self.precision = precision
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.precision.last_step_skipped:
+        if self.precision.scaler.last_step_skipped:
             return                          # the weights did not move: neither does the schedule
         self.scheduler.step(*args, **kwargs)
 
@@ -203,7 +203,7 @@ class RunRecord:
     def log(self, step: int, **values: Any) -> None:
         """One ``metrics.csv`` row (columns of docs/CONTRACTS.md; others left empty)."""
         precision = self.precision
-        self.logger.log(step, loss_scale=precision.scale, skipped_total=precision.num_skipped_steps,
+        self.logger.log(step, loss_scale=precision.scaler.get_scale(), skipped_total=precision.scaler.num_skipped_steps,
                         **values)
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class MixprecPrecision(TrainerPrecision):
         self.num_steps = 0
         """Optimizer steps finished through this plugin (taken or skipped)."""
         self.measure_grad_norm = False
-        """Measure the unscaled gradient norm on every step (``Precision.last_grad_norm``); the
+        """Measure the unscaled gradient norm on every step (``Precision.scaler.last_grad_norm``); the
         callback turns it on when it writes a run folder."""
 
     # --- set-up --------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ class MixprecFabricPrecision(FabricPrecision):
     def _masters(self, optimizer: Any) -> Any:
         """What ``Precision.step`` steps for ``optimizer``: itself when it has masters or the mode
         keeps none, else its FP32-master optimizer, made now on its first step."""
-        if not self.mixprec.keeps_masters or isinstance(optimizer, HasMasterGrads):
+        if not self.mixprec.recipe.keeps_masters or isinstance(optimizer, HasMasterGrads):
             return optimizer
         masters = getattr(optimizer, "_mixprec_masters", None)
         if masters is not None:
@@ -332,7 +332,7 @@ class MixprecCallback(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
         if not self._group:                                # the first micro-batch of a step
-            self._scale_before = self._plugin.mixprec.scale
+            self._scale_before = self._plugin.mixprec.scaler.get_scale()
             self._rng = capture_rng_state() if self.trace_nonfinite else None
             step = trainer.global_step + 1
             if self.monitor is not None and self._sampling is None and self.monitor.should_sample(step):
@@ -355,23 +355,23 @@ class MixprecCallback(pl.Callback):
             self._sampling.close()
             self._sampling = None
             self.record.logger.log_numerics(self.monitor.last_rows)
-        if precision.last_step_skipped:
+        if precision.scaler.last_step_skipped:
             if self.trace_nonfinite:
                 self.record.trace_skip(pl_module, self._replay(trainer, pl_module), step=step,
                                        scale_before=self._scale_before, rng_state=self._rng)
             else:
                 self.record.skip(step, self._scale_before, None)
         self._group = []
-        pl_module.log("mixprec/skipped_steps", float(precision.num_skipped_steps))
-        if precision.scales_loss:
-            pl_module.log("mixprec/loss_scale", precision.scale)
+        pl_module.log("mixprec/skipped_steps", float(precision.scaler.num_skipped_steps))
+        if precision.recipe.scales_loss:
+            pl_module.log("mixprec/loss_scale", precision.scaler.get_scale())
         if step % self.log_every == 0:
             loss = _loss_of(outputs)
-            self.record.log(step, epoch=trainer.current_epoch, skipped=int(precision.last_step_skipped),
+            self.record.log(step, epoch=trainer.current_epoch, skipped=int(precision.scaler.last_step_skipped),
                             loss=float(loss) if isinstance(loss, torch.Tensor) else None,
                             lr=_first_lr(trainer),
-                            grad_norm=(float(precision.last_grad_norm)
-                                       if precision.last_grad_norm is not None else None))
+                            grad_norm=(float(precision.scaler.last_grad_norm)
+                                       if precision.scaler.last_grad_norm is not None else None))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: Any) -> None:

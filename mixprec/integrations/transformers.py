@@ -95,8 +95,8 @@ class PrecisionOptimizer(torch.optim.Optimizer):
             raise ConfigError("optimizer.step(closure) with mixprec: the Trainer computes the loss "
                               "and backward before the step")
         self.mixprec.step(self.inner, clip_grad_norm=self.clip_grad_norm, measure_grad_norm=True)
-        if self.norm_out is not None and self.mixprec.last_grad_norm is not None:
-            self.norm_out.copy_(self.mixprec.last_grad_norm.detach().float())
+        if self.norm_out is not None and self.mixprec.scaler.last_grad_norm is not None:
+            self.norm_out.copy_(self.mixprec.scaler.last_grad_norm.detach().float())
         # The Trainer zeroes only the model's gradients; a skipped step's FP32 master gradients
         # must not be taken for the next step's.
         self.inner.zero_grad(set_to_none=True)
@@ -212,7 +212,7 @@ class MixprecCallback(transformers.TrainerCallback):
         keeps its own gradient clipping (on the model's unscaled 16-bit gradients). Loss scaling
         happens inside the Trainer's backward, out of a callback's reach: refused in one line."""
         precision = self.mixprec
-        if precision.scales_loss:
+        if precision.recipe.scales_loss:
             raise ConfigError(f"MixprecCallback(precision={precision.name!r}) scales the loss, inside the "
                               "Trainer's backward, which a callback cannot reach: build the trainer with "
                               "mixprec.integrations.transformers.MixprecTrainer(...) (or put "
@@ -220,12 +220,12 @@ class MixprecCallback(transformers.TrainerCallback):
         if self._stepped is not None:
             return                                            # train() called again: set up already
         inner = getattr(optimizer, "optimizer", optimizer)    # accelerate's wrapper
-        if precision.keeps_masters and inner.state:
+        if precision.recipe.keeps_masters and inner.state:
             raise ConfigError("MixprecCallback under a plain transformers.Trainer cannot resume a "
                               "checkpoint's FP32 masters (the Trainer loads the optimizer before a "
                               "callback sees it): resume with mixprec.integrations.transformers.MixprecTrainer")
         precision.setup_module(model)          # in place: the Trainer's optimizer keeps its parameters
-        if precision.autocasts:
+        if precision.recipe.autocasts:
             forward = model.forward
 
             @functools.wraps(forward)
@@ -248,7 +248,7 @@ class MixprecCallback(transformers.TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs: Any):
         self._group = []
-        self._scale_before = self.mixprec.scale
+        self._scale_before = self.mixprec.scaler.get_scale()
         self._rng = capture_rng_state() if self.trace_nonfinite else None
         step = state.global_step + 1
         if self.monitor is not None and self.monitor.should_sample(step):
@@ -270,7 +270,7 @@ class MixprecCallback(transformers.TrainerCallback):
             self._sampling.close()
             self._sampling = None
             self.record.logger.log_numerics(self.monitor.last_rows)
-        if not self.mixprec.last_step_skipped:
+        if not self.mixprec.scaler.last_step_skipped:
             self._group = []
             return
         step, trainer = state.global_step, self._trainer
@@ -287,9 +287,9 @@ class MixprecCallback(transformers.TrainerCallback):
         now = time.perf_counter()
         precision = self.mixprec
         if "loss" in logs:
-            norm = precision.last_grad_norm
+            norm = precision.scaler.last_grad_norm
             self.record.log(state.global_step, epoch=logs.get("epoch"), loss=logs["loss"],
-                            lr=logs.get("learning_rate"), skipped=int(precision.last_step_skipped),
+                            lr=logs.get("learning_rate"), skipped=int(precision.scaler.last_step_skipped),
                             grad_norm=float(norm) if norm is not None else None,
                             time_s=now - self._last_log)
             self._last_log = now
@@ -309,7 +309,7 @@ def _hold_on_skipped_steps(scheduler: Any, precision: Precision) -> None:
     cls = type(scheduler)
 
     def step(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not precision.last_step_skipped:
+        if not precision.scaler.last_step_skipped:
             cls.step(self, *args, **kwargs)
 
     scheduler.__class__ = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__})
@@ -363,7 +363,7 @@ class MixprecTrainerMixin:
     @contextlib.contextmanager
     def _scaled_backward(self, scale: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
         """``accelerator.backward(loss)`` multiplies by the loss scale inside (FP16 modes only)."""
-        if not self.mixprec.scales_loss:
+        if not self.mixprec.recipe.scales_loss:
             yield
             return
         accelerator, saved = self.accelerator, self.accelerator.scaler

@@ -123,7 +123,7 @@ def _check_params(model: nn.Module, precision: Precision, optimizer, findings: l
             if _effective_dtype(fqn, module, p, precision) in _LOW:
                 low.append(name)
                 low_ids.add(id(p))
-            if p.dtype in _LOW and not precision.stores_low_precision and precision.autocasts:
+            if p.dtype in _LOW and not precision.recipe.stores_low_precision and precision.recipe.autocasts:
                 hand_cast.append(name)
     if low:
         if optimizer is not None and not isinstance(optimizer, HasMasterGrads):
@@ -137,10 +137,10 @@ def _check_params(model: nn.Module, precision: Precision, optimizer, findings: l
                             "smaller than half a 16-bit ULP are lost",
                     fix="use mixprec.optim.AdamW(..., fp16_params=True) or mixprec.optim.MasterWeights("
                         "torch.optim.X, params), or keep the parameters in fp32 ('16-mixed'/'bf16-mixed')"))
-        elif optimizer is None and precision.loses_small_updates:
+        elif optimizer is None and precision.recipe.loses_small_updates:
             findings.append(Finding(
                 code="no-master-weights", severity="error",
-                message=f"precision {precision} stores parameters in {dtype_name(precision.param_dtype)} with "
+                message=f"precision {precision} stores parameters in {dtype_name(precision.recipe.param_dtype)} with "
                         "master_weights=False: updates smaller than half a 16-bit ULP are lost",
                 fix="set master_weights=True (the default for 16-bit parameters) or use a '-mixed' preset"))
     if hand_cast:
@@ -149,7 +149,7 @@ def _check_params(model: nn.Module, precision: Precision, optimizer, findings: l
             code="double-cast", severity="warning",
             message=f"{len(hand_cast)} parameters ({_names(hand_cast)}) are already {'/'.join(dts)} "
                     f"but precision {precision} keeps fp32 parameters and autocasts to "
-                    f"{dtype_name(precision.compute_dtype)}: the model was cast by hand, so there are no "
+                    f"{dtype_name(precision.recipe.compute_dtype)}: the model was cast by hand, so there are no "
                     "fp32 weights to update and autocast's fp32 ops upcast 16-bit values again",
             fix="remove model.half()/.to(dtype) and let the precision cast; for 16-bit storage use the "
                 "'16-true'/'bf16-true' presets, which keep fp32 masters in the optimizer"))
@@ -159,7 +159,7 @@ def _check_scaler(model: nn.Module, precision: Precision, scaler, findings: list
     # The mode says whether it needs a scaler (FP16 compute or storage, per-layer FP16 overrides
     # included); FP16 parameters a user cast by hand need one too.
     fp16_params = any(p.dtype == torch.float16 for p in model.parameters() if p.requires_grad)
-    if not (precision.scales_loss or precision.policy.uses_fp16 or fp16_params):
+    if not (precision.recipe.scales_loss or precision.policy.uses_fp16 or fp16_params):
         return
     if _scaler_enabled(scaler):
         return
@@ -172,9 +172,9 @@ def _check_scaler(model: nn.Module, precision: Precision, scaler, findings: list
 
 
 def _fp16_what(precision: Precision, fp16_params: bool) -> str:
-    if precision.compute_dtype == torch.float16:
+    if precision.recipe.compute_dtype == torch.float16:
         return "compute"
-    if precision.param_dtype == torch.float16 or fp16_params:
+    if precision.recipe.param_dtype == torch.float16 or fp16_params:
         return "parameters"
     return "layers (per-layer overrides)"
 
@@ -242,7 +242,7 @@ def _check_formats(model: nn.Module, precision: Precision, findings: list[Findin
 
 def _check_hardware(precision: Precision, device: torch.device, findings: list[Finding]) -> None:
     on_gpu = device.type == "cuda"
-    dts = {precision.param_dtype, precision.compute_dtype}
+    dts = {precision.recipe.param_dtype, precision.recipe.compute_dtype}
     # Advice about a CPU comes from the CPU the audit runs on, never from where the docs were measured.
     cpu_fast = "bf16-mixed" if not on_gpu and cpu_has_native_bf16() else "32-true"
     cpu = "" if on_gpu else f" ({describe_cpu()})"

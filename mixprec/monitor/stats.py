@@ -238,8 +238,8 @@ class NumericsMonitor:
         if not s.active:
             yield s
             return
-        if loss_scale is None and self._precision is not None and self._precision.scales_loss:
-            loss_scale = self._precision.scale          # the scale the coming backward multiplies by
+        if loss_scale is None and self._precision is not None and self._precision.recipe.scales_loss:
+            loss_scale = self._precision.scaler.get_scale()   # the scale the coming backward multiplies by
         s.loss_scale = None if loss_scale is None else float(loss_scale)
         handles = [m.register_forward_hook(self._make_hook(name, s)) for name, m in self.modules.items()]
         self._current = s

@@ -29,7 +29,7 @@ from torch import nn
 
 from mixprec.errors import ConfigError
 from mixprec.plan.plan import PrecisionPlan, safer_format, update_times
-from mixprec.precision import Precision
+from mixprec.precision import Precision, forget_setup, identity, setup_identity
 
 __all__ = ["enforce_budget", "relative_change", "forward_losses", "fp32_copy"]
 
@@ -38,13 +38,13 @@ def fp32_copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` that a Precision may set up: ``model`` is a plain FP32 model, or
     one set up for ``32-true`` without overrides (trained by ``fit()`` in FP32), which leaves its
     modules as they were; a model set up for another mode is refused."""
-    done = Precision.setup_identity(model)
-    if done is not None and done != Precision("32-true").identity:
+    done = setup_identity(model)
+    if done is not None and done != identity(Precision("32-true").policy):
         raise ConfigError(f"the planner measures an FP32 model, and this one was set up for "
                           f"precision {done}; plan on a fresh model with its weights "
                           "(model.load_state_dict(...)) or on the model trained in 32-true")
     trial = copy.deepcopy(model)
-    Precision.forget_setup(trial)
+    forget_setup(trial)
     return trial
 
 

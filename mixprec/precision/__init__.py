@@ -1,7 +1,9 @@
 """The decider: :class:`Recipe` (every precision choice of a run, frozen) and :class:`Precision`
-(built from one), the one object that turns a policy into decisions (storage
-dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what strategies need),
-its per-layer questions and live layer formats in one :class:`Layers` (``precision.layers``);
+(built from one), the face through which the small plugins of :mod:`mixprec.precision.plugins`
+apply it (storage dtypes, FP32 exemptions, per-layer formats, master weights, loss scaling, what
+FSDP2 needs); its per-layer questions and live layer formats in one :class:`Layers`
+(``precision.layers``); :func:`identity` / :func:`setup_identity` / :func:`forget_setup` (the
+tag of a set-up model);
 the rule book it asks (:mod:`~mixprec.precision.rules`: what kind of layer a module is); the
 per-layer table it resolves a model into (:meth:`Precision.describe`); and ``autocast``.
 
@@ -23,13 +25,15 @@ from mixprec.precision.convert import ConversionReport, convert_to_fp8, convert_
 from mixprec.precision.eligibility import block_index, refusal
 from mixprec.precision.layers import Layers
 from mixprec.precision.recipe import Recipe
-from mixprec.precision.precision import OptimizerSpec, Precision, StepTaken, prepare_fp8
+from mixprec.precision.precision import (OptimizerSpec, Precision, StepTaken, forget_setup, identity,
+                                        prepare_fp8, setup_identity)
 from mixprec.precision.rules import is_gate, is_norm, keep_fp32_reason
 from mixprec.precision.table import LayerRow, LayerTable
 
 __all__ = [
     # the decider
     "Precision", "Recipe", "Layers", "OptimizerSpec", "StepTaken", "autocast", "LayerTable", "LayerRow",
+    "identity", "setup_identity", "forget_setup",
     # the rule book and applying it
     "rules", "is_norm", "is_gate", "keep_fp32_reason", "cast_module", "mark_fp32_params",
     "refusal", "convert_to_fp8", "prepare_fp8", "convert_to_micro", "ConversionReport", "block_index",

@@ -1,29 +1,27 @@
-"""`Precision`: one object per precision mode that makes every precision decision of a run.
+"""`Precision`: the public face of a run's precision, a thin composition of recipe + plugins.
 
-A :class:`~mixprec.precision.Policy` is data (which dtype where). ``Precision`` is where those
-data become decisions, each made here and nowhere else:
+Every choice is the frozen :class:`~mixprec.precision.recipe.Recipe` it is built from
+(:attr:`Precision.recipe`, fixed at construction: its dtypes, ``keeps_masters``, ``masters``,
+``scales_loss``, ...). The small plugins of :mod:`mixprec.precision.plugins` apply it, one per
+family; ``Precision`` calls them and runs the step itself:
 
 ==========================  =====================================================================
-decision                    made by
+what                        who
 ==========================  =====================================================================
-every choice of the run     the frozen :class:`~mixprec.precision.recipe.Recipe` it is built
-                            from (:attr:`Precision.recipe`), fixed at construction
-what each layer is         the rule book, :mod:`mixprec.precision.rules`
-every layer, in one table   :meth:`Precision.resolve` / :meth:`Precision.describe` (model)
-every per-layer question    :attr:`Precision.layers` (:class:`~mixprec.precision.layers.Layers`):
-                            storage dtype (``param_dtype_for``; norms, gates, ``keep_in_fp32``,
-                            ``keep_fp32_names`` stay FP32: ``keep_fp32_reason``), each Linear's
-                            format (``format_for``; per-module overrides, first match wins), the
-                            live formats (``formats``) and the table of the model set up
-FP32 master weights         :attr:`Precision.keeps_masters`; which params: the table's ``master``
-                            column, ``layers.master_params``, handed to ``MasterWeights``
-FP8 GEMMs                   :attr:`Precision.fp8_config`; :meth:`setup` swaps eligible Linears
-micro-format GEMMs          :meth:`Precision.micro_config` (MXFP8 / MXFP4 / NVFP4 recipes and
-                            their options); :meth:`setup` swaps eligible Linears
-loss scaling                :attr:`Precision.scales_loss`; :meth:`backward` / :meth:`step`
-the forward's dtype         :meth:`autocast`, :meth:`convert_output`
-gradient reduction          :attr:`reduce_dtype`, :meth:`fsdp_mixed_precision`,
-                            :meth:`fsdp_island_policy`, :meth:`casts_before_sharding`
+every layer, in one table   :attr:`Precision.layers` (:class:`~mixprec.precision.layers.Layers`):
+                            :meth:`resolve` / :meth:`describe` (model), each Linear's live
+                            format; what each layer is: the rule book, :mod:`.rules`
+storage dtypes, masters     ``ParamsPlugin``: the cast (:meth:`Layers.param_dtype_for`), the
+and moments                 optimizer from ``recipe.masters`` / ``recipe.moments``
+                            (:meth:`setup_optimizer`, :meth:`make_optimizer`)
+each Linear's format        ``FormatsPlugin``: FP8 / micro / 16-32-bit layers swapped at
+(FP8, micro formats)        :meth:`setup` (:meth:`Layers.format_for`, first override wins)
+the forward's dtype         ``AutocastPlugin``: :meth:`autocast`, :meth:`convert_output`
+loss scaling                the one plugin whose family scales (:meth:`scale_loss`,
+                            :meth:`backward`); :meth:`step` unscales and updates :attr:`scaler`
+FSDP2                       ``Fsdp2Plugin``: cast before sharding or not, the sharded
+                            optimizer, the units' ``MixedPrecisionPolicy`` (strategies/fsdp.py)
+the step                    :meth:`Precision.step`, here, the same for every family
 ==========================  =====================================================================
 
 A hand-written loop and :func:`mixprec.train.fit` use the same object, so they cannot drift::
@@ -40,7 +38,6 @@ A hand-written loop and :func:`mixprec.train.fit` use the same object, so they c
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,35 +49,26 @@ from torch.autograd.profiler import record_function
 from mixprec import _moved
 from mixprec.amp import GradScaler, clip_grad_norm_
 from mixprec.errors import CheckpointError, ConfigError
-from mixprec.optim import AdamW, MasterWeights
+from mixprec.optim import MasterWeights
 from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
 from mixprec.policy import hardware
 from mixprec.policy.overrides import check_patterns, normalize_overrides
-from mixprec.policy.policy import Policy, get_policy
-from mixprec.precision.autocast import autocast
-from mixprec.precision.cast import cast_module
+from mixprec.policy.policy import Policy
 from mixprec.precision.layers import Layers
+from mixprec.precision.plugins import plugins_for
 from mixprec.precision.recipe import Recipe
 from mixprec.precision.table import LayerTable
 
 if TYPE_CHECKING:
     from mixprec.optim.overlap import OverlappedUpdate
 
-__all__ = ["Precision", "OptimizerSpec", "StepTaken", "prepare_fp8"]
-
-_F32 = torch.float32
-_LOW = (torch.bfloat16, torch.float16)
+__all__ = ["Precision", "OptimizerSpec", "StepTaken", "prepare_fp8", "identity", "setup_identity",
+           "forget_setup"]
 
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 """An optimizer over the model's parameters, a factory ``params -> optimizer``, or None."""
 
 _SETUP_TAG = "_mixprec_precision"
-
-
-_FSDP2_NO_SPLIT = ("split masters: nothing to split under FSDP2, whose FP32 parameter shards are the "
-                   "masters (4 bytes per parameter / world, what split masters' BF16 parameter + 16-bit "
-                   "remainder also cost) and whose BF16 copies exist only while a layer is gathered")
-"""Why ``split_masters`` has no effect under FSDP2 (docs/lean.md), recorded in ``Precision.notes``."""
 
 
 class StepTaken:
@@ -126,31 +114,28 @@ class StepTaken:
         return repr(self._value) if self._value is not None else "StepTaken(<on the device>)"
 
 
-class Precision:
-    """The precision mode of a run, and every decision it implies.
+class _Face(type):
+    """``Precision``'s type: a member retired in 0.4 named on the class (a static method once)
+    says where it went, as on an instance."""
+
+    def __getattr__(cls, name: str) -> Any:
+        _moved.refuse_member(cls, name)
+
+
+class Precision(metaclass=_Face):
+    """The precision of a run: its frozen recipe, applied by the plugins, and the step.
 
     Args:
-        precision: a preset name (``"bf16-mixed"``), an alias, the compact form
-            (``"p=f32,c=bf16,o=f32"``), ``True``/``"auto"`` (best safe mode for ``device``), or a
-            :class:`~mixprec.precision.Policy`, or a ready :class:`~mixprec.precision.recipe.Recipe`
-            (which holds every other choice below: pass none of them with it).
+        precision: a ready :class:`~mixprec.precision.recipe.Recipe` (which holds every other
+            choice: pass none of them with it), or what :meth:`Recipe.build` takes to build one: a
+            preset name (``"bf16-mixed"``), an alias, the compact form (``"p=f32,c=bf16,o=f32"``),
+            ``True``/``"auto"`` (best safe mode for ``device``), ``plan:PATH`` or a ``Policy``,
+            with ``overrides``, ``micro_options``, ``optimizer`` (one storing 16-bit parameters
+            decides ``auto``), ``split_masters``, ``moments``, ``fp8_activations`` and the loss
+            scaler's ``**scaler_options`` (scaling is on only where the mode needs it, FP16; the
+            non-finite check and skip are always on).
         device: where the model runs (default: the model's device at :meth:`setup`, else CUDA when
             available, else CPU); decides ``auto`` and the autocast device type.
-        overrides: per-module compute formats ``{pattern: format}`` or ``((pattern, format), ...)``
-            (``fp32``, ``bf16``, ``fp16``, ``fp8-<recipe>``, ``mxfp8``, ``mxfp4``, ``nvfp4``; first
-            match wins); they come before (so win over) overrides the policy already carries, e.g.
-            from a plan file.
-        micro_options: changes to the micro-format recipes (``"hadamard_wgrad=false"``, a dict,
-            or pairs; fields of :class:`mixprec.formats.MicroConfig`), checked here.
-        optimizer: an optimizer that already stores the parameters in 16 bits
-            (``fp16_params=True``): ``auto`` becomes the matching ``*-true`` mode (and says so in
-            :attr:`notes`), another mode with FP32 parameters is refused in one line.
-        split_masters, moments, fp8_activations: the optimizer's master layout and moments
-            storage (:meth:`make_optimizer`), activations saved in FP8 (``fit()``); see
-            :class:`~mixprec.precision.recipe.Recipe`.
-        **scaler_options: passed to :class:`mixprec.amp.GradScaler` (``init_scale``,
-            ``growth_interval``, ``hysteresis``, ``min_scale``, ``on_min_scale``, ...). Scaling is
-            on only when the mode needs it (FP16); the non-finite check and skip are always on.
     """
 
     def __init__(self, precision: str | Policy | Recipe | bool | None = "auto", *,
@@ -159,35 +144,23 @@ class Precision:
                  split_masters: bool = True, moments: str = "fp32", fp8_activations: bool = False,
                  **scaler_options: Any) -> None:
         self.device = torch.device(device) if device is not None else hardware.default_device()
-        if isinstance(precision, Recipe):
-            given = [n for n, v in (("overrides", overrides), ("micro_options", micro_options),
-                                    ("optimizer", optimizer), ("split_masters", not split_masters),
-                                    ("moments", moments != "fp32"),
-                                    ("fp8_activations", fp8_activations)) if v] + sorted(scaler_options)
-            if given:
-                raise ConfigError(f"Precision(recipe) takes every choice from the recipe; build the "
-                                  f"recipe with {given[0]}=: Recipe.build(mode, {given[0]}=...)")
-            recipe = precision
-        else:
-            recipe = Recipe.build(precision, device=self.device, overrides=overrides,
-                                  micro_options=micro_options, optimizer=optimizer,
-                                  split_masters=split_masters, moments=moments,
-                                  fp8_activations=fp8_activations, **scaler_options)
-        self._recipe = recipe
+        self._recipe = recipe = _recipe_of(
+            precision, device=self.device, overrides=overrides, micro_options=micro_options,
+            optimizer=optimizer, split_masters=split_masters, moments=moments,
+            fp8_activations=fp8_activations, **scaler_options)
+        self._plugins = plugins_for(recipe)
         self._scaler: GradScaler | None = None   # built on first use: cheap questions need none
         self.notes: list[str] = list(recipe.notes)
         """What building the recipe and :meth:`setup` chose on the user's behalf, for the run log."""
         self.layers = Layers(recipe)
         """Every per-layer question, and the live formats of the model :meth:`setup` set up
         (:class:`~mixprec.precision.layers.Layers`)."""
-        self.last_grad_norm: torch.Tensor | None = None
-        """The unscaled global gradient norm of the last :meth:`step` (when clipped or measured)."""
 
     @property
     def scaler(self) -> GradScaler:
         """The loss scaler of the step (disabled unless the mode scales), built on first use."""
         if self._scaler is None:
-            self._scaler = GradScaler(enabled=self.scales_loss, **self.recipe.scaler_options)
+            self._scaler = GradScaler(enabled=self.recipe.scales_loss, **self.recipe.scaler_options)
         return self._scaler
 
     @property
@@ -205,87 +178,8 @@ class Precision:
 
     @property
     def name(self) -> str:
-        return self.policy.name if self.policy.name != "custom" else self.policy.spec()
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.policy.param_dtype
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.policy.compute_dtype
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        """The dtype gradients are reduced in across ranks."""
-        return self.policy.reduce_dtype
-
-    @property
-    def stores_low_precision(self) -> bool:
-        """Parameters (other than the FP32 exemptions) are stored in 16 bits."""
-        return self.policy.param_dtype in _LOW
-
-    @property
-    def keeps_masters(self) -> bool:
-        """16-bit parameters are updated through FP32 master copies in the optimizer."""
-        return self.stores_low_precision and bool(self.policy.master_weights)
-
-    @property
-    def loses_small_updates(self) -> bool:
-        """16-bit parameters without masters: updates below half an ULP are rounded away."""
-        return self.stores_low_precision and not self.policy.master_weights
-
-    @property
-    def scales_loss(self) -> bool:
-        """Dynamic loss scaling is on (FP16 compute or storage)."""
-        return bool(self.policy.loss_scaling)
-
-    @property
-    def autocasts(self) -> bool:
-        """The forward runs under autocast (the compute dtype is below FP32)."""
-        return self.policy.is_mixed
-
-    @property
-    def autocast_copies_weights(self) -> bool:
-        """Autocast makes compute-dtype copies of weights stored in a wider dtype."""
-        return self.autocasts and self.param_dtype.itemsize > self.compute_dtype.itemsize
-
-    @property
-    def fp8_config(self):
-        """The :class:`mixprec.formats.Fp8Config` of ``fp8-*`` modes, else None."""
-        return self.recipe.fp8
-
-    @property
-    def micro_formats(self) -> list[str]:
-        """The micro formats some layer may run in (the mode's and the overrides')."""
-        return [f for f, _ in self.recipe.micro]
-
-    def micro_config(self, fmt: str):
-        """The :class:`mixprec.formats.MicroConfig` of micro format ``fmt`` with the mode's
-        ``micro_options``."""
-        return self.recipe.micro_config(fmt)
-
-    def casts_before_sharding(self) -> bool:
-        """Under FSDP2 the FP32 shards are the masters; only a mode without masters casts the
-        model to its 16-bit storage dtype before sharding."""
-        return self.loses_small_updates
-
-    def fsdp_mixed_precision(self):
-        """FSDP2's ``MixedPrecisionPolicy`` for the ordinary units (see strategies/fsdp.py)."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        gather = self.compute_dtype if self.autocasts else self.param_dtype
-        if gather == _F32:
-            return MixedPrecisionPolicy(reduce_dtype=None if self.reduce_dtype == _F32 else self.reduce_dtype)
-        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=self.reduce_dtype)
-
-    def fsdp_island_policy(self):
-        """FSDP2's policy for units kept in FP32 (norms, gates), or None when every unit gathers
-        FP32 anyway: parameters FP32, output cast back to the gather dtype."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        gather = self.fsdp_mixed_precision().param_dtype
-        if gather is None:
-            return None
-        return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
+        """The mode's name (the compact form for a custom policy)."""
+        return self.recipe.name
 
     def resolve(self, model: nn.Module) -> LayerTable:
         """Every decision for ``model``, one row per parameter-owning module (:meth:`Layers.resolve`)."""
@@ -295,11 +189,11 @@ class Precision:
         """With ``model``: its per-layer table, to print; without: one line for logs (:meth:`Layers.describe`)."""
         return self.layers.describe(model)
 
-    def __getattr__(self, name: str) -> Any:
-        _moved.refuse_member("Precision", name)   # members retired in 0.4: one line naming the new home
-
     def __repr__(self) -> str:
         return f"Precision({self.name!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        _moved.refuse_member(Precision, name)     # members retired in 0.4 say where they went
 
     def __str__(self) -> str:
         return self.name
@@ -317,28 +211,21 @@ class Precision:
         mode returns the same objects; another mode is refused.
         """
         built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        self.check_optimizer(built)
+        self.recipe.check_optimizer(built)
         model = self.setup_module(model, optimizer=built)
         return model, self.setup_optimizer(optimizer, model)
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Refuse, in one line, an optimizer that stores the model's parameters in a 16-bit dtype
-        this mode does not (``mixprec.optim.AdamW(..., fp16_params=True)``). The mode is fixed
-        when the Precision is built: for ``auto`` to follow such an optimizer, build it with the
-        optimizer, ``Precision("auto", optimizer=optimizer)`` (``fit()`` does)."""
-        self.recipe.check_optimizer(optimizer)
-
     def setup_module(self, model: nn.Module, *, sharded: bool = False,
                      optimizer: torch.optim.Optimizer | None = None) -> nn.Module:
-        """Storage dtypes and the FP8 swap, in place. ``sharded``: FSDP2 will shard the model, and
-        its FP32 shards are the masters (cast only modes without masters). ``optimizer``: one that
-        already converted parameters (``fp16_params=True``); FP32-exempt ones get their exact FP32
-        master values back."""
-        done = getattr(model, _SETUP_TAG, None)
+        """The plugins' module conversion, in place: storage dtypes (FP32 exemptions kept), then
+        each Linear's format. ``sharded``: FSDP2 will shard the model, and its FP32 shards are the
+        masters (cast only modes without masters). ``optimizer``: one that already converted
+        parameters (``fp16_params=True``); FP32-exempt ones get their exact FP32 master values back."""
+        done, mine = setup_identity(model), identity(self.policy)
         if done is not None:
-            if done != self._identity():
+            if done != mine:
                 raise ConfigError(f"this model was already set up for precision {done}; build a "
-                                  f"new model to train it in {self._identity()}")
+                                  f"new model to train it in {mine}")
             return model
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         if self.policy.plan is not None:        # a plan file made for another model: refused
@@ -347,42 +234,17 @@ class Precision:
         first = next(model.parameters(), None)
         if first is not None:
             self.device = first.device
-        if not sharded or self.casts_before_sharding():
-            # Storage dtypes (FP32 exemptions kept; an fp16_params optimizer's exact FP32 masters
-            # go back into exempt parameters).
-            master_of = getattr(optimizer, "master_of", None)
-            cast_module(model, self.policy, dtype_for=self.layers.param_dtype_for,
-                        master_of=(lambda p: _master_or_none(master_of, p)) if master_of else None)
-        self.layers.apply(model)
-        setattr(model, _SETUP_TAG, self._identity())
+        for plugin in self._plugins.converting(sharded=sharded):   # storage, then formats
+            model = plugin.convert_module(self, model, optimizer=optimizer)
+        setattr(model, _SETUP_TAG, mine)
         self.layers.table = self.layers.resolve(model)
         return model
 
-    @property
-    def identity(self) -> str:
-        """The mode and overrides a model set up by this object is tagged with."""
-        return self._identity()
-
-    @staticmethod
-    def setup_identity(model: nn.Module) -> str | None:
-        """What ``model`` was set up for (:attr:`identity`), None if it never was."""
-        return getattr(model, _SETUP_TAG, None)
-
-    @staticmethod
-    def forget_setup(model: nn.Module) -> None:
-        """Let another Precision set ``model`` up. Only for a model whose set-up left its modules
-        and dtypes as they were (``32-true`` without overrides), e.g. the planner's copies of a
-        model ``fit()`` trained in FP32."""
-        if hasattr(model, _SETUP_TAG):
-            delattr(model, _SETUP_TAG)
-
-    def _identity(self) -> str:
-        ov = ",".join(f"{p}={f}" for p, f in self.policy.overrides)
-        return self.policy.spec() + (f" overrides[{ov}]" if ov else "")
-
     def setup_optimizer(self, optimizer: OptimizerSpec, model: nn.Module, *,
                         sharded: bool = False) -> torch.optim.Optimizer | None:
-        """The optimizer this mode needs: ``optimizer`` itself, or wrapped in FP32 masters."""
+        """The optimizer this mode needs: ``optimizer`` itself (a factory ``params -> optimizer``
+        is called first), or wrapped in FP32 masters (the params plugin; FSDP2's shards are the
+        masters already)."""
         if optimizer is None:
             return None
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -390,95 +252,41 @@ class Precision:
                 raise ConfigError(f"optimizer must be a torch optimizer or a factory params -> "
                                   f"optimizer, not {type(optimizer).__name__}")
             optimizer = optimizer([p for p in model.parameters() if p.requires_grad])
-        if isinstance(optimizer, MasterWeights) or sharded or not self.keeps_masters:
-            return optimizer
-        if optimizer.state:
-            raise ConfigError(f"the {type(optimizer).__name__} has already stepped; call "
-                              "precision.setup(model, optimizer) before training")
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-                  for g in optimizer.param_groups]
-        self.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
-                          "(mixprec.optim.MasterWeights)")
-        # The recipe's layout: split_masters=False keeps full FP32 masters for your optimizer too
-        # (it was ignored here: found writing docs/ARCHITECTURE.md's walk); True splits where exact.
-        split = None if self.recipe.split_masters else False
-        return MasterWeights(type(optimizer), groups, master_params=self.layers.master_params(model),
-                             split=split, **defaults)
+        return self._plugins.optimizing(sharded=sharded).setup_optimizer(self, optimizer, model)
 
     def make_optimizer(self, param_groups: list[dict[str, Any]], *, sharded: bool = False,
                        split_masters: bool | None = None, moments: str | None = None,
                        model: nn.Module | None = None,
                        **adamw_options: Any) -> torch.optim.Optimizer:
-        """The default AdamW for this mode: mixprec's (FP32 masters of 16-bit parameters, split
-        into the BF16 parameter + a 16-bit remainder unless ``split_masters=False``; moments in
-        ``moments``) unless FSDP2's FP32 shards are the masters already or the mode asks for no
-        masters (torch's AdamW, FP32 moments only). ``model``: masters exactly for the table's set
-        (:meth:`master_params`); without it, by dtype (see ``MasterWeights``).
-
-        Where no parameter has a separate master (``32-true``, ``bf16-mixed``, ``16-mixed``) and
-        the parameters are on CUDA, the inner torch AdamW is ``fused=True`` (unless ``fused`` or
-        ``foreach`` is given): torch's fast path, and it skips a non-finite step on the device
-        (:meth:`step`). Not on a CPU: there torch's fused kernel rounds differently from the
-        foreach one (1 ulp), and a step on the CPU stays the bits it was (a hand loop with torch's
-        default AdamW equals ``fit()``). The state dicts of the two are alike: a checkpoint
-        resumes across them (docs/performance.md). ``split_masters`` and ``moments`` default to
-        the recipe's."""
-        from mixprec.optim.moments import MOMENTS
-        split_masters = self.recipe.split_masters if split_masters is None else split_masters
-        moments = self.recipe.moments if moments is None else moments
-        if moments not in MOMENTS:
-            raise ConfigError(f"moments must be one of {', '.join(MOMENTS)}, got '{moments}'")
-        if sharded or self.loses_small_updates:
-            if sharded and split_masters and self.keeps_masters:
-                self.notes.append(_FSDP2_NO_SPLIT)
-            if moments == "fp32":
-                return torch.optim.AdamW(param_groups, **adamw_options)
-            if self.loses_small_updates:
-                raise ConfigError(f"moments={moments} needs mixprec's AdamW, but precision '{self.name}' keeps "
-                                  "no masters and uses torch's AdamW; use moments=fp32")
-            # FSDP2: its FP32 shards are the masters; the moments shard (and reshard) with them.
-            from mixprec.optim.adamw import sharded_adamw
-            self.notes.append(f"FSDP2: mixprec's FP32-math AdamW steps the FP32 shards with moments={moments}"
-                              + (" (matrices; vectors keep FP32 moments), sharded and resharded with the "
-                                 "parameters" if moments != "bf16" else ""))
-            return sharded_adamw(param_groups, moments=moments, **adamw_options)
-        masters = self.layers.master_params(model) if model is not None else None
-        if _fuses(param_groups, masters, moments, self.keeps_masters, adamw_options):
-            adamw_options = {**adamw_options, "fused": True}
-            self.notes.append("AdamW: torch's fused kernel (fused=True, CUDA), which skips a non-finite "
-                              "step on the device: no host read per step")
-        opt = AdamW(param_groups, split_masters=split_masters, moments=moments, master_params=masters,
-                    **adamw_options)
-        if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
-            self.notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
-                              "remainder, no FP32 master gradients (bit-identical)")
-        if moments != "fp32":
-            self.notes.append(f"Adam moments stored in {moments}"
-                              + ("" if moments == "bf16" else " with per-block scales (matrices; "
-                                 "vectors keep FP32 moments)") + ", widened to FP32 in the update "
-                              "(moments; docs/lean.md)")
-        return opt
+        """The default AdamW for this mode, built by the params plugin from ``recipe.masters`` and
+        ``recipe.moments`` (:class:`~mixprec.precision.plugins.ParamsPlugin`: fused on CUDA where no
+        parameter has a separate master) or, ``sharded``, by the FSDP2 plugin. ``model``: masters
+        exactly for the table's set (:meth:`Layers.master_params`). ``split_masters`` and ``moments``
+        default to the recipe's; others are checked as the recipe checks them."""
+        plugins = self._plugins
+        if (split_masters, moments) != (None, None):
+            plugins = plugins_for(self.recipe.replace(
+                split_masters=self.recipe.split_masters if split_masters is None else split_masters,
+                moments=self.recipe.moments if moments is None else moments))
+        return plugins.optimizing(sharded=sharded).make_optimizer(self, param_groups, model=model,
+                                                                   **adamw_options)
 
     # ------------------------------------------------------------------ the step
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's context: matmuls in the compute dtype (FP32 means autocast off)."""
-        return autocast(self.policy, device_type=self.device.type)
+        return self._plugins.forward_context(self.device.type)
 
     def convert_output(self, x: Any) -> Any:
         """Cast a floating output tensor to the mode's output dtype (others pass through)."""
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(self.policy.output_dtype)
-        return x
+        return self._plugins.convert_output(x)
 
     def scale_loss(self, loss: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
         """``loss`` multiplied by the loss scale when the mode scales (FP16), else ``loss``: for a
         framework that calls ``backward`` itself (the Lightning plugin). ``scale``: an earlier
         step's scale instead (the non-finite replay)."""
         with record_function("mixprec.scale_loss"):
-            return self.scaler.scale(loss, value=scale)
+            return self._plugins.scale_loss(loss, self.scaler, scale=scale)
 
     def backward(self, loss: torch.Tensor, *, scale: float | None = None) -> None:
         """``loss.backward()``, multiplied by the loss scale when the mode scales (FP16).
@@ -487,37 +295,26 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer, *, clip_grad_norm: float | None = None,
              measure_grad_norm: bool = False, overlap: OverlappedUpdate | None = None) -> bool | StepTaken:
-        """Finish an optimizer step; return whether it was taken: a ``bool`` where the host
-        decided, a :class:`StepTaken` where the step was skipped (or not) on the device: truthy if
-        taken, falsy if skipped, equal to ``True``/``False``, its truth read from the device only
-        when asked, once (``is True`` does not hold for it: test its truth).
+        """Finish an optimizer step (issue #35's protocol, the same for every family): unscale once
+        (fused with the inf/NaN check, agreed across ranks), clip the unscaled gradients to
+        ``clip_grad_norm`` (or only measure them, ``measure_grad_norm``; ``scaler.last_grad_norm``),
+        step (FP32 masters copied back) or skip the whole step, update the loss scale.
 
-        Unscales once (fused with the inf/NaN check, agreed across ranks under
-        ``torch.distributed``), clips the unscaled gradients to ``clip_grad_norm`` (or only
-        measures their norm with ``measure_grad_norm``; either way :attr:`last_grad_norm`), then
-        steps (FP32 masters copied back into the 16-bit parameters) or skips the whole step, and
-        updates the loss scale.
-
-        The skip: a mixprec master-weight optimizer gets the non-finite flag as a device tensor
-        (:class:`~mixprec.optim.inputs.StepInputs`) and skips on the device, and so does torch's
-        ``fused=True`` Adam/AdamW/SGD/Adagrad (the flag as its ``found_inf`` attribute, as
-        torch's ``GradScaler.step`` hands it; from its second step on: a skipped first step must
-        create no state); the loss scale moves on the device too, and the host reads nothing:
-        the counters, the scale and the return value's truth are read when asked for
-        (``bool(taken)``, :attr:`num_skipped_steps`, :attr:`scale`, ...; one read for everything
-        queued). Any other optimizer (or ``overlap``): the host reads the flag first and steps or
-        not.
-
-        ``overlap``: an :class:`~mixprec.optim.overlap.OverlappedUpdate`; a taken step is then
-        issued per module on a side CUDA stream (in order on CPU), bit-identical to the plain step.
-        """
+        A mixprec master-weight optimizer gets the non-finite flag as a device tensor
+        (:class:`~mixprec.optim.inputs.StepInputs`), torch's ``fused=True`` Adam/AdamW/SGD/Adagrad
+        as its ``found_inf`` (from its second step on); both skip on the device, the scale moves
+        there too, and the host reads nothing: the return value is a :class:`StepTaken`, whose
+        truth (like ``scaler.num_skipped_steps``, ``scaler.get_scale()``) is read when asked, one
+        read for everything queued. Any other optimizer, or ``overlap`` (an
+        :class:`~mixprec.optim.overlap.OverlappedUpdate`: a taken step issued per module on a side
+        stream, bit-identical), reads the flag on the host first and returns a ``bool``."""
         with record_function("mixprec.unscale"):           # fused with the inf/NaN check
             self.scaler.unscale_(optimizer)
-        self.last_grad_norm = None
+        self.scaler.last_grad_norm = None
         if clip_grad_norm or measure_grad_norm:            # clip sees unscaled gradients
             with record_function("mixprec.clip_grad_norm"):
-                self.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
-                                                      clip_grad_norm or math.inf)
+                self.scaler.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
+                                                             clip_grad_norm or math.inf)
         masters = isinstance(optimizer, MasterWeights)
         found = (self.scaler.found_inf(optimizer)
                  if overlap is None and (masters or skips_on_device(optimizer)) else None)
@@ -544,19 +341,6 @@ class Precision:
         self.scaler.update()                               # back off at once, grow when clean
         return take                                        # decided on the host: a bool
 
-    @property
-    def last_step_skipped(self) -> bool:
-        return self.scaler.last_step_skipped
-
-    @property
-    def num_skipped_steps(self) -> int:
-        return self.scaler.num_skipped_steps
-
-    @property
-    def scale(self) -> float:
-        """The current loss scale (1.0 when the mode does not scale)."""
-        return self.scaler.get_scale()
-
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -572,33 +356,51 @@ class Precision:
 
 
 
-def _fuses(param_groups: list[dict[str, Any]], masters: list[torch.Tensor] | None, moments: str,
-           keeps_masters: bool, options: dict[str, Any]) -> bool:
-    """Whether :meth:`Precision.make_optimizer` makes its torch AdamW ``fused=True``: FP32
-    moments, no separate master (by the table's set, or by the mode without one), every
-    parameter on CUDA, and neither ``fused`` nor ``foreach`` chosen by the caller."""
-    if moments != "fp32" or keeps_masters or masters or "fused" in options or "foreach" in options:
-        return False
-    params = [p for g in param_groups for p in g["params"]]
-    return bool(params) and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
+def _recipe_of(precision: Any, *, device: torch.device, overrides: Any, micro_options: Any,
+               optimizer: torch.optim.Optimizer | None, split_masters: bool, moments: str,
+               fp8_activations: bool, **scaler_options: Any) -> Recipe:
+    """The recipe a :class:`Precision` is built from: ``precision`` itself when it is one (any
+    other choice given with it is refused in one line), else :meth:`Recipe.build`'s."""
+    if not isinstance(precision, Recipe):
+        return Recipe.build(precision, device=device, overrides=overrides, micro_options=micro_options,
+                            optimizer=optimizer, split_masters=split_masters, moments=moments,
+                            fp8_activations=fp8_activations, **scaler_options)
+    given = [n for n, v in (("overrides", overrides), ("micro_options", micro_options),
+                            ("optimizer", optimizer), ("split_masters", not split_masters),
+                            ("moments", moments != "fp32"),
+                            ("fp8_activations", fp8_activations)) if v] + sorted(scaler_options)
+    if given:
+        raise ConfigError(f"Precision(recipe) takes every choice from the recipe; build the "
+                          f"recipe with {given[0]}=: Recipe.build(mode, {given[0]}=...)")
+    return precision
 
 
-def _master_or_none(master_of: Callable[[torch.Tensor], torch.Tensor] | None,
-                    p: torch.Tensor) -> torch.Tensor | None:
-    if master_of is None:
-        return None
-    try:
-        return master_of(p)
-    except ConfigError:   # not one of the optimizer's parameters
-        return None
+def identity(policy: Policy) -> str:
+    """The mode and overrides a model set up under ``policy`` is tagged with
+    (``identity(precision.policy)``)."""
+    ov = ",".join(f"{p}={f}" for p, f in policy.overrides)
+    return policy.spec() + (f" overrides[{ov}]" if ov else "")
+
+
+def setup_identity(model: nn.Module) -> str | None:
+    """What ``model`` was set up for (:func:`identity`), None if it never was."""
+    return getattr(model, _SETUP_TAG, None)
+
+
+def forget_setup(model: nn.Module) -> None:
+    """Let another Precision set ``model`` up. Only for a model whose set-up left its modules
+    and dtypes as they were (``32-true`` without overrides), e.g. the planner's copies of a
+    model ``fit()`` trained in FP32."""
+    if hasattr(model, _SETUP_TAG):
+        delattr(model, _SETUP_TAG)
 
 
 def prepare_fp8(model: nn.Module, policy: Policy | str) -> Any:
     """Swap ``model``'s Linears to the formats ``mixprec.Precision(policy)`` gives them, without
     casting parameters or touching an optimizer; the FP8 report, or None when no layer asks for FP8.
 
-    A thin call of the decider (:meth:`mixprec.precision.layers.Layers.apply`); ``fit()`` and
+    A thin call of the decider (:meth:`mixprec.precision.Layers.apply`); ``fit()`` and
     ``Precision.setup`` do this themselves, so call it only to study FP8 numerics by hand."""
-    layers = Precision(policy).layers
-    layers.apply(model)
-    return layers.fp8_report
+    precision = Precision(policy)
+    precision.layers.apply(model)
+    return precision.layers.fp8_report

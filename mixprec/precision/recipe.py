@@ -19,30 +19,21 @@ from ``fit()``'s settings (``FitConfig.recipe()``), or from a dict or TOML table
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
-import json
-import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mixprec.amp import GradScaler
 from mixprec.amp.loss_scale import DynamicLossScaler
 from mixprec.errors import ConfigError, closest
 from mixprec.formats.fp8_config import Fp8Config
 from mixprec.formats.micro_config import MicroConfig, parse_micro_options
 from mixprec.optim.moments import MOMENTS
-from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name, parse_dtype
-from mixprec.policy.overrides import PlanOrigin, is_micro, normalize_overrides
+from mixprec.policy.dtypes import FP8_E4M3, FP8_E5M2, dtype_name
+from mixprec.policy.overrides import is_micro, normalize_overrides
 from mixprec.policy.policy import Policy, get_policy
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from mixprec.precision import recipe_io as _io
+from mixprec.precision.recipe_io import SCALER_ARGS as _SCALER_ARGS
 
 __all__ = ["Recipe", "MASTER_LAYOUTS", "is_auto"]
 
@@ -52,12 +43,6 @@ _TRUE_MODE = {torch.bfloat16: "bf16-true", torch.float16: "16-true"}
 MASTER_LAYOUTS = ("none", "full", "split")
 """Where the FP32 masters of 16-bit parameters live: none (FP32 parameters, or 16-bit ones updated
 in place), full (an FP32 copy per parameter), split (the BF16 parameter + a 16-bit remainder)."""
-
-_SCALER_ARGS = {n: p.default for n, p in inspect.signature(GradScaler.__init__).parameters.items()
-                if n not in ("self", "enabled", "device")}
-"""The loss-scale settings a recipe holds (``GradScaler``'s), with their defaults (``enabled`` is
-the policy's ``loss_scaling``; ``device`` the Precision's)."""
-
 
 def is_auto(precision: Any) -> bool:
     """``True``, ``"auto"``, ``"true"`` or ``"best"``: the best safe mode for the device."""
@@ -101,18 +86,7 @@ class Recipe:
         if self.moments != "fp32" and self.policy.low_precision_params and not self.policy.master_weights:
             raise ConfigError(f"moments={self.moments} needs mixprec's AdamW, but precision "
                               f"'{self.name}' keeps no masters and uses torch's AdamW; use moments=fp32")
-        opts = self.scaler
-        pairs = tuple((str(k), v) for k, v in (opts.items() if isinstance(opts, dict) else opts))
-        for key, _ in pairs:
-            if key not in _SCALER_ARGS:
-                raise ConfigError(f"unknown loss-scaler setting '{key}'{closest(key, _SCALER_ARGS)}; "
-                                  f"valid: {', '.join(_SCALER_ARGS)}")
-        settings = {**_SCALER_ARGS, **dict(pairs)}
-        DynamicLossScaler(settings["init_scale"], settings["growth_factor"], settings["growth_interval"],
-                          backoff_factor=settings["backoff_factor"], hysteresis=settings["hysteresis"],
-                          min_scale=settings["min_scale"], max_scale=settings["max_scale"],
-                          on_min_scale=settings["on_min_scale"])   # its one-line errors, now
-        object.__setattr__(self, "scaler", pairs)
+        object.__setattr__(self, "scaler", _scaler_pairs(self.scaler))
         p = self.policy
         object.__setattr__(self, "fp8", Fp8Config.from_recipe(p.fp8_recipe) if p.fp8_recipe else None)
         asked = [p.micro_format, *(f for _, f in p.overrides)]
@@ -136,33 +110,9 @@ class Recipe:
         ``optimizer``: one that already stores the parameters in 16 bits
         (``mixprec.optim.AdamW(..., fp16_params=True)``) decides ``auto`` (the matching ``*-true``
         mode) and is refused, in one line, with any other mode that keeps FP32 parameters."""
-        if isinstance(precision, Recipe):
-            return precision
-        device = torch.device(device) if device is not None else None
-        policy = get_policy(precision, device=device)
-        extra = normalize_overrides(overrides)
-        if extra:
-            # A pair given twice (a resumed plan run's [overrides] and the same plan:PATH again)
-            # is kept once: first match wins, so a later identical pair never decided anything.
-            policy = policy.replace(name=policy.name, overrides=extra + tuple(
-                o for o in policy.overrides if o not in extra))
-        if micro_options:
-            policy = policy.replace(name=policy.name, micro_options=parse_micro_options(micro_options))
-        resolved_from = ""
-        stored = getattr(optimizer, "param_dtype", None)
-        if stored in _LOW and stored != policy.param_dtype:
-            wanted = _TRUE_MODE[stored]
-            if not is_auto(precision):
-                name = policy.name if policy.name != "custom" else policy.spec()
-                raise ConfigError(
-                    f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
-                    f"precision '{name}' keeps {dtype_name(policy.param_dtype)} parameters; use "
-                    f"precision '{wanted}', or build the optimizer without fp16_params")
-            resolved_from = policy.name
-            policy = get_policy(wanted).replace(name=wanted, overrides=policy.overrides,
-                                                micro_options=policy.micro_options, plan=policy.plan)
-        return cls(policy=policy, split_masters=split_masters, moments=moments,
-                   fp8_activations=fp8_activations, scaler=scaler_options, resolved_from=resolved_from)
+        return _build(cls, precision, device=device, overrides=overrides, micro_options=micro_options,
+                      optimizer=optimizer, split_masters=split_masters, moments=moments,
+                      fp8_activations=fp8_activations, **scaler_options)
 
     # ------------------------------------------------------------------ what it says
 
@@ -189,6 +139,43 @@ class Recipe:
     @property
     def scales_loss(self) -> bool:
         return bool(self.policy.loss_scaling)
+
+    # ------------------------------------------------------------------ dtypes and what they imply
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The storage dtype of parameters (other than the FP32 exemptions)."""
+        return self.policy.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls compute in (per-layer formats aside)."""
+        return self.policy.compute_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in across ranks."""
+        return self.policy.reduce_dtype
+
+    @property
+    def stores_low_precision(self) -> bool:
+        """Parameters (other than the FP32 exemptions) are stored in 16 bits."""
+        return self.policy.param_dtype in _LOW
+
+    @property
+    def loses_small_updates(self) -> bool:
+        """16-bit parameters without masters: updates below half an ULP are rounded away."""
+        return self.stores_low_precision and not self.policy.master_weights
+
+    @property
+    def autocasts(self) -> bool:
+        """The forward runs under autocast (the compute dtype is below the parameters')."""
+        return self.policy.is_mixed
+
+    @property
+    def autocast_copies_weights(self) -> bool:
+        """Autocast makes compute-dtype copies of weights stored in a wider dtype."""
+        return self.autocasts and self.param_dtype.itemsize > self.compute_dtype.itemsize
 
     # --- the formats (asked per layer by mixprec.precision.layers.Layers) -----------------------
 
@@ -283,179 +270,76 @@ class Recipe:
             "mixprec.Precision('auto', optimizer=optimizer)), or build the optimizer without fp16_params")
 
     def __str__(self) -> str:
-        return _describe(self)
-
-    # ------------------------------------------------------------------ serialising
+        return _io.describe(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (str, bool, int, float, lists, dicts) that :meth:`from_dict` rebuilds this
         recipe from; what ``config.toml``'s ``[recipe]`` table holds."""
-        return _to_dict(self)
+        return _io.to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recipe":
         """The recipe :meth:`to_dict` wrote (unknown keys refused in one line)."""
-        return _from_dict(cls, data)
+        return _io.from_dict(cls, data)
 
     def to_toml(self, table: str = "recipe") -> str:
         """The recipe as a TOML table ``[table]`` (with sub-tables), read back by :meth:`from_toml`."""
-        return _to_toml(self.to_dict(), table)
+        return _io.to_toml(self, table)
 
     @classmethod
     def from_toml(cls, text: str | dict[str, Any], table: str = "recipe") -> "Recipe":
         """The recipe of TOML text holding a ``[table]`` (or of the parsed table itself)."""
-        return cls.from_dict(_toml_table(text, table))
+        return _io.from_toml(cls, text, table)
 
     def replace(self, **changes: Any) -> "Recipe":
         """A new recipe with some choices changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
-def _toml_key(k: str) -> str:
-    """A bare key where TOML allows one (``init_scale``), else quoted (a pattern ``blocks.0.*``)."""
-    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else json.dumps(k)
+def _scaler_pairs(opts: Any) -> tuple[tuple[str, Any], ...]:
+    """The loss-scaler settings as pairs, each checked (with ``DynamicLossScaler``'s one-line
+    errors) when the recipe is built."""
+    pairs = tuple((str(k), v) for k, v in (opts.items() if isinstance(opts, dict) else opts))
+    for key, _ in pairs:
+        if key not in _SCALER_ARGS:
+            raise ConfigError(f"unknown loss-scaler setting '{key}'{closest(key, _SCALER_ARGS)}; "
+                              f"valid: {', '.join(_SCALER_ARGS)}")
+    settings = {**_SCALER_ARGS, **dict(pairs)}
+    DynamicLossScaler(settings["init_scale"], settings["growth_factor"], settings["growth_interval"],
+                      backoff_factor=settings["backoff_factor"], hysteresis=settings["hysteresis"],
+                      min_scale=settings["min_scale"], max_scale=settings["max_scale"],
+                      on_min_scale=settings["on_min_scale"])   # its one-line errors, now
+    return pairs
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else
-                                                                  ("inf" if v > 0 else "-inf"))
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
-def _import_type(path: str) -> type:
-    module, _, qual = str(path).partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qual.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise ConfigError(f"keep_fp32_types: cannot import '{path}' (write module:Class)") from None
-    return obj
-
-
-def _describe(recipe: Recipe) -> str:
-    """:meth:`Recipe.__str__`: one readable block, a row per choice."""
-    p = recipe.policy
-    dts = ", ".join(f"{k} {dtype_name(getattr(p, f))}" for k, f in (
-        ("params", "param_dtype"), ("compute", "compute_dtype"), ("output", "output_dtype"),
-        ("reduce", "reduce_dtype")))
-    masters = {"none": "none", "full": "full FP32 copies",
-               "split": "split (the BF16 parameter + a 16-bit remainder)"}[recipe.masters]
-    if p.low_precision_params and not recipe.keeps_masters:
-        masters = "none (16-bit parameters updated in place: master_weights=False)"
-    scale = "off"
-    if recipe.scales_loss:
-        s = {**_SCALER_ARGS, **dict(recipe.scaler)}
-        scale = (f"dynamic (init {s['init_scale']:g}, growth every {s['growth_interval']} clean "
-                 f"steps, hysteresis {s['hysteresis']}, min {s['min_scale']:g}, "
-                 f"stuck: {s['on_min_scale']})")
-    kept = ["norms" if p.keep_norms_fp32 else "", *p.keep_fp32_names,
-            *(t.__name__ for t in p.keep_fp32_types)]
-    rows = [("dtypes", dts), ("masters", masters), ("moments", recipe.moments),
-            ("activations", "saved in FP8 E4M3 (fp8_activations)" if recipe.fp8_activations
-             else "saved as computed"),
-            ("loss scale", scale), ("tf32", "on" if p.allow_tf32 else "off"),
-            ("fp8", f"{recipe.fp8.recipe}: {recipe.fp8.describe()}" if recipe.fp8 else "-"),
-            ("micro", "; ".join(c.describe() for _, c in recipe.micro) or "-"),
-            ("kept fp32", ", ".join(k for k in kept if k) or "-"),
-            ("overrides", ", ".join(f"{pat}={fmt}" for pat, fmt in p.overrides) + " (first match wins)"
-             if p.overrides else "-")]
-    if p.plan is not None:
-        rows.append(("plan", f"{p.plan.path}" + (f" (made for {p.plan.made_for})" if p.plan.made_for else "")))
-    head = f"recipe {recipe.name}" + (f" (asked: {recipe.resolved_from})" if recipe.resolved_from else "")
-    return "\n".join([head, *(f"  {k:<12}{v}" for k, v in rows)])
-
-
-_KEYS = {"name", "param_dtype", "compute_dtype", "output_dtype", "reduce_dtype", "master_weights",
-         "loss_scaling", "allow_tf32", "keep_norms_fp32", "keep_fp32_names", "keep_fp32_types", "masters",
-         "split_masters", "moments", "fp8_activations", "fp8_recipe", "micro_format", "micro_options",
-         "scaler", "overrides", "plan", "resolved_from"}
-"""The keys of a recipe table (:meth:`Recipe.to_dict`)."""
-
-
-def _to_dict(recipe: Recipe) -> dict[str, Any]:
-    """:meth:`Recipe.to_dict`."""
-    p = recipe.policy
-    out: dict[str, Any] = {"name": p.name}
-    for f in ("param_dtype", "compute_dtype", "output_dtype", "reduce_dtype"):
-        out[f] = dtype_name(getattr(p, f))
-    out.update(master_weights=bool(p.master_weights), loss_scaling=bool(p.loss_scaling),
-               allow_tf32=p.allow_tf32, keep_norms_fp32=p.keep_norms_fp32,
-               keep_fp32_names=list(p.keep_fp32_names),
-               keep_fp32_types=[f"{t.__module__}:{t.__qualname__}" for t in p.keep_fp32_types],
-               masters=recipe.masters, split_masters=recipe.split_masters, moments=recipe.moments,
-               fp8_activations=recipe.fp8_activations)
-    if p.fp8_recipe:
-        out["fp8_recipe"] = p.fp8_recipe
-    if p.micro_format:
-        out["micro_format"] = p.micro_format
-    if recipe.resolved_from:
-        out["resolved_from"] = recipe.resolved_from
-    if p.micro_options:      # TOML has no None: an "int or None" option is written "none"
-        out["micro_options"] = {k: ("none" if v is None else v) for k, v in p.micro_options}
-    if recipe.scaler:
-        for k, v in recipe.scaler:
-            if not isinstance(v, (bool, int, float, str)):
-                raise ConfigError(f"the loss-scaler setting {k}={v!r} cannot be written to a "
-                                  "recipe table (numbers, true/false and names only)")
-        out["scaler"] = dict(recipe.scaler)
-    if p.overrides:
-        out["overrides"] = dict(p.overrides)
-    if p.plan is not None:
-        out["plan"] = {"path": p.plan.path, "made_for": p.plan.made_for, "linears": list(p.plan.linears)}
-    return out
-
-
-def _from_dict(cls: type[Recipe], data: dict[str, Any]) -> Recipe:
-    """:meth:`Recipe.from_dict`."""
-    data = dict(data)
-    for key in data:
-        if key not in _KEYS:
-            raise ConfigError(f"unknown recipe key '{key}'{closest(key, _KEYS)}; valid: "
-                              f"{', '.join(sorted(_KEYS))}")
-    plan = data.get("plan")
-    policy = Policy(
-        name=data.get("name", "custom"),
-        **{f: parse_dtype(data[f]) for f in ("param_dtype", "compute_dtype", "output_dtype",
-                                              "reduce_dtype") if f in data},
-        **{f: data[f] for f in ("master_weights", "loss_scaling", "allow_tf32", "keep_norms_fp32",
-                                "fp8_recipe", "micro_format") if f in data},
-        micro_options=parse_micro_options(data.get("micro_options") or ()),
-        keep_fp32_names=tuple(data.get("keep_fp32_names", ())),
-        keep_fp32_types=tuple(_import_type(t) for t in data.get("keep_fp32_types", ())),
-        overrides=normalize_overrides(data.get("overrides") or ()),
-        plan=PlanOrigin(path=plan["path"], made_for=plan.get("made_for", ""),
-                        linears=tuple(plan.get("linears", ()))) if plan else None)
-    recipe = cls(policy=policy, split_masters=data.get("split_masters", True),
-                 moments=data.get("moments", "fp32"), fp8_activations=data.get("fp8_activations", False),
-                 scaler=data.get("scaler") or (), resolved_from=data.get("resolved_from", ""))
-    if "masters" in data and data["masters"] != recipe.masters:
-        raise ConfigError(f"the recipe says masters={data['masters']} but its settings give "
-                          f"{recipe.masters}; drop 'masters' (it is derived) or fix split_masters")
-    return recipe
-
-
-def _to_toml(data: dict[str, Any], table: str) -> str:
-    """A recipe's :meth:`~Recipe.to_dict` as a TOML table ``[table]`` with sub-tables."""
-    subs = {k: data.pop(k) for k in ("micro_options", "scaler", "overrides", "plan") if k in data}
-    lines = [f"[{table}]", *(f"{k} = {_toml_value(v)}" for k, v in data.items())]
-    for key, sub in subs.items():
-        lines += ["", f"[{table}.{key}]", *(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in sub.items())]
-    return "\n".join(lines) + "\n"
-
-
-def _toml_table(text: str | dict[str, Any], table: str) -> dict[str, Any]:
-    """The table ``[table]`` of TOML text (or the parsed table itself)."""
-    if not isinstance(text, str):
-        return text
-    data = tomllib.loads(text)
-    if table not in data:
-        raise ConfigError(f"no [{table}] table in the TOML text; write one with Recipe.to_toml()")
-    return data[table]
+def _build(cls: type[Recipe], precision: Any, *, device: torch.device | str | None, overrides: Any,
+           micro_options: Any, optimizer: torch.optim.Optimizer | None, split_masters: bool,
+           moments: str, fp8_activations: bool, **scaler_options: Any) -> Recipe:
+    """:meth:`Recipe.build`'s work."""
+    if isinstance(precision, Recipe):
+        return precision
+    device = torch.device(device) if device is not None else None
+    policy = get_policy(precision, device=device)
+    extra = normalize_overrides(overrides)
+    if extra:
+        # A pair given twice (a resumed plan run's [overrides] and the same plan:PATH again)
+        # is kept once: first match wins, so a later identical pair never decided anything.
+        policy = policy.replace(name=policy.name, overrides=extra + tuple(
+            o for o in policy.overrides if o not in extra))
+    if micro_options:
+        policy = policy.replace(name=policy.name, micro_options=parse_micro_options(micro_options))
+    resolved_from = ""
+    stored = getattr(optimizer, "param_dtype", None)
+    if stored in _LOW and stored != policy.param_dtype:
+        wanted = _TRUE_MODE[stored]
+        if not is_auto(precision):
+            name = policy.name if policy.name != "custom" else policy.spec()
+            raise ConfigError(
+                f"the optimizer stores parameters in {dtype_name(stored)} (fp16_params=True) but "
+                f"precision '{name}' keeps {dtype_name(policy.param_dtype)} parameters; use "
+                f"precision '{wanted}', or build the optimizer without fp16_params")
+        resolved_from = policy.name
+        policy = get_policy(wanted).replace(name=wanted, overrides=policy.overrides,
+                                            micro_options=policy.micro_options, plan=policy.plan)
+    return cls(policy=policy, split_masters=split_masters, moments=moments,
+               fp8_activations=fp8_activations, scaler=scaler_options, resolved_from=resolved_from)

@@ -86,8 +86,9 @@ class RunEvents:
         rate = (f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else  # token ids
                 f"{samples_per_s:,.1f} samples/s" if samples_per_s is not None else None)
         # Only modes that scale the loss have a scale worth showing (bf16/fp32: always 1).
-        scale = f"scale {format_scale(self.precision.scale)}" if self.precision.scales_loss else None
-        skipped = self.precision.num_skipped_steps
+        scaler = self.precision.scaler
+        scale = f"scale {format_scale(scaler.get_scale())}" if self.precision.recipe.scales_loss else None
+        skipped = self.precision.scaler.num_skipped_steps
         partial = steps and log_interval and steps != log_interval
         over = f" (mean of {steps} step{'s' if steps != 1 else ''})" if partial else ""
         fields = [rate, f"lr {lr:.3g}", f"loss {loss:.4f}{over}", scale,
@@ -154,14 +155,14 @@ class RunEvents:
     def skip(self, step: int, out: Any, origin_event: Any) -> None:
         """Log a skipped step (``out``: the step's :class:`~mixprec.train.step.StepOutput`), with the
         layer that produced the inf/NaN when it was traced."""
-        after = self.precision.scale
+        after = self.precision.scaler.get_scale()
         if origin_event is not None:
             msg = origin_event.message(step, out.scale_before, after)
             record = {**origin_event.to_dict(), "kind": "skip", "nonfinite": origin_event.kind,
                       "loss_scale_before": out.scale_before, "loss_scale_after": after, "message": msg}
         else:
             msg = (f"step {step} skipped: non-finite gradients "
-                   f"({dtype_name(self.precision.compute_dtype)}) — loss scale "
+                   f"({dtype_name(self.precision.recipe.compute_dtype)}) — loss scale "
                    f"{format_scale(out.scale_before)} -> {format_scale(after)}")
             record = {"kind": "skip", "step": step, "nonfinite": None, "loss_scale_before": out.scale_before,
                       "loss_scale_after": after, "message": msg}

@@ -107,7 +107,7 @@ def run_scales_loss(config: dict[str, Any]) -> bool | None:
     if not isinstance(name, str) or name == "auto":
         return None
     try:
-        return Precision(name).scales_loss
+        return Precision(name).recipe.scales_loss
     except ValueError:
         return None
 

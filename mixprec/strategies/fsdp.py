@@ -47,7 +47,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import moments as M
-from mixprec.precision import Policy, Precision
+from mixprec.precision import Policy, Precision, setup_identity
+from mixprec.precision.plugins import Fsdp2Plugin
 from mixprec.strategies.base import OptimizerLike, ProcessGroupStrategy, Strategy
 
 __all__ = ["FSDPStrategy", "fsdp_mixed_precision", "default_shard_units"]
@@ -57,11 +58,11 @@ _F32 = torch.float32
 
 def fsdp_mixed_precision(policy: Precision | Policy | str | None) -> MixedPrecisionPolicy:
     """FSDP2's policy for the ordinary units of a model trained under ``policy`` (table above;
-    decided by :meth:`mixprec.Precision.fsdp_mixed_precision`)."""
+    decided by the FSDP2 plugin, :meth:`mixprec.precision.plugins.Fsdp2Plugin.mixed_precision`)."""
     if policy is None:
         return MixedPrecisionPolicy()
     precision = policy if isinstance(policy, Precision) else Precision(policy)
-    return precision.fsdp_mixed_precision()
+    return Fsdp2Plugin(precision.recipe).mixed_precision()
 
 
 def default_shard_units(model: nn.Module) -> list[nn.Module]:
@@ -145,14 +146,14 @@ class FSDPStrategy(ProcessGroupStrategy, Strategy):
         if not self.is_distributed or isinstance(model, FSDPModule):
             return model
         precision = self.precision
-        if precision is not None and Precision.setup_identity(model) is None:
+        if precision is not None and setup_identity(model) is None:
             # FSDPStrategy used on its own (fit() and a hand loop set the model up first): the
             # one set-up, sharded (casts only modes without masters).
             precision.setup_module(model, sharded=True)
         self._broadcast_from_main(model)
         mp = fsdp_mixed_precision(precision)
         islands: set[str] = set()   # parameter names (fully_shard replaces the tensors)
-        island = precision.fsdp_island_policy() if precision is not None else None
+        island = Fsdp2Plugin(precision.recipe).island_policy() if precision is not None else None
         if island is not None:
             table = precision.layers.table if precision.layers.table is not None else precision.resolve(model)
             for qname in table.islands:   # the FP32 islands of the table Precision.setup produced

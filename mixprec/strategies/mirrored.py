@@ -72,7 +72,7 @@ class MirroredStrategy(ProcessGroupStrategy, Strategy):
         """The compression in effect: the explicit choice, else the policy's reduce dtype."""
         if self.grad_compression is not None:
             return self.grad_compression
-        return _BY_REDUCE_DTYPE[self.precision.reduce_dtype] if self.precision is not None else "none"
+        return _BY_REDUCE_DTYPE[self.precision.recipe.reduce_dtype] if self.precision is not None else "none"
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.is_distributed or isinstance(model, DistributedDataParallel):

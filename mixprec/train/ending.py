@@ -55,16 +55,16 @@ def stop_if_diverged(trainer: Any, problem: str | None, last: StepOutput | None 
     loss_finite = last is not None and bool(torch.isfinite(torch.as_tensor(last.loss)).all())  # once
     scaler = precision.scaler.config        # the Precision's own (fit()'s, or a ready one's)
     health = trainer.outcomes.health or RunHealth(cfg, start_step=trainer.step)
-    cause = health.scaler_cause(scales_loss=precision.scales_loss, scale=precision.scale,
+    cause = health.scaler_cause(scales_loss=precision.recipe.scales_loss, scale=precision.scaler.get_scale(),
                                 init_scale=scaler.init_scale, min_scale=scaler.min_scale,
                                 growth_interval=scaler.scale_window, hysteresis=scaler.hysteresis,
-                                loss_finite=loss_finite, skipped=precision.num_skipped_steps)
+                                loss_finite=loss_finite, skipped=precision.scaler.num_skipped_steps)
     if cause is not None:
         message = f"training stopped at step {trainer.step}: {problem}; {cause}"
         # not divergence: recorded (and plotted) as what it is; the exit status stays 3
         trainer.events.note(message, trainer.step, "loss_scale_stuck", say=False)
         raise TrainingDiverged(message)
-    safer = "" if precision.compute_dtype == torch.float32 else ", or pick a safer precision"
+    safer = "" if precision.recipe.compute_dtype == torch.float32 else ", or pick a safer precision"
     message = (f"training diverged at step {trainer.step}: {problem}; lower lr (now "
                f"{cfg.lr:g}), keep clip_grad_norm on{safer}; {where}")
     trainer.events.note(message, trainer.step, "diverged", say=False)
@@ -84,7 +84,7 @@ def warmup_not_left(trainer: Any, *, own_scheduler: bool) -> str | None:
     # was skipped (it said "never left warm-up ... reached 100 % of the peak").
     if taken >= cfg.warmup_steps or cfg.warmup_steps == 1:
         return None
-    skipped = trainer.precision.num_skipped_steps
+    skipped = trainer.precision.scaler.num_skipped_steps
     why = (f"{skipped} of its {step} steps were skipped, and a skipped step does not advance it"
            if skipped else f"the run ({step} steps) is shorter than warmup_steps={cfg.warmup_steps}")
     peak = scheduler.base_lrs[0]

@@ -126,7 +126,7 @@ class ScaleWatchHook(StepHook):
         self.said = False
 
     def after_step(self, trainer, step, out, origin):
-        warning = self.watch.observe(step, trainer.precision.scale, out.skipped, origin)
+        warning = self.watch.observe(step, trainer.precision.scaler.get_scale(), out.skipped, origin)
         if warning:
             trainer.events.note(warning, step, "stuck-scale", say=False)
             if not self.said:
@@ -180,7 +180,7 @@ class GuardHook(StepHook):
         outcome = StepOutcome(step, float(out.loss), out.skipped,           # host sync: the loss
                               event.module if event is not None else None,
                               event.direction if event is not None else None,
-                              float(out.scale_before) if trainer.precision.scales_loss else None)
+                              float(out.scale_before) if trainer.precision.recipe.scales_loss else None)
         for action in self.guard.after_step(outcome, probe=trainer.replay_forward):
             trainer.events.guard(action)
             if action.kind == "give-up":

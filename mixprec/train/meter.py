@@ -59,7 +59,7 @@ class IntervalMeter:
         self.last_steps = 0                  # steps the last row averaged
         # The skipped-step count at the last row (a host counter, no read): a row's ``skipped``
         # is the difference, the skips among its ``steps``, whichever step of them skipped.
-        self.skipped_before = precision.num_skipped_steps
+        self.skipped_before = precision.scaler.num_skipped_steps
         self._reset()
 
     def _reset(self) -> None:
@@ -124,9 +124,9 @@ class IntervalMeter:
             self.peak = mfu = None
         # The row's steps were concluded before it (fit() does so at a log interval): the total is
         # the host's count, read with the step's flag, no extra read.
-        skipped_total = precision.num_skipped_steps
+        skipped_total = precision.scaler.num_skipped_steps
         self.logger.log(step, epoch=epoch, loss=loss, val_loss=val_loss,
-                        lr=lr, loss_scale=precision.scale,
+                        lr=lr, loss_scale=precision.scaler.get_scale(),
                         skipped=skipped_total - self.skipped_before, skipped_total=skipped_total,
                         grad_norm=float(out.grad_norm) if out.grad_norm is not None else None,
                         tokens_per_s=tps, mfu=mfu,

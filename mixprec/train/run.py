@@ -160,5 +160,5 @@ def result(trainer: Any, run: Run, last_out: StepOutput | None, last_val: float 
                          if r.get("step") is not None and r["step"] <= trainer.step
                          and is_finite_number(r.get("val_loss"))), None)
     final_loss = float(last_out.loss) if last_out is not None else None
-    return FitResult(trainer.run_dir, trainer.step, trainer.precision.num_skipped_steps, final_loss,
+    return FitResult(trainer.run_dir, trainer.step, trainer.precision.scaler.num_skipped_steps, final_loss,
                      last_val, trainer.precision.layers.ran())

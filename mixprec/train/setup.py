@@ -101,7 +101,7 @@ def apply_precision(raw_model: nn.Module, precision: Precision, strategy: Strate
     """``(model, objective)``: the model on the device with the precision applied (storage dtypes,
     FP32 exemptions, FP8 swap), wrapped by the strategy (DDP / FSDP, or none), and its loss."""
     model = raw_model.to(strategy.device)
-    precision.check_optimizer(optimizer)   # a ready Precision's mode is its own
+    precision.recipe.check_optimizer(optimizer)   # a ready Precision's mode is its own
     asked = precision.recipe.resolved_from or precision.name
     if found is not None and strategy.is_main:   # one line: what was found, and what it changed
         change = (f"; it stores parameters in 16 bits, so precision {asked} -> {precision.name}"
@@ -222,7 +222,7 @@ def watch_numbers(model: nn.Module, precision: Precision,
                if cfg.monitor_every else None)
     floor = precision.scaler.config        # the Precision's own floor (fit()'s, or a ready one's)
     scale_watch = (ScaleWatch(floor.min_scale, on_stuck=floor.on_min_scale)
-                   if precision.scales_loss else None)
+                   if precision.recipe.scales_loss else None)
     return monitor, scale_watch
 
 

@@ -170,7 +170,7 @@ class Trainer:
             # advances the schedule before this update runs at it; a skipped one is traced while
             # the parameters are still those it saw.
             self.conclude()
-            scale_before = precision.scale               # this backward's (no read: concluded)
+            scale_before = precision.scaler.get_scale()  # this backward's (no read: concluded)
             lr = opt.param_groups[0]["lr"]               # what this update runs at (metrics' lr)
             logged = self.step % self.config.log_interval == self.config.log_interval - 1
             with around(self, "around_update", step):
@@ -178,7 +178,7 @@ class Trainer:
                 # gradients -> step the FP32 masters and copy back, or skip -> update the scale.
                 taken = precision.step(opt, clip_grad_norm=self.config.clip_grad_norm,
                                        measure_grad_norm=logged, overlap=self.overlap)
-        out = StepOutput(loss_sum, precision.last_grad_norm, None, scale_before, tokens, lr,
+        out = StepOutput(loss_sum, precision.scaler.last_grad_norm, None, scale_before, tokens, lr,
                          taken=taken)                    # taken: a bool, or still on the device
         self.outcomes.hold(step, out, micro_batches)
         if not self.outcomes.fitting:

@@ -61,4 +61,4 @@ def test_on_cuda_a_fused_step_skipped_on_the_device_makes_no_sync(mode, kind):
             torch.cuda.set_sync_debug_mode("default")
         opt.zero_grad()
     assert [bool(t) for t in taken] == [True, True, True, False, True]
-    assert precision.num_skipped_steps == 1
+    assert precision.scaler.num_skipped_steps == 1

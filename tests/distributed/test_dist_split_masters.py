@@ -41,7 +41,7 @@ def _job(rank: int) -> dict:
             if step == SKIP_AT and rank == 1:
                 next(model.parameters()).grad[0, 0] = float("nan")     # after the all-reduce
             precision.step(opt, clip_grad_norm=0.05)
-            skipped.append(precision.last_step_skipped)
+            skipped.append(precision.scaler.last_step_skipped)
             opt.zero_grad()
         out[split] = {"params": [p.detach().clone() for p in model.parameters()],
                       "masters": [m.clone() for m in opt.masters], "skipped": skipped, "split": opt.split}

@@ -98,7 +98,7 @@ def _small():
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
 def test_presets_resolve_and_report_their_layers(name):
     p = mixprec.Precision(name)
-    assert p.policy.micro_format == name and p.compute_dtype == torch.bfloat16
+    assert p.policy.micro_format == name and p.recipe.compute_dtype == torch.bfloat16
     model = _small()
     p.setup(model)
     assert p.layers.micro_report.expected_path == "emulated"

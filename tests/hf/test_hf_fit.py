@@ -33,7 +33,7 @@ def test_fit_trains_hf_models_in_every_mode_with_fp32_norms(arch, mode, hf_model
         assert all(p.dtype == torch.float32 for p in norm.parameters()), f"{mode}: {name}"
     precision = mp.Precision(mode)
     first = (model.transformer.h[0].mlp.c_fc if arch == "gpt2" else model.model.layers[0].mlp.up_proj)
-    assert first.weight.dtype == precision.param_dtype
+    assert first.weight.dtype == precision.recipe.param_dtype
     if mode.startswith("fp8"):
         assert isinstance(first, Fp8Conv1D if arch == "gpt2" else Fp8Linear)
     after = model.state_dict()          # (on the device fit() trained on; ``before`` on the CPU)

@@ -105,7 +105,7 @@ def test_lightning_trainer_gives_the_hand_loops_weights_bit_for_bit(mode, option
     for name in want:
         assert got[name].dtype == want[name].dtype, name
         assert torch.equal(got[name], want[name]), name
-    assert plugin.mixprec.scale == ref_precision.scale
+    assert plugin.mixprec.scaler.get_scale() == ref_precision.scaler.get_scale()
     assert list(plugin.mixprec.layers.formats.values()) == list(ref_precision.layers.formats.values())
 
 
@@ -128,7 +128,7 @@ def test_gradient_accumulation_matches_the_hand_loop_bit_for_bit():
     trainer(plugin, steps=STEPS // 2, accumulate_grad_batches=2).fit(module, loader(x, y))
     for name, want in ref.state_dict().items():
         assert torch.equal(module.net.state_dict()[name], want), name
-    assert plugin.mixprec.scale == precision.scale == 2.0 ** 10
+    assert plugin.mixprec.scaler.get_scale() == precision.scaler.get_scale() == 2.0 ** 10
 
 
 def test_bf16_true_keeps_norms_fp32_and_steps_fp32_masters():
@@ -182,7 +182,7 @@ def test_a_skipped_step_is_traced_to_its_layer_and_the_scheduler_holds(mode, cap
     module = Module(net, scheduler=True)
     t = trainer(plugin, callbacks=[callback])
     t.fit(module, loader(x, y))
-    assert plugin.mixprec.num_skipped_steps == 1
+    assert plugin.mixprec.scaler.num_skipped_steps == 1
     (event,) = callback.nonfinite
     assert event.module == "net.3" and event.kind == "inf" and event.direction == "forward"
     assert "step 3 skipped: inf first at net.3" in capsys.readouterr().err
@@ -224,7 +224,7 @@ def test_checkpoint_saved_and_resumed_by_lightning_continues_exactly(tmp_path):
     trainer(p_resumed, steps=-1, max_epochs=2).fit(resumed, loader(x, y), ckpt_path=ckpt)
     for name, want in straight.net.state_dict().items():
         assert torch.equal(resumed.net.state_dict()[name], want), name
-    assert p_resumed.mixprec.scale == p_straight.mixprec.scale == 2.0 ** 12
+    assert p_resumed.mixprec.scaler.get_scale() == p_straight.mixprec.scaler.get_scale() == 2.0 ** 12
 
 
 def test_fabric_gives_the_hand_loops_weights_bit_for_bit():
@@ -290,7 +290,7 @@ def test_fabric_standard_setup_gives_the_hand_loops_weights(mode, options):
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
     for name, want in ref.state_dict().items():
         assert torch.equal(net.state_dict()[name], want), name
-    if plugin.mixprec.keeps_masters:
+    if plugin.mixprec.recipe.keeps_masters:
         assert "master_weights" in optimizer.state_dict()       # fabric.save writes the masters
 
 

@@ -85,7 +85,7 @@ def test_hf_trainer_gives_the_hand_loops_weights(mode, options, tmp_path):
     for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert got.dtype == want.dtype, name
         assert torch.equal(got, want), name
-    assert callback.mixprec.scale == ref_precision.scale
+    assert callback.mixprec.scaler.get_scale() == ref_precision.scaler.get_scale()
     assert list(callback.mixprec.layers.formats.values()) == list(ref_precision.layers.formats.values())
     if "overrides" in options:
         assert {"fp8-tensorwise", "bf16"} <= set(callback.mixprec.layers.formats.values())
@@ -164,7 +164,7 @@ def test_a_skipped_step_is_traced_to_its_layer_in_the_log(mode, tmp_path, capsys
     assert event.module == layer and event.kind == "inf" and event.step == 2
     assert f"step 2 skipped: inf first at {layer}" in capsys.readouterr().err
     assert any(e["kind"] == "skip" and e.get("module") == layer for e in read_events(tmp_path / "run"))
-    assert callback.mixprec.num_skipped_steps == 1
+    assert callback.mixprec.scaler.num_skipped_steps == 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1          # no schedule step for the skip
     if mode.startswith("fp8"):
         assert any(f.startswith("fp8-") for f in callback.mixprec.layers.formats.values())
@@ -213,7 +213,8 @@ def test_a_plain_trainer_with_the_callback_trains_as_mixprec_trainer_does(mode, 
         trainer.train()
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
     assert model.bert.embeddings.LayerNorm.weight.dtype == torch.float32
-    assert isinstance(callback._stepped, mp.optim.MasterWeights) == callback.mixprec.keeps_masters == (mode == "bf16-true")
+    assert isinstance(callback._stepped, mp.optim.MasterWeights) == callback.mixprec.recipe.keeps_masters \
+        == (mode == "bf16-true")
     for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert got.dtype == want.dtype and torch.equal(got, want), name
     assert [r["step"] for r in read_metrics(tmp_path / "b" / "out" / "mixprec")] == [1, 2, 3, 4]
@@ -239,7 +240,7 @@ def test_resume_from_a_trainer_checkpoint_continues_exactly(tmp_path):
     ckpt = tmp_path / "out" / "checkpoint-2"
     MixprecTrainer(model=model, args=args(tmp_path), train_dataset=data,
                    callbacks=[again]).train(resume_from_checkpoint=str(ckpt))
-    assert again.mixprec.scale == ref_precision.scale == 2.0 ** 12
+    assert again.mixprec.scaler.get_scale() == ref_precision.scaler.get_scale() == 2.0 ** 12
     for (name, want), got in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(got, want), name
 
@@ -296,7 +297,7 @@ def test_a_plain_trainer_skips_a_bad_step_and_holds_its_schedule(tmp_path, capsy
     trainer = transformers.Trainer(model=model, args=args(tmp_path, lr_scheduler_type="linear", max_grad_norm=0.0),
                                    train_dataset=data, callbacks=[callback])
     trainer.train()
-    assert callback.mixprec.num_skipped_steps == 1
+    assert callback.mixprec.scaler.num_skipped_steps == 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1          # no schedule step for the skip
     assert "step 2 skipped" in capsys.readouterr().err
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -167,7 +167,7 @@ def test_grad_rows_record_the_loss_scale_they_carry():
     precision = mp.Precision("16-mixed", init_scale=2.0 ** 12)
     mon = NumericsMonitor(model, every=1, compute_dtype=precision)
     with mon.sample(1) as s:
-        (model(torch.randn(3, 4)).sum() * precision.scale).backward()
+        (model(torch.randn(3, 4)).sum() * precision.scaler.get_scale()).backward()
     rows = {(r.module, r.kind): r for r in s.rows}
     assert rows[("2", "grad")].loss_scale == 2.0 ** 12
     assert rows[("2", "grad")].absmax / rows[("2", "grad")].loss_scale == 1.0   # d(sum)/d(out)

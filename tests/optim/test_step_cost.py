@@ -305,8 +305,8 @@ def test_precision_step_of_16_mixed_with_masters_reads_nothing_and_keeps_the_sca
         if lazy:
             assert reads == 0
             assert precision.scaler.pending == 7
-        runs[lazy] = ([bool(t) for t in taken], precision.scale, precision.num_skipped_steps,
-                      precision.last_step_skipped, precision.scaler.state_dict(),
+        runs[lazy] = ([bool(t) for t in taken], precision.scaler.get_scale(), precision.scaler.num_skipped_steps,
+                      precision.scaler.last_step_skipped, precision.scaler.state_dict(),
                       [p.detach().clone() for p in model.parameters()])
         assert precision.scaler.pending == 0
     (ta, sa, na, la, da, pa), (tb, sb, nb, lb, db, pb) = runs[True], runs[False]

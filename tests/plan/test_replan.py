@@ -49,7 +49,7 @@ def test_growing_outliers_promote_the_layer_at_the_next_sample_and_resume_keeps_
     assert t.precision.layers.formats["blocks.0.proj"] == "fp8-tensorwise"
     losses = [float(r["loss"]) for r in mp.runs.metrics.read_metrics(run)]
     assert len(losses) == 7 and all(math.isfinite(v) for v in losses)
-    assert t.precision.num_skipped_steps == 0
+    assert t.precision.scaler.num_skipped_steps == 0
     from mixprec.report.format_timeline import format_timeline
     from mixprec.report.report import write_report
     layers, rows = format_timeline(events, 7)

@@ -60,7 +60,7 @@ def test_llama_norms_stay_fp32_under_true_modes_and_the_audit_is_quiet(mode):
     norms = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"}
     assert len(norms) == 5
     assert all(m.weight.dtype == torch.float32 for m in norms.values())
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == precision.param_dtype
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == precision.recipe.param_dtype
     codes = {f.code for f in audit(model, precision=precision, optimizer=opt, device="cpu")}
     assert "half-precision-norm" not in codes and "no-master-weights" not in codes
 

@@ -78,7 +78,7 @@ def _assert_same(a: dict, b: dict) -> None:
     pa, pb = a["precision"], b["precision"]
     assert pa.scaler.state_dict() == pb.scaler.state_dict()
     assert pa.scaler.counters == pb.scaler.counters
-    assert (pa.last_step_skipped, pa.scale) == (pb.last_step_skipped, pb.scale)
+    assert (pa.scaler.last_step_skipped, pa.scaler.get_scale()) == (pb.scaler.last_step_skipped, pb.scaler.get_scale())
 
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])

@@ -89,8 +89,8 @@ def test_fp32_override_keeps_fp32_params_in_a_16bit_mode_and_fp16_turns_on_scali
     model, _ = p.setup(_model())
     assert model.blocks[0].mlp.fc.weight.dtype == torch.float32
     assert model.blocks[1].mlp.fc.weight.dtype == torch.bfloat16
-    assert not mp.Precision("bf16-mixed").scales_loss
-    assert mp.Precision("bf16-mixed", overrides={"head": "fp16"}).scales_loss
+    assert not mp.Precision("bf16-mixed").recipe.scales_loss
+    assert mp.Precision("bf16-mixed", overrides={"head": "fp16"}).recipe.scales_loss
 
 
 def test_per_layer_training_step_is_finite_and_matches_fp32_closely():

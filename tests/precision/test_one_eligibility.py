@@ -59,7 +59,7 @@ def _policy(fmt: str):
 
 
 def _config(precision: Precision, fmt: str):
-    return Fp8Config.from_recipe(fmt) if fmt.startswith("fp8-") else precision.micro_config(fmt)
+    return Fp8Config.from_recipe(fmt) if fmt.startswith("fp8-") else precision.recipe.micro_config(fmt)
 
 
 def _answers(fmt: str, *, explicit: bool = False, policy=None, module_filter_fn=None) -> dict[str, str | None]:

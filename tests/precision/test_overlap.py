@@ -106,7 +106,7 @@ def test_overlapped_step_is_bit_identical_to_the_plain_step(mode, accum):
     assert len(over_calls) >= taken * n_parts
     if overflow:
         assert OVERFLOW_AT not in over_calls          # the skipped step issued nothing
-    assert plain.precision.num_skipped_steps == over.precision.num_skipped_steps
+    assert plain.precision.scaler.num_skipped_steps == over.precision.scaler.num_skipped_steps
 
 
 def test_tied_weights_are_updated_once_and_waited_for_by_both_modules():

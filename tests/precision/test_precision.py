@@ -7,6 +7,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import MasterWeights
+from mixprec.precision.plugins import Fsdp2Plugin
 
 MODES = ["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 
@@ -98,7 +99,7 @@ def test_fp16_params_optimizer_with_auto_precision_builds_16_true_and_says_so():
     model = _model()
     opt = mp.optim.AdamW(model.parameters(), lr=1e-3, fp16_params=True)
     p = mp.Precision(True, optimizer=opt)          # decided when the recipe is built
-    assert p.name == "16-true" and p.keeps_masters and p.scales_loss
+    assert p.name == "16-true" and p.recipe.keeps_masters and p.recipe.scales_loss
     assert any("fp16_params=True" in n for n in p.notes)
     p.setup(model, opt)
     assert p.name == "16-true"
@@ -127,11 +128,11 @@ def test_step_skips_a_non_finite_step_and_backs_off_the_scale():
     p = mp.Precision("16-mixed")
     model, opt = p.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     before = model[0].weight.detach().clone()
-    scale = p.scale
+    scale = p.scaler.get_scale()
     loss = model(torch.randn(2, 4)).sum() * float("inf")
     p.backward(loss)
     assert p.step(opt) is False
-    assert p.last_step_skipped and p.num_skipped_steps == 1 and p.scale == scale / 2
+    assert p.scaler.last_step_skipped and p.scaler.num_skipped_steps == 1 and p.scaler.get_scale() == scale / 2
     assert torch.equal(model[0].weight, before)
 
 
@@ -139,22 +140,22 @@ def test_state_dict_round_trip_and_mismatch():
     p = mp.Precision("16-mixed", init_scale=1024.0)
     q = mp.Precision("16-mixed")
     q.load_state_dict(p.state_dict())
-    assert q.scale == 1024.0
+    assert q.scaler.get_scale() == 1024.0
     with pytest.raises(CheckpointError, match="bf16-mixed"):
         mp.Precision("16-mixed").load_state_dict(mp.Precision("bf16-mixed").state_dict())
 
 
 def test_decisions_per_mode():
     rows = {m: mp.Precision(m) for m in ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "fp8-rowwise")}
-    assert [m for m, p in rows.items() if p.keeps_masters] == ["bf16-true"]
-    assert [m for m, p in rows.items() if p.scales_loss] == ["16-mixed"]
-    assert [m for m, p in rows.items() if p.autocasts] == ["bf16-mixed", "16-mixed", "bf16-true", "fp8-rowwise"]
-    assert rows["fp8-rowwise"].fp8_config.scaling == "rowwise"
-    assert rows["bf16-mixed"].fsdp_mixed_precision().param_dtype == torch.bfloat16
-    assert rows["32-true"].fsdp_island_policy() is None
+    assert [m for m, p in rows.items() if p.recipe.keeps_masters] == ["bf16-true"]
+    assert [m for m, p in rows.items() if p.recipe.scales_loss] == ["16-mixed"]
+    assert [m for m, p in rows.items() if p.recipe.autocasts] == ["bf16-mixed", "16-mixed", "bf16-true", "fp8-rowwise"]
+    assert rows["fp8-rowwise"].recipe.fp8.scaling == "rowwise"
+    assert Fsdp2Plugin(rows["bf16-mixed"].recipe).mixed_precision().param_dtype == torch.bfloat16
+    assert Fsdp2Plugin(rows["32-true"].recipe).island_policy() is None
     nomasters = mp.Precision(mp.get_policy("bf16-true").replace(master_weights=False))
-    assert nomasters.loses_small_updates and nomasters.casts_before_sharding()
-    assert not rows["bf16-true"].casts_before_sharding()  # FP32 shards are the masters
+    assert nomasters.recipe.loses_small_updates and Fsdp2Plugin(nomasters.recipe).casts_before_sharding
+    assert not Fsdp2Plugin(rows["bf16-true"].recipe).casts_before_sharding  # FP32 shards are the masters
 
 
 def test_fp8_mode_swaps_linears_and_reports():
@@ -185,4 +186,4 @@ def test_step_taken_reads_the_flag_only_when_asked_and_acts_as_a_bool():
     assert p.scaler.pending == 2
     assert results[1] == False and not results[1] and results[0] == True and results[0]  # noqa: E712
     assert results[0].known and p.scaler.pending == 0            # one read told both
-    assert p.num_skipped_steps == 1 and p.last_step_skipped
+    assert p.scaler.num_skipped_steps == 1 and p.scaler.last_step_skipped

@@ -51,7 +51,7 @@ def test_a_gating_module_is_a_gate_for_casting_fp8_conversion_and_the_audit():
 
 def test_the_audit_asks_for_a_loss_scaler_when_a_per_layer_override_is_fp16():
     policy = mp.get_policy("bf16-mixed").replace(overrides={"fc": "fp16"})
-    assert mp.Precision(policy).scales_loss
+    assert mp.Precision(policy).recipe.scales_loss
     findings = audit(GatedNet(), policy=policy)       # no scaler given
     assert "fp16-without-loss-scaler" in {f.code for f in findings}
     # with the run's Precision, its own (enabled) scaler is the one checked
@@ -109,6 +109,7 @@ def test_without_fp8_gemms_an_fp8_run_records_no_mfu_rather_than_a_bf16_one(tmp_
 
 def test_cheap_questions_of_the_mode_build_no_loss_scaler():
     precision = mp.Precision("16-mixed")
-    assert precision.scales_loss and precision.layers.peak_format == "fp16" and precision.param_dtype == torch.float32
+    assert precision.recipe.scales_loss and precision.layers.peak_format == "fp16"
+    assert precision.recipe.param_dtype == torch.float32
     assert precision._scaler is None
     assert precision.scaler.is_enabled() and precision._scaler is not None

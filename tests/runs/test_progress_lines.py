@@ -104,13 +104,14 @@ def test_the_fifth_skip_line_says_the_rest_are_in_events_jsonl_and_scales_read_a
     # skip lines said "loss scale 999999995904 -> 499999997952", the progress lines "scale 9.76562e+08".
     from types import SimpleNamespace
     from mixprec.monitor.trace import format_scale
-    precision = SimpleNamespace(scale=1e12, scales_loss=True, num_skipped_steps=0, compute_dtype=torch.float16)
+    scaler = SimpleNamespace(scale=1e12, num_skipped_steps=0, get_scale=lambda: scaler.scale)
+    precision = SimpleNamespace(scaler=scaler, recipe=SimpleNamespace(scales_loss=True, compute_dtype=torch.float16))
     events = RunEvents(SingleDeviceStrategy("cpu"), precision, MetricsLogger(tmp_path, tensorboard=False),
                        progress=False)
     for step in range(1, 8):
-        before = precision.scale
-        precision.scale = before / 2
-        precision.num_skipped_steps += 1
+        before = scaler.get_scale()
+        scaler.scale = before / 2
+        scaler.num_skipped_steps += 1
         events.skip(step, SimpleNamespace(scale_before=before), None)
     err = capsys.readouterr().err.splitlines()
     assert [l for l in err if "skipped:" in l][0].endswith("loss scale 1e+12 -> 5e+11")

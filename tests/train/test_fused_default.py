@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import mixprec.precision.precision as precision_mod
+import mixprec.precision.plugins.params as precision_mod
 from mixprec.optim.inputs import takes_found_inf
 from mixprec.train.trainer import Trainer
 
@@ -58,7 +58,7 @@ def test_a_checkpoint_resumes_across_fused_and_foreach_with_the_runs_own_kernel(
     assert takes_found_inf(_inner(resumed)) is (not saved_fused)
     # the checkpoint's state was continued: each taken step counted once, across the two kernels
     steps = {float(st["step"]) for st in resumed.optimizer.state_dict()["state"].values()}
-    assert steps == {6.0 - resumed.precision.num_skipped_steps}
+    assert steps == {6.0 - resumed.precision.scaler.num_skipped_steps}
     assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
 
 
@@ -104,7 +104,7 @@ def test_a_fused_run_skips_traces_and_schedules_as_the_host_decided_run(tmp_path
     assert takes_found_inf(_inner(dev))
     assert dev_skips == host_skips and len(dev_skips) == 2
     assert dev_lrs == host_lrs
-    assert dev.precision.num_skipped_steps == host.precision.num_skipped_steps == 2
+    assert dev.precision.scaler.num_skipped_steps == host.precision.scaler.num_skipped_steps == 2
     assert dev.precision.scaler.state_dict() == host.precision.scaler.state_dict()
     for pa, pb in zip(dev.model.parameters(), host.model.parameters()):
         assert torch.equal(pa.view(torch.int32), pb.view(torch.int32))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mixprec.precision.precision as precision_mod
+import mixprec.precision.plugins.params as precision_mod
 from mixprec.amp import host_flags
 from mixprec.optim.inputs import takes_found_inf
 from mixprec.precision import Precision
