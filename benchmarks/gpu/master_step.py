@@ -7,7 +7,7 @@
 of issue #35 (24 blocks of d=1024, vocab 50304, BF16, synthetic gradients), per layout (split
 masters, full FP32 masters, BF16 moments, int8 moments), once with the flat step's chunk update
 as mixprec's Triton kernel (mixprec/optim/adamw_triton.py) and once as the twin's foreach step
-(``flat.KERNEL_DEVICES`` emptied), timed in alternation with CUDA events, median per step. It
+(``flat_kernel.KERNEL_DEVICES`` emptied), timed in alternation with CUDA events, median per step. It
 also checks that split and full masters through the kernel give the same bits, and prints the
 flat step's note per device ("kernel", or why the twin steps: the probe's verdict on this GPU).
 
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from mixprec.optim import AdamW, flat  # noqa: E402
+from mixprec.optim import AdamW, flat_kernel as flat  # noqa: E402
 
 LAYOUTS = {"split": {}, "full": {"split_masters": False}, "bf16-moments": {"moments": "bf16"},
            "int8-moments": {"moments": "int8"}}

@@ -40,8 +40,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
 from mixprec.errors import ConfigError
+from mixprec.optim.parts import SEPARABLE
 
 __all__ = ["split_layout_applies", "splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "FLAT_CHUNK_MAX", "CPU_CHUNK_NUMEL", "flat_chunk_numel", "chunks", "chunk_exact",
            "resolve_split"]
@@ -299,7 +301,6 @@ def _grouped_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None
 
 def _tensor_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
     """The per-tensor norms exactly as ``torch.nn.utils.get_total_norm`` computes them."""
-    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
     device = tensors[0].device
     if (foreach is None and _has_foreach_support(tensors, device)) or (
             foreach and _device_has_foreach_support(device)):
@@ -310,7 +311,6 @@ def _tensor_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None)
 def chunk_exact(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
     """Whether one step of ``optimizer_cls`` over any split of its elements into chunks (or over
     their concatenation) gives every element the same value: an elementwise optimizer."""
-    from mixprec.optim.parts import SEPARABLE
     return bool(issubclass(optimizer_cls, SEPARABLE) or getattr(optimizer_cls, "mixprec_chunk_exact", False)
                 or getattr(optimizer_cls, "mixprec_separable", None) is True)
 

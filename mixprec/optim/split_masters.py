@@ -41,7 +41,8 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mixprec.optim import flat_dispatch, split as _split
-from mixprec.optim.flat import FlatSteps, pack_ties_, unpack_ties
+from mixprec.optim.flat import FlatSteps
+from mixprec.optim.flat_chunk import pack_ties_, unpack_ties
 from mixprec.optim.master import MasterWeights
 from mixprec.optim.master_table import Masters
 

@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from mixprec.optim import AdamW, flat
+from mixprec.optim import AdamW, flat_kernel as flat
 from mixprec.optim.inputs import StepInputs
 
 pytestmark = [pytest.mark.cuda,

@@ -1,5 +1,5 @@
 """mixprec's fused AdamW chunk kernel (mixprec/optim/adamw_triton.py) and where the flat step
-(mixprec/optim/flat.py) sends a chunk's update.
+(mixprec/optim/flat.py; the choice in mixprec/optim/flat_kernel.py) sends a chunk's update.
 
 The kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, on the CPU) in ONE subprocess
 (the variable must be set before Triton is imported): it runs every case and saves the results.
@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec.optim import AdamW, flat as flat_mod
+from mixprec.optim import AdamW, flat_kernel as flat_mod
 from mixprec.optim.adamw import _AdamWFP32Math
 
 from tests.optim.test_step_cost import LAYOUTS, _count_step, _syncs
@@ -89,7 +89,7 @@ def fma32(x, y, z):                       # one rounding, as the GPU's fma.rn.f3
     return (x.astype(np.float64) * y.astype(np.float64) + z.astype(np.float64)).astype(np.float32)
 ti.InterpreterBuilder.create_fma = lambda self, x, y, z: ti.TensorHandle(fma32(x.data, y.data, z.data), z.dtype.scalar)
 
-from mixprec.optim import AdamW, flat
+from mixprec.optim import AdamW, flat_kernel as flat
 from mixprec.optim.adamw import _AdamWFP32Math
 
 from tests.optim.test_step_cost import LAYOUTS, _count_step, _syncs
@@ -457,8 +457,8 @@ def test_a_step_counter_off_the_host_keeps_the_twin_and_says_why(cuda_ok):
     assert opt._flat.kernel_notes == {"cpu": "kernel"}
     st = opt._flat.twin.state[opt._flat.chunks[0].param]
     st["step"] = st["step"].to("meta")
-    assert not opt._flat._takes_kernel(opt._flat.chunks[0], {k: v for k, v in opt.param_groups[0].items()
-                                                             if k != "params"})
+    assert not opt._flat.kernel.takes(opt._flat.chunks[0], {k: v for k, v in opt.param_groups[0].items()
+                                                            if k != "params"})
     assert opt._flat.kernel_notes == {"cpu": "the step counter is not a CPU tensor (the kernel's bias "
                                              "corrections are host scalars)"}
 

@@ -3,23 +3,23 @@
 torch's AdamW keeps ``step`` on the host and the skip flag is on the device: stepping the counter
 back at once (``step.sub_(skip.to("cpu"))``) copied the flag to the host and waited for it, a sync
 in every masked step on CUDA (found by the kernel work, 2026-12-05). Now the step queues a host
-copy and ``FlatSteps.settle`` reads it before the counters are read again: the next step, or
+copy and ``FlatSteps.settle`` (``flat_skip.SkipMask.settle``) reads it before the counters are read again: the next step, or
 ``state_dict()``. On a CPU flag and counter share a device and nothing is queued; these tests
-force the queued path there (``flat._queues_copy``) and check it against the immediate one.
+force the queued path there (``flat_skip._queues_copy``) and check it against the immediate one.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mixprec.optim import AdamW, flat
+from mixprec.optim import AdamW, flat_skip
 from mixprec.optim.inputs import StepInputs
 
 from tests.optim.test_step_cost import LAYOUTS, OpCounter, _assert_same_bits, _backward, _model, _step_counters
 
 
 def _run(queued: bool, layout: dict, monkeypatch, skips=(1, 2), steps: int = 5, probe=None):
-    monkeypatch.setattr(flat, "_queues_copy", lambda step, skip: queued)
+    monkeypatch.setattr(flat_skip, "_queues_copy", lambda step, skip: queued)
     model = _model(2)
     opt = AdamW(model.parameters(), lr=1e-2, seed=1, **layout)
     dicts = []
