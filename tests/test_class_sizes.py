@@ -9,10 +9,9 @@ import mixprec
 
 LIMIT = 250
 
-BEING_SPLIT = {
-    "mixprec/optim/flat.py:FlatSteps": "#35, the fused flat step (a Triton kernel beside it)",
-}
-"""Classes over the limit today, each with the work that brings it under."""
+BEING_SPLIT: dict[str, str] = {}
+"""Classes over the limit today, each with the work that brings it under: none (the last,
+``FlatSteps``, was split by its seams on 2026-12-05: mixprec/optim/flat_*.py)."""
 
 ROOT = Path(mixprec.__file__).parent
 
@@ -34,11 +33,12 @@ def test_no_class_reaches_250_lines_but_those_being_split():
 
 
 def test_the_classes_split_for_38_are_under_the_limit():
-    # amp/, optim/ and monitor/ (2026-12-05): were 533, 607, 306, 251 and 261 lines.
+    # amp/, optim/ and monitor/ (2026-12-05): were 533, 607, 306, 251, 261 and 348 lines.
     sizes = class_sizes()
     for name in ("mixprec/amp/grad_scaler.py:GradScaler", "mixprec/optim/master.py:MasterWeights",
                  "mixprec/optim/split_masters.py:SplitMasterWeights",
-                 "mixprec/optim/adamw.py:_AdamWFP32Math", "mixprec/monitor/guard.py:TrainingGuard"):
+                 "mixprec/optim/adamw.py:_AdamWFP32Math", "mixprec/monitor/guard.py:TrainingGuard",
+                 "mixprec/optim/flat.py:FlatSteps"):
         assert sizes[name] < LIMIT, name
 
 

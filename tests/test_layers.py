@@ -35,12 +35,15 @@ LAZY_IN_CORE = {
     # The Triton block GEMM imports Triton, an optional dependency: only where a plan names it.
     "mixprec/formats/fp8_gemm.py": "the Triton kernel is optional",
     "mixprec/formats/fp8_path.py": "the Triton kernel is optional",
+    # The flat step's fused AdamW kernel (mixprec.optim.adamw_triton) imports Triton: only where
+    # a chunk takes the kernel (a CUDA device whose probe agreed).
+    "mixprec/optim/flat_kernel.py": "the Triton kernel is optional",
 }
 """Core modules that may import a mixprec module inside a function, each with its reason; elsewhere
 the core imports at module level (a function-level import is for an optional heavy dependency).
 ``LAZY_ROOMS`` are being reshaped by #38 items 1-3 and keep theirs until then."""
 
-LAZY_ROOMS = {"precision", "optim", "amp"}
+LAZY_ROOMS = {"precision", "amp"}
 
 SHIM_UP: dict[str, set[str]] = {}
 """Imports allowed to point up, each listed with its reason: none (the last lazy re-exports upward
@@ -258,3 +261,14 @@ def test_a_sub_package_is_imported_when_first_named():
     assert mixprec.formats.Fp8Linear.__module__ == "mixprec.formats.fp8_linear"
     assert mixprec.plan.plan_precision.__module__ == "mixprec.plan.planner"
     assert mixprec.fit is mixprec.train.fit and mixprec.FSDPStrategy.__module__ == "mixprec.strategies.fsdp"
+
+
+def test_the_optimizers_load_neither_triton_nor_fsdp2():
+    # What optim/ still imports inside functions, and why: Triton (optional: the flat step's fused
+    # AdamW kernel, mixprec/optim/flat_kernel.py) and FSDP2 / DTensor (about a second each to
+    # import, 2-core x86, 2026-12-05: mixprec/optim/overlap.py, sharded.py), loaded when used.
+    out = subprocess.run([sys.executable, "-c", "import sys, mixprec.optim\n"
+                          "print(*sorted(m for m in sys.modules if m.split('.')[0] == 'triton'\n"
+                          "      or m.startswith(('torch.distributed.fsdp', 'torch.distributed.tensor'))))"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == []
