@@ -31,7 +31,7 @@ on a GPU the flat step probes it against the twin once per device before using i
 returns before storing anything, so nothing is written and no ``torch.where`` pass follows. The
 step counter is the caller's (a CPU tensor, as torch's non-capturable AdamW keeps it).
 
-Imported lazily by :mod:`mixprec.optim.flat` on CUDA only, so the package imports without Triton.
+Imported lazily by :mod:`mixprec.optim.flat_kernel` on CUDA only, so the package imports without Triton.
 Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the same kernel runs on a CPU: that
 is how the tests check it.
 """

@@ -5,7 +5,7 @@ methods (``master_grads``, ``deferred_grads``) and decided on the host whether t
 at all, reading the non-finite flag first (a host sync per step on an accelerator). A mixprec
 master-weight optimizer takes the decision itself, on the device: ``step(inputs=StepInputs(...))``
 with the flag as a device tensor issues the whole update and keeps the old values where the flag
-is raised (``torch.where`` on its flat buffers, mixprec.optim.flat), as torch's fused optimizers
+is raised (``torch.where`` on its flat buffers, mixprec.optim.flat_skip), as torch's fused optimizers
 do with ``found_inf``. The host may read the flag later, for its counters and the LR schedule.
 
 torch's own fused optimizers take the same flag their way (an attribute, :func:`step_skipping_on_device`);

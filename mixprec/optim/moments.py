@@ -251,7 +251,7 @@ class _Packing:
     """Everything :func:`_decode` / :func:`_encode` need for one list of tensors of one block
     length, made once: the padded ``(blocks, block)`` FP32 buffer, each tensor's window of it, the
     tensors' ``(rows, values per row)`` views and the flat views of their scales. Kept in the
-    ``cache`` a caller passes (the flat step's chunk, mixprec.optim.flat), so a step with a cache
+    ``cache`` a caller passes (the flat step's chunk, mixprec.optim.flat_chunk), so a step with a cache
     dispatches no per-tensor view op."""
 
     def __init__(self, codes: list[Tensor], others: list[Tensor], scales: list[Tensor], lay: Layout,

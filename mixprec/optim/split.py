@@ -11,7 +11,7 @@ model's parameter anyway) and the distance between the two bit patterns:
 to an even ``hi``, and ``-2**15`` at a tie that rounded *up* to an even ``hi``, so for an even
 ``hi`` there are 2**16 + 1 masters and no 16-bit code can tell them all apart. The remainder is
 stored as ``int16`` (``+2**15`` wraps to ``-2**15``) and the ties that rounded down are marked:
-in the step's dense tie bitmap (mixprec.optim.flat: one bit per element, no data-dependent
+in the step's dense tie bitmap (mixprec.optim.flat_chunk: one bit per element, no data-dependent
 shape, no host sync), or, on the per-master paths (mixprec.optim.split_masters, the layout's
 optimizer class; this module holds its arithmetic as plain functions), in a short ``int64`` list of flat indices
 per tensor (about one element in 2**17 per step; finding them is one ``nonzero``). Modulo 2**16,
