@@ -159,7 +159,8 @@ class FlatSteps:
         self.kernel_notes = self.kernel.notes    # per device: "kernel", or why its chunks keep the twin
 
     @staticmethod
-    def _plan(groups: list[list[Member]]) -> tuple[list[tuple[int, torch.device, list[Member]]], dict[torch.device, int]]:
+    def _plan(groups: list[list[Member]]) -> tuple[list[tuple[int, torch.device, list[Member]]],
+                                                   dict[torch.device, int]]:
         """The chunks to make, as (group index, device, members), and the largest chunk per device
         (the size of that device's shared scratch)."""
         plan: list[tuple[int, torch.device, list[Member]]] = []

@@ -19,15 +19,13 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from mixprec.optim import inputs as _inputs, sharded as _sharded
-from mixprec.optim.flat import FlatSteps
+from mixprec.optim.flat import FlatSteps, Member
 
 __all__ = ["step_masters", "settle", "leave", "drop", "members", "make_twin", "flat_key", "ready", "step"]
 
 MasterWeights = Any
 """The optimizer these serve: a :class:`mixprec.optim.MasterWeights` (not imported: master.py
 imports this module)."""
-
-Member = tuple[Tensor, Tensor, str, Tensor | None, float | None]
 
 
 def step_masters(opt: MasterWeights, found_inf: Tensor | None,
