@@ -91,18 +91,14 @@ class MasterWeights(torch.optim.Optimizer):
         split: store the FP32 master of each BF16 param as the param plus a 16-bit remainder
             (the module docstring). ``None`` (default): wherever exact (``split.resolve_split``:
             FP32 masters, an elementwise inner optimizer); ``True`` refuses other optimizers;
-            ``False`` keeps full FP32 masters. The user's flag, read by ``MasterWeights(...)``
-            (which class) and here (refusal): the layout classes themselves need none.
-        layout: the master layout, as its class: ``MasterWeights`` (full FP32 masters) or
-            :class:`mixprec.optim.split_masters.SplitMasterWeights` (split wherever exact, that
-            class's rule); its storage is used as is. ``None``: this object's own class
-            (``MasterWeights`` where ``split`` is False). ``Precision``'s params plugin passes it
-            from ``recipe.masters``; ``mixprec.optim.AdamW`` (one class over both layouts) too.
+            ``False`` keeps full FP32 masters (the user's flag; the layout classes need none).
+        layout: the layout by its class, ``MasterWeights`` (full) or ``SplitMasterWeights`` (split
+            wherever exact), whose storage is used as is (``Precision`` passes it from
+            ``recipe.masters``). ``None``: this class (``MasterWeights`` for ``split=False``).
         master_params: the parameters that get a separate FP32 master, exactly these: the per-layer
-            table's ``master`` column (``Precision.layers.master_params(model)``, which ``Precision.setup``
-            passes); listed FP32 params are converted to ``param_dtype``, unlisted ones are their
-            own master. ``None`` (a
-            hand-built optimizer): decided by dtype (``mixprec.optim.master_table.Masters``).
+            table's ``master`` column (``Precision.layers.master_params(model)``); listed FP32
+            params are converted to ``param_dtype``, unlisted ones are their own master. ``None``
+            (a hand-built optimizer): decided by dtype (``mixprec.optim.master_table.Masters``).
 
     It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
     ``state`` are the inner optimizer's own objects, holding the masters, so editing
@@ -116,9 +112,7 @@ class MasterWeights(torch.optim.Optimizer):
 
     _table_cls: type[Masters] = Masters     # how this layout stores masters (master_table): full
 
-    _split_layout: type[MasterWeights] | None = None
-    """The split-master layout's class (mixprec.optim.split_masters; it names itself with
-    ``split_layout=True``, and ``import mixprec.optim`` imports it)."""
+    _split_layout: type[MasterWeights] | None = None   # SplitMasterWeights (``split_layout=True``)
 
     def __init_subclass__(cls, *, split_layout: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -128,11 +122,9 @@ class MasterWeights(torch.optim.Optimizer):
     def __new__(cls, optimizer_cls: Any = None, *args: Any, split: bool | None = None,
                 layout: type[MasterWeights] | None = None,
                 master_dtype: torch.dtype = torch.float32, **kwargs: Any) -> MasterWeights:
-        if cls is MasterWeights and layout is not None:       # the layout said (Precision's plugin)
-            cls = layout
-        elif cls is MasterWeights and cls._split_layout is not None \
-                and _split.split_layout_applies(optimizer_cls, split, master_dtype):  # the user's flag
-            cls = cls._split_layout
+        if cls is MasterWeights:   # the layout said (Precision), else the user's flag decides
+            cls = layout or (cls._split_layout if cls._split_layout is not None and
+                             _split.split_layout_applies(optimizer_cls, split, master_dtype) else cls)
         return super().__new__(cls)
 
     def __init__(
@@ -153,8 +145,7 @@ class MasterWeights(torch.optim.Optimizer):
         if layout is None:
             layout = MasterWeights if split is False else type(self)
         if not isinstance(self, layout):
-            raise ConfigError(f"a {type(self).__name__} cannot step the {layout.__name__} layout; "
-                              f"build {layout.__name__}(...) instead")
+            raise ConfigError(f"{type(self).__name__} cannot step the {layout.__name__} layout; use {layout.__name__}")
         self.master_dtype, self.param_dtype = master_dtype, param_dtype
         wanted = None if master_params is None else {id(p) for p in master_params}
         # The flat step (mixprec.optim.flat) needs an elementwise inner optimizer on FP32 masters:
@@ -172,7 +163,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._alias_inner()
         registry.remember(self, self._table.all_params)
 
-    # whether BF16 params' masters are stored split (the layout's storage says); id(model param) -> its master; the FP32 grad buffers (the table's, for the split layout)
+    # the storage's answers: split or not; id(model param) -> its master; the FP32 grad buffers
     split = property(lambda self: self._table.split)
     _master_of = property(lambda self: self._table.master_of)
     _grad_of = property(lambda self: self._table.grad_of)

@@ -128,6 +128,6 @@ def test_a_layout_its_class_cannot_step_is_refused_in_one_line():
     class Mine(MasterWeights):
         pass
 
-    with pytest.raises(ConfigError, match="cannot step the SplitMasterWeights layout"):
+    with pytest.raises(ConfigError, match="cannot step the SplitMasterWeights layout; use SplitMasterWeights"):
         Mine(torch.optim.SGD, [nn.Parameter(torch.ones(2, dtype=torch.bfloat16))],
              layout=SplitMasterWeights, lr=0.1)
