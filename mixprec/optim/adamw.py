@@ -28,6 +28,7 @@ from torch import Tensor
 
 from mixprec.errors import ConfigError
 from mixprec.optim import moments as _moments, moments_load, registry, sharded as _sharded
+from mixprec.optim.master import MasterWeights
 from mixprec.optim.master_args import normalise_groups
 from mixprec.optim.split import CHUNK_NUMEL, chunks as _chunks
 from mixprec.optim.split_masters import SplitMasterWeights
@@ -308,17 +309,22 @@ class AdamW(SplitMasterWeights):
         seed: seed of the stochastic-rounding generator (``None``: the global torch generator).
         split_masters: FP32 masters of BF16 params stored as the param plus a 16-bit remainder
             (``None``: on, the default; ``False``: full FP32 masters). Bit-identical either way;
-            see mixprec.optim.master.
+            see mixprec.optim.master. The user's flag; ``layout`` says the same by class.
         master_params: exactly the params that get FP32 masters (the per-layer table's set,
             ``Precision.layers.master_params(model)``); ``None``: by dtype, see ``MasterWeights``.
+        layout: the master layout by its class, ``MasterWeights`` (full FP32 masters) or
+            ``SplitMasterWeights`` (split wherever exact), whose storage this AdamW uses as is
+            (``Precision``'s params plugin passes it from ``recipe.masters``). ``None``: from
+            ``split_masters``.
 
     With ``fp16_params=False``, FP32 params and FP32 moments this is ``torch.optim.AdamW``
     exactly (same kernels on the same tensors).
 
     The layout chain: a :class:`mixprec.optim.split_masters.SplitMasterWeights` (itself a
     :class:`MasterWeights`) whose inner optimizer is torch's AdamW (FP32 moments) or this file's
-    FP32-math AdamW (BF16 / 8-bit moments); with ``split_masters=False`` it splits nothing and
-    steps and saves as full FP32 masters do.
+    FP32-math AdamW (BF16 / 8-bit moments); one class over both layouts: with
+    ``layout=MasterWeights`` (or ``split_masters=False``) it holds the full layout's storage and
+    steps and saves as ``MasterWeights`` does.
     """
 
     def __init__(
@@ -339,6 +345,7 @@ class AdamW(SplitMasterWeights):
         split_masters: bool | None = None,
         moments: str | None = None,
         master_params: Iterable[Tensor] | None = None,
+        layout: type[MasterWeights] | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         params = normalise_groups(params)
@@ -357,23 +364,23 @@ class AdamW(SplitMasterWeights):
                               "(FP16 moments underflow: exp_avg_sq holds squared gradients)")
         self.moments_dtype = moments_dtype
         common: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        masters: dict[str, Any] = {"param_dtype": param_dtype if fp16_params else None, "split": split_masters,
+                                   "layout": layout, "master_params": master_params}
         if moments is not None:           # int8 / fp8: our FP32-math AdamW, 8-bit storage
             if fused:
                 raise ConfigError(f"fused=True is torch's FP32-moment kernel; with moments={moments} leave it unset")
-            super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
-                             split=split_masters, master_params=master_params, moments_dtype=torch.float32, moments=moments,
+            super().__init__(_AdamWFP32Math, params, **masters, moments_dtype=torch.float32, moments=moments,
                              stochastic_rounding=stochastic_rounding, seed=seed, **common)
             self._tell_shapes()
             return
         if moments_dtype == torch.float32:
-            super().__init__(torch.optim.AdamW, params, param_dtype=param_dtype if fp16_params else None,
-                             split=split_masters, master_params=master_params, foreach=foreach, fused=fused, **common)
+            super().__init__(torch.optim.AdamW, params, **masters, foreach=foreach, fused=fused, **common)
             return
         if fused:
             raise ConfigError("fused=True keeps moments in the param dtype; with moments_dtype=torch.bfloat16 "
                               "leave fused unset (the BF16-moment path always uses foreach ops)")
-        super().__init__(_AdamWFP32Math, params, param_dtype=param_dtype if fp16_params else None,
-                         split=split_masters, master_params=master_params, moments_dtype=moments_dtype, stochastic_rounding=stochastic_rounding, seed=seed, **common)
+        super().__init__(_AdamWFP32Math, params, **masters, moments_dtype=moments_dtype,
+                         stochastic_rounding=stochastic_rounding, seed=seed, **common)
         self._tell_shapes()
 
     def _tell_shapes(self) -> None:

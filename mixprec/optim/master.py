@@ -91,12 +91,14 @@ class MasterWeights(torch.optim.Optimizer):
         split: store the FP32 master of each BF16 param as the param plus a 16-bit remainder
             (the module docstring). ``None`` (default): wherever exact (``split.resolve_split``:
             FP32 masters, an elementwise inner optimizer); ``True`` refuses other optimizers;
-            ``False`` keeps full FP32 masters.
+            ``False`` keeps full FP32 masters (the user's flag; the layout classes need none).
+        layout: the layout by its class, ``MasterWeights`` (full) or ``SplitMasterWeights`` (split
+            wherever exact), whose storage is used as is (``Precision`` passes it from
+            ``recipe.masters``). ``None``: this class (``MasterWeights`` for ``split=False``).
         master_params: the parameters that get a separate FP32 master, exactly these: the per-layer
-            table's ``master`` column (``Precision.layers.master_params(model)``, which ``Precision.setup``
-            passes); listed FP32 params are converted to ``param_dtype``, unlisted ones are their
-            own master. ``None`` (a
-            hand-built optimizer): decided by dtype (``mixprec.optim.master_table.Masters``).
+            table's ``master`` column (``Precision.layers.master_params(model)``); listed FP32
+            params are converted to ``param_dtype``, unlisted ones are their own master. ``None``
+            (a hand-built optimizer): decided by dtype (``mixprec.optim.master_table.Masters``).
 
     It *is* a ``torch.optim.Optimizer`` (so LR schedulers accept it): ``param_groups`` and
     ``state`` are the inner optimizer's own objects, holding the masters, so editing
@@ -108,11 +110,9 @@ class MasterWeights(torch.optim.Optimizer):
     (a subclass) where split masters are on (``split``): that layout's storage, step and
     checkpoint live in its own file; this class holds full FP32 masters only."""
 
-    _table_cls: type[Masters] = Masters     # how this layout stores masters (master_table)
+    _table_cls: type[Masters] = Masters     # how this layout stores masters (master_table): full
 
-    _split_layout: type[MasterWeights] | None = None
-    """The split-master layout's class (mixprec.optim.split_masters; it names itself with
-    ``split_layout=True``, and ``import mixprec.optim`` imports it)."""
+    _split_layout: type[MasterWeights] | None = None   # SplitMasterWeights (``split_layout=True``)
 
     def __init_subclass__(cls, *, split_layout: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -120,10 +120,11 @@ class MasterWeights(torch.optim.Optimizer):
             MasterWeights._split_layout = cls
 
     def __new__(cls, optimizer_cls: Any = None, *args: Any, split: bool | None = None,
+                layout: type[MasterWeights] | None = None,
                 master_dtype: torch.dtype = torch.float32, **kwargs: Any) -> MasterWeights:
-        if cls is MasterWeights and cls._split_layout is not None \
-                and _split.split_layout_applies(optimizer_cls, split, master_dtype):
-            cls = cls._split_layout
+        if cls is MasterWeights:   # the layout said (Precision), else the user's flag decides
+            cls = layout or (cls._split_layout if cls._split_layout is not None and
+                             _split.split_layout_applies(optimizer_cls, split, master_dtype) else cls)
         return super().__new__(cls)
 
     def __init__(
@@ -134,37 +135,36 @@ class MasterWeights(torch.optim.Optimizer):
         master_dtype: torch.dtype = torch.float32,
         param_dtype: torch.dtype | None = None,
         split: bool | None = None,
+        layout: type[MasterWeights] | None = None,
         master_params: Iterable[Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         check_master_args(optimizer_cls, master_dtype, param_dtype)
+        if split:                 # the user's flag: True is refused where it cannot be exact
+            _split.resolve_split(split, optimizer_cls, master_dtype)
+        if layout is None:
+            layout = MasterWeights if split is False else type(self)
+        if not isinstance(self, layout):
+            raise ConfigError(f"{type(self).__name__} cannot step the {layout.__name__} layout; use {layout.__name__}")
         self.master_dtype, self.param_dtype = master_dtype, param_dtype
-        self.split = self._resolve_split(split, optimizer_cls, master_dtype)
         wanted = None if master_params is None else {id(p) for p in master_params}
-        self._table = self._table_cls(master_dtype, param_dtype, wanted, split=self.split)
+        # The flat step (mixprec.optim.flat) needs an elementwise inner optimizer on FP32 masters:
+        # one call over a concatenation must give each element what the per-master call gave.
+        self._flat_capable = _split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
+        self._table = layout._table_cls(master_dtype, param_dtype, wanted, elementwise=self._flat_capable)
         self._twin_args = (optimizer_cls, dict(optimizer_kwargs))
         self._flat: FlatSteps | None = None     # built at the first flat step (mixprec.optim.flat)
 
         master_groups = [self._table.make_group(g) for g in normalise_groups(params)]
         self._inner = optimizer_cls(master_groups, **optimizer_kwargs)
-        # The flat step (mixprec.optim.flat) needs an elementwise inner optimizer on FP32 masters:
-        # one call over a concatenation must give each element what the per-master call gave.
-        self._flat_capable = _split.chunk_exact(optimizer_cls) and master_dtype == torch.float32
         self._constructing = True
         super().__init__(self._inner.param_groups, self._inner.defaults)
         self._constructing = False
         self._alias_inner()
         registry.remember(self, self._table.all_params)
 
-    @staticmethod
-    def _resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
-                       master_dtype: torch.dtype) -> bool:
-        """Full masters: ``split=True`` is refused where it cannot be exact (resolve_split raises)."""
-        if split:
-            _split.resolve_split(split, optimizer_cls, master_dtype)
-        return False
-
-    # id(model param) -> its master; the FP32 grad buffers (the table's, for the split layout)
+    # the storage's answers: split or not; id(model param) -> its master; the FP32 grad buffers
+    split = property(lambda self: self._table.split)
     _master_of = property(lambda self: self._table.master_of)
     _grad_of = property(lambda self: self._table.grad_of)
 

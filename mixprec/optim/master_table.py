@@ -24,12 +24,16 @@ class Masters:
     ``master`` column), or None: every floating param not in ``master_dtype``, and with
     ``param_dtype`` every FP32 param the decider did not record as kept FP32 (the rule:
     mixprec.optim.registry.kept_fp32, recorded by ``Precision.setup``, ``cast_module`` and
-    ``mark_fp32_params``)."""
+    ``mark_fp32_params``). ``elementwise``: whether the inner optimizer's step is exact chunk by
+    chunk on FP32 masters (the split layout's table splits only then)."""
+
+    split = False
+    """Whether this layout stores the masters of BF16 params split (the full layout: never)."""
 
     def __init__(self, master_dtype: torch.dtype, param_dtype: torch.dtype | None,
-                 wanted: set[int] | None, *, split: bool = False) -> None:
+                 wanted: set[int] | None, *, elementwise: bool = False) -> None:
         self.master_dtype, self.param_dtype, self.wanted = master_dtype, param_dtype, wanted
-        self.split = split    # whether masters that can be split are (the split layout's table)
+        self.elementwise = elementwise
         # Pairs (model param, separate master); self-mastered params are not listed here.
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []

@@ -8,7 +8,8 @@ master; the ties packed into the flat chunks' bitmaps and back), how it steps
 FP32 masters of other params (FP16 ones) and the flat step are
 :class:`mixprec.optim.master.MasterWeights`' (and the modules it is composed of), which this class
 extends (single inheritance: ``MasterWeights(...)`` builds one wherever split masters are exact,
-see ``resolve_split``).
+see ``split.resolve_split``; ``Precision`` builds it where ``recipe.masters`` is ``split``). Where
+the masters split is this file's rule too (:class:`SplitMasters`).
 
 The step:
 
@@ -53,12 +54,14 @@ class SplitMasters(Masters):
     """:class:`mixprec.optim.master_table.Masters` with the FP32 master of each BF16 param stored
     as the param plus an int16 remainder (``lo``) and the flat indices of its ties that rounded
     down (``ties``), both by id of the storage-free FP32 *holder* the inner optimizer keys its
-    state by (the arithmetic: mixprec.optim.split). Full masters for what does not split (FP16
-    params), or everywhere when ``split`` is False."""
+    state by (the arithmetic: mixprec.optim.split). The layout's rule, here only: split wherever
+    exact, i.e. a BF16 param of an FP32 master (``split.splits``) under an elementwise inner
+    optimizer (``elementwise``, ``split.chunk_exact``); full masters for the rest (FP16 params)."""
 
     def __init__(self, master_dtype: torch.dtype, param_dtype: torch.dtype | None,
-                 wanted: set[int] | None, *, split: bool = False) -> None:
-        super().__init__(master_dtype, param_dtype, wanted, split=split)
+                 wanted: set[int] | None, *, elementwise: bool = False) -> None:
+        super().__init__(master_dtype, param_dtype, wanted, elementwise=elementwise)
+        self.split = elementwise and master_dtype == torch.float32   # splits BF16 params' masters
         self.lo: dict[int, Tensor] = {}      # id(holder) -> int16 remainder
         self.ties: dict[int, Tensor] = {}    # id(holder) -> flat indices of the ties that rounded down
         # The step's FP32 stand-ins (SplitMasterWeights._widen) and what is still to widen:
@@ -152,8 +155,9 @@ class SplitMasters(Masters):
 class SplitMasterWeights(MasterWeights, split_layout=True):
     """:class:`MasterWeights` with the FP32 master of each BF16 param stored split (2 bytes, not 4).
 
-    Built by ``MasterWeights(...)`` (and :class:`mixprec.optim.AdamW`) where split masters are
-    exact: FP32 masters and an elementwise inner optimizer (``split.chunk_exact``). Same
+    Built where ``recipe.masters`` is ``split`` (``Precision``'s params plugin: this class, or
+    ``AdamW(..., layout=SplitMasterWeights)``), and by ``MasterWeights(...)`` where split masters
+    are exact. It splits wherever that is exact, by :class:`SplitMasters`' rule. Same
     constructor, public methods and ``state_dict()`` as :class:`MasterWeights`; bit-identical
     steps (tests/optim/test_split_masters.py).
     """
@@ -165,11 +169,11 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         self._deferred: _split.DeferredGrads | None = None
         super().__init__(optimizer_cls, params, **kwargs)
 
-    @staticmethod
-    def _resolve_split(split: bool | None, optimizer_cls: type[torch.optim.Optimizer],
-                       master_dtype: torch.dtype) -> bool:
-        return _split.resolve_split(split, optimizer_cls, master_dtype)
-
+    @property
+    def _full(self) -> bool:
+        """Built over the full layout's storage (``mixprec.optim.AdamW(..., layout=MasterWeights)``,
+        one class over both layouts): this class's methods are then :class:`MasterWeights`'."""
+        return not isinstance(self._table, SplitMasters)
 
     # ------------------------------------------------------------------ what it stores
     def master_of(self, param: Tensor) -> Tensor:
@@ -177,6 +181,8 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         FP32 tensor joined from the param and its remainder: read it again after a step to see
         the new value (while widened for the step, the FP32 tensor the inner optimizer steps)."""
         m = super().master_of(param)
+        if self._full:
+            return m
         if id(m) in self._table.wide:
             return self._table.wide[id(m)]
         if self._table.is_split(m):
@@ -188,7 +194,7 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         """The gradient tensors the step reads for ``param``: for a split master the model
         param's own (BF16) grad, which the step widens itself (and its FP32 copy, if widened)."""
         m = self._table.master_of.get(id(param))
-        if m is None or not self._table.is_split(m):
+        if m is None or self._full or not self._table.is_split(m):
             return super().step_grads(param)
         w = self._table.wide.get(id(m))
         return [g for g in (w.grad if w is not None else None, param.grad) if g is not None]
@@ -198,6 +204,8 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         """The step's gradients without FP32 copies of the split ones (mixprec.optim.split), or
         None when nothing is deferred (no split masters with a grad): then use ``master_grads()``.
         Same object until ``step()`` or ``zero_grad()``."""
+        if self._full:
+            return super().deferred_grads()
         if self._deferred is not None:
             return self._deferred
         self._table.prepare_grads()
@@ -223,6 +231,8 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         """As :meth:`MasterWeights.master_grads`; split masters are widened for this step into
         FP32 tensors that stand in the param groups until the step (the memory of full masters):
         mixprec's scaler and clipping use :meth:`deferred_grads` instead."""
+        if self._full:
+            return super().master_grads()
         self._table.prepare_grads()
         if self._table.pending:
             self._widen([m for m in self._table.masters if id(m) in self._table.pending])
@@ -232,6 +242,9 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
         return super().master_grads()
 
     def _end_step(self) -> None:
+        if self._full:
+            super()._end_step()
+            return
         self._narrow([m for m in self._table.masters if id(m) in self._table.wide], store=False)
         super()._end_step()
         if self._deferred is not None:
@@ -259,7 +272,7 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
     def _step_per_master(self, parts: Sequence[Sequence[Tensor]] | None,
                          around: Callable[[int], contextlib.AbstractContextManager] | None,
                          found_on_device: Tensor | None) -> None:
-        if not self._table.lo:
+        if self._full or not self._table.lo:
             super()._step_per_master(parts, around, found_on_device)
             return
         self._step_split(parts, around)

@@ -130,8 +130,8 @@ class Recipe:
     def masters(self) -> str:
         """The master layout mixprec's optimizer builds (``MASTER_LAYOUTS``): ``split`` for BF16
         parameters with ``split_masters``, ``full`` for other 16-bit ones, ``none`` without masters.
-        (A torch optimizer of your own gets full masters, ``MasterWeights``; under FSDP2 the FP32
-        shards are the masters.)"""
+        (The params plugin builds this layout's class around mixprec's AdamW or a torch optimizer of
+        your own; under FSDP2 the FP32 shards are the masters.)"""
         if not self.keeps_masters:
             return "none"
         return "split" if self.split_masters and self.policy.param_dtype == torch.bfloat16 else "full"

@@ -2,10 +2,10 @@
 Adam moments, and the loss scale of FP16 storage (``16-true``).
 
 This is where ``recipe.masters`` chooses the optimizer: ``none`` with 16-bit parameters (updated
-in place) -> torch's AdamW; otherwise mixprec's AdamW with the layout said outright
-(``split_masters=True`` for ``split``, ``False`` for ``full`` and for FP32 parameters, which have
-no master to split); a torch optimizer of the user's -> :class:`mixprec.optim.MasterWeights`,
-split wherever that is exact for ``split``, full for ``full``."""
+in place) -> torch's AdamW; otherwise the layout's class (:func:`_layout`: ``SplitMasterWeights``
+for ``split``, ``MasterWeights`` for ``full`` and for FP32 parameters, which have no master),
+around mixprec's AdamW (its moments) or around the user's torch optimizer. The class stores the
+masters its way; nothing downstream decides the layout again."""
 from __future__ import annotations
 
 import inspect
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import ConfigError
-from mixprec.optim import AdamW, MasterWeights
+from mixprec.optim import AdamW, MasterWeights, SplitMasterWeights
 from mixprec.precision.cast import cast_module
 from mixprec.precision.plugins.base import Face, PrecisionPlugin
 
@@ -61,11 +61,8 @@ class ParamsPlugin(PrecisionPlugin):
                   for g in optimizer.param_groups]
         precision.notes.append(f"{type(optimizer).__name__} steps FP32 master weights "
                                "(mixprec.optim.MasterWeights)")
-        # split: wherever the optimizer's step is exact chunk by chunk (MasterWeights decides);
-        # full: full FP32 copies, whatever the optimizer.
-        split = None if self.recipe.masters == "split" else False
-        return MasterWeights(type(optimizer), groups, master_params=precision.layers.master_params(model),
-                             split=split, **defaults)
+        return MasterWeights(type(optimizer), groups, layout=_layout(self.recipe.masters),
+                             master_params=precision.layers.master_params(model), **defaults)
 
     def make_optimizer(self, precision: Face, param_groups: list[dict[str, Any]], *,
                        model: nn.Module | None = None, **adamw_options: Any) -> torch.optim.Optimizer:
@@ -80,7 +77,7 @@ class ParamsPlugin(PrecisionPlugin):
             adamw_options = {**adamw_options, "fused": True}
             notes.append("AdamW: torch's fused kernel (fused=True, CUDA), which skips a non-finite "
                          "step on the device: no host read per step")
-        opt = AdamW(param_groups, split_masters=recipe.masters == "split", moments=recipe.moments,
+        opt = AdamW(param_groups, layout=_layout(recipe.masters), moments=recipe.moments,
                     master_params=masters, **adamw_options)
         if opt.split_count:       # said only where a BF16 parameter got one (not under 32-true)
             notes.append("FP32 masters of BF16 parameters split: the parameter + a 16-bit "
@@ -91,6 +88,12 @@ class ParamsPlugin(PrecisionPlugin):
                             "vectors keep FP32 moments)") + ", widened to FP32 in the update "
                          "(moments; docs/lean.md)")
         return opt
+
+
+def _layout(masters: str) -> type[MasterWeights]:
+    """The class of the recipe's master layout: split wherever exact (the class's own rule) for
+    ``split``; full FP32 masters for ``full`` (and ``none`` under 32-true: nothing to split)."""
+    return SplitMasterWeights if masters == "split" else MasterWeights
 
 
 def _fuses(param_groups: list[dict[str, Any]], masters: list[torch.Tensor] | None, moments: str,
