@@ -41,9 +41,19 @@ LAZY_IN_CORE = {
 }
 """Core modules that may import a mixprec module inside a function, each with its reason; elsewhere
 the core imports at module level (a function-level import is for an optional heavy dependency).
-``LAZY_ROOMS`` are being reshaped by #38 items 1-3 and keep theirs until then."""
+``LAZY_ROOMS`` (rooms exempt while #38 reshaped them): none left."""
 
-LAZY_ROOMS = {"precision", "amp"}
+LAZY_ROOMS: set[str] = set()
+
+EAGER_ROOMS = {"amp", "precision"}
+"""Rooms where every function-level import counts, of any package (torch's too), not only mixprec's:
+each one left is listed in :data:`LAZY_HEAVY`."""
+
+LAZY_HEAVY = {
+    # FSDP2's MixedPrecisionPolicy: torch.distributed.fsdp loads ~600 modules, only where FSDP2 runs.
+    "mixprec/precision/plugins/fsdp2.py": {"torch.distributed.fsdp"},
+}
+"""The optional heavy dependencies a module of :data:`EAGER_ROOMS` imports inside a function."""
 
 SHIM_UP: dict[str, set[str]] = {}
 """Imports allowed to point up, each listed with its reason: none (the last lazy re-exports upward
@@ -89,32 +99,39 @@ def _imports(path: Path, package: str, root: Path) -> list[tuple[str, int]]:
     return [(n, line) for n, line in found if n.split(".")[0] == "mixprec"]
 
 
-def _function_imports(path: Path) -> list[int]:
-    """Lines of the ``mixprec`` imports inside functions of ``path``."""
+def _function_imports(path: Path, *, any_package: bool = False,
+                      allowed: set[str] = frozenset()) -> list[int]:
+    """Lines of the ``mixprec`` imports inside functions of ``path`` (with ``any_package``, of
+    every package's), those of the modules in ``allowed`` left out."""
     tree = ast.parse(path.read_text(), filename=str(path))
     lines = []
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for node in ast.walk(fn):
-                if isinstance(node, ast.ImportFrom) and node.level == 0:
-                    names = [node.module or ""]
+                if isinstance(node, ast.ImportFrom):  # a relative import is one of mixprec's
+                    names = [node.module or ""] if node.level == 0 else ["mixprec"]
                 elif isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
                 else:
                     continue
-                if any(n.split(".")[0] == "mixprec" for n in names):
+                if any(n not in allowed and (any_package or n.split(".")[0] == "mixprec")
+                       for n in names):
                     lines.append(node.lineno)
     return sorted(set(lines))
 
 
 def lazy_core_imports(root: Path = ROOT) -> list[str]:
     """``file:line`` of each function-level mixprec import in a core room, outside
-    :data:`LAZY_IN_CORE` and :data:`LAZY_ROOMS`."""
+    :data:`LAZY_IN_CORE` and :data:`LAZY_ROOMS`, and of each function-level import of any package
+    in :data:`EAGER_ROOMS`, outside :data:`LAZY_HEAVY`."""
     bad = []
     for path, module, _ in _files(root):
         rel = path.relative_to(root.parent).as_posix()
         room = _room(module)
-        if room in CORE and room not in LAZY_ROOMS and rel not in LAZY_IN_CORE:
+        if room in EAGER_ROOMS:
+            bad += [f"{rel}:{line}" for line in _function_imports(path, any_package=True,
+                                                                  allowed=LAZY_HEAVY.get(rel, set()))]
+        elif room in CORE and room not in LAZY_ROOMS and rel not in LAZY_IN_CORE:
             bad += [f"{rel}:{line}" for line in _function_imports(path)]
     return bad
 
@@ -203,6 +220,20 @@ def test_the_checker_catches_a_lazy_import_in_the_core(tmp_path):
     assert lazy_core_imports(tmp_path / "mixprec") == ["mixprec/runs/lazy.py:4"]
 
 
+def test_the_checker_catches_any_lazy_import_in_an_eager_room_but_a_listed_heavy_one(tmp_path):
+    fake = tmp_path / "mixprec" / "precision" / "plugins"
+    fake.mkdir(parents=True)
+    (fake / "fsdp2.py").write_text("def f():\n    import math\n    from torch.distributed.fsdp import X\n")
+    (fake / "other.py").write_text("def g():\n    from torch.distributed.fsdp import X\n")
+    assert lazy_core_imports(tmp_path / "mixprec") == ["mixprec/precision/plugins/fsdp2.py:2",
+                                                       "mixprec/precision/plugins/other.py:2"]
+
+
+def test_importing_precision_and_amp_leaves_fsdp2_unloaded():
+    assert _loaded_after("import mixprec.precision, mixprec.amp", "torch.distributed.fsdp") == []
+    assert _loaded_after("import torch.distributed.fsdp", "torch.distributed.fsdp") != []
+
+
 def test_no_module_imports_itself_back():
     assert import_circles() == []
 
@@ -238,9 +269,10 @@ def test_every_room_of_the_package_is_placed():
     assert (tuple(CORE), tuple(TOOLS)) == (mixprec._CORE, mixprec._TOOLS)
 
 
-def _loaded_after(code: str) -> list[str]:
+def _loaded_after(code: str, prefix: str = "mixprec") -> list[str]:
+    """The modules named ``prefix...`` loaded after running ``code`` in a fresh interpreter."""
     out = subprocess.run([sys.executable, "-c", f"import sys\n{code}\n"
-                          "print(*sorted(m for m in sys.modules if m.startswith('mixprec')))"],
+                          f"print(*sorted(m for m in sys.modules if m.startswith({prefix!r})))"],
                          capture_output=True, text=True, check=True).stdout
     return out.split()
 

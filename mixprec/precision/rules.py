@@ -31,6 +31,8 @@ import fnmatch
 
 from torch import nn
 
+from mixprec.formats.fp8_linear import Fp8Conv1D, is_conv1d
+
 __all__ = ["TORCH_NORM_TYPES", "GATE_NAMES", "HEAD_NAMES", "is_norm", "is_gate", "is_head",
            "is_embedding", "is_gemm_layer", "layer_kind", "keep_fp32_reason",
            "embedding_weights"]
@@ -95,7 +97,6 @@ def is_embedding(module: nn.Module) -> bool:
 def is_gemm_layer(module: nn.Module) -> bool:
     """A layer that gets a per-layer format: an ``nn.Linear`` or a Hugging Face ``Conv1D`` (GPT-2;
     FP8 formats only: other formats leave a Conv1D in the surrounding format)."""
-    from mixprec.formats.fp8_linear import Fp8Conv1D, is_conv1d
     return isinstance(module, (nn.Linear, Fp8Conv1D)) or is_conv1d(module)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.optim.adamw import sharded_adamw
 from mixprec.precision.plugins.base import Face, PrecisionPlugin
 from mixprec.precision.plugins.params import ParamsPlugin
 
@@ -24,6 +25,13 @@ NO_SPLIT = ("split masters: nothing to split under FSDP2, whose FP32 parameter s
             "masters (4 bytes per parameter / world, what split masters' BF16 parameter + 16-bit "
             "remainder also cost) and whose BF16 copies exist only while a layer is gathered")
 """Why ``split_masters`` has no effect under FSDP2 (docs/lean.md), recorded in ``Precision.notes``."""
+
+
+def _policy(**dtypes: torch.dtype | None):
+    """FSDP2's ``MixedPrecisionPolicy(**dtypes)``."""
+    # Function-level: torch.distributed.fsdp loads ~600 modules (~0.7 s), only where FSDP2 runs.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(**dtypes)
 
 
 class Fsdp2Plugin(PrecisionPlugin):
@@ -57,7 +65,6 @@ class Fsdp2Plugin(PrecisionPlugin):
             precision.notes.append(NO_SPLIT)
         if recipe.moments == "fp32":
             return torch.optim.AdamW(param_groups, **adamw_options)
-        from mixprec.optim.adamw import sharded_adamw
         precision.notes.append(f"FSDP2: mixprec's FP32-math AdamW steps the FP32 shards with moments="
                                f"{recipe.moments}" + (" (matrices; vectors keep FP32 moments), sharded and "
                                                       "resharded with the parameters"
@@ -67,18 +74,16 @@ class Fsdp2Plugin(PrecisionPlugin):
     def mixed_precision(self):
         """``MixedPrecisionPolicy`` of the ordinary units: gathered in the compute dtype under
         autocast modes, in the storage dtype otherwise; gradients reduced in the reduce dtype."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
         r = self.recipe
         gather = r.compute_dtype if r.autocasts else r.param_dtype
         if gather == _F32:
-            return MixedPrecisionPolicy(reduce_dtype=None if r.reduce_dtype == _F32 else r.reduce_dtype)
-        return MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=r.reduce_dtype)
+            return _policy(reduce_dtype=None if r.reduce_dtype == _F32 else r.reduce_dtype)
+        return _policy(param_dtype=gather, reduce_dtype=r.reduce_dtype)
 
     def island_policy(self):
         """The policy of units kept in FP32 (norms, gates), or None when every unit gathers FP32
         anyway: parameters FP32, output cast back to the gather dtype."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
         gather = self.mixed_precision().param_dtype
         if gather is None:
             return None
-        return MixedPrecisionPolicy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
+        return _policy(param_dtype=_F32, reduce_dtype=_F32, output_dtype=gather)
