@@ -22,7 +22,7 @@ from mixprec.optim.flat_chunk import Chunk
 
 __all__ = ["KERNEL_DEVICES", "PROBE_REL_TOL", "KernelChoice", "kernel_agrees", "kernel_refusal"]
 
-_log = logging.getLogger("mixprec.optim.flat")
+_log = logging.getLogger(__name__)
 """The flat step's logger (docs/performance.md names it), shared by the modules of the flat step."""
 
 KERNEL_DEVICES = ("cuda",)

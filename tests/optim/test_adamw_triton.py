@@ -430,7 +430,7 @@ def test_the_flat_step_notes_and_logs_why_its_chunks_keep_the_twin(cuda_ok, capl
             opt.step()
             opt.zero_grad()
         return lin, opt
-    with caplog.at_level(logging.INFO, logger="mixprec.optim.flat"):
+    with caplog.at_level(logging.INFO, logger="mixprec.optim.flat_kernel"):
         lin, opt = run(("cuda", "cpu"))
     assert opt._flat.kernel_notes == {"cpu": "mixprec's AdamW kernel failed or disagreed with the twin's "
                                              "foreach step in its probe"}
