@@ -73,7 +73,6 @@ from mixprec.amp import scaler_state
 from mixprec.amp.host_flags import LazyHost
 from mixprec.amp.iteration import Counters, Iteration, _Stage
 from mixprec.amp.loss_scale import DynamicLossScaler, LossScaleConfig
-from mixprec.amp.unscale import optimizer_grads, unscale_grads
 from mixprec.errors import ConfigError
 from mixprec.policy.policy import Policy, get_policy
 
@@ -254,38 +253,16 @@ class GradScaler:
         """Whether ``optimizer``'s gradients still carry the loss scale this iteration."""
         return self._scaling and self._iteration.stage(optimizer) is _Stage.READY
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[Tensor] | None = None, *,
+                 low: list[Tensor] | None = None) -> Tensor | None:
         """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, once per step.
-
         Call it before inspecting or clipping gradients; ``step()`` calls it otherwise. No host sync.
-        """
-        if not self._active:
-            return
-        inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        self._iteration.unscale(optimizer, inv_for, self._device, self._process_group)
-
-    def unscale_grads_(self, optimizer: torch.optim.Optimizer, grads: list[Tensor] | None = None,
-                       *, low: list[Tensor] | None = None) -> Tensor | None:
-        """:meth:`unscale_` over gradients the caller asked ``optimizer`` for, so that the scaler
-        calls nothing of the optimizer's (``mixprec.Precision.step`` asks it, then hands them here):
-        ``grads`` (its ``master_grads()``; None: the ``.grad`` of its ``param_groups``) are unscaled
-        in place and checked for inf/NaN; ``low`` (a split-master optimizer's deferred model-dtype
-        gradients, with ``grads`` its own FP32 ones) are checked as they are, their unscale left to
-        the step. Once per iteration, as :meth:`unscale_`; no host sync.
-
-        Returns the factor the step must apply to ``low``: 1/scale on their device, a snapshot (a
-        later :meth:`update` cannot change it); None without ``low`` or with scaling off."""
+        ``grads``/``low``: the gradients ``mixprec.Precision.step`` asked the optimizer for (so the
+        scaler calls nothing of the optimizer's): :meth:`Iteration.unscale`, which returns ``low``'s factor."""
         if not self._active:
             return None
         inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        st = self._iteration.check_unscale(optimizer)
-        local = optimizer_grads(optimizer, grads) if low is None else grads or []
-        st.found_inf, st.no_grads = unscale_grads(local, inv_for, self._device, self._process_group,
-                                                  low=low)
-        st.stage = _Stage.UNSCALED
-        if low and self._scaling:
-            return inv_for(low[0].device).clone()
-        return None
+        return self._iteration.unscale(optimizer, inv_for, self._device, self._process_group, grads, low)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and run ``optimizer.step(*args, **kwargs)`` unless a gradient

@@ -261,17 +261,8 @@ class MasterWeights(torch.optim.Optimizer):
                 loss = closure()
             self._table.grads_ready = False
         self._table.prepare_grads()
-        if inputs is not None and inputs.grad_factors:
-            self._defer_factors(inputs.grad_factors)
-        flat_dispatch.step_masters(self, inputs.found_inf if inputs is not None else None,
-                                   parts, around)
+        flat_dispatch.step_masters(self, inputs, parts, around)
         return loss
-
-    def _defer_factors(self, factors: list[Tensor]) -> None:
-        """``StepInputs``' factors of deferred gradients: full masters defer none (their FP32
-        grads were unscaled and clipped in place), so any is a caller's mistake."""
-        raise RuntimeError("StepInputs(inv_scale=/clip_coef=) are factors of deferred gradients "
-                           "(split masters' deferred_grads()); this optimizer defers none")
 
     def _step_per_master(self, parts: Sequence[Sequence[Tensor]] | None,
                          around: Callable[[int], contextlib.AbstractContextManager] | None,

@@ -226,18 +226,6 @@ class SplitMasterWeights(MasterWeights, split_layout=True):
     def _grad_factors(self) -> list[Tensor]:
         return self._deferred.factors if self._deferred is not None else []
 
-    def _defer_factors(self, factors: list[Tensor]) -> None:
-        """``StepInputs``' factors (unscale, then clip) of the gradients :meth:`deferred_grads`
-        handed out this step, applied inside it as the scaler's would be."""
-        if self._full:
-            super()._defer_factors(factors)
-            return
-        if self._deferred is None or self._deferred.closed:
-            raise RuntimeError("StepInputs(inv_scale=/clip_coef=) are factors of the gradients "
-                               "deferred_grads() handed out this step, but none are open (was "
-                               "zero_grad() or master_grads() called since?)")
-        self._deferred.factors.extend(factors)
-
     @torch.no_grad()
     def master_grads(self) -> list[Tensor]:
         """As :meth:`MasterWeights.master_grads`; split masters are widened for this step into

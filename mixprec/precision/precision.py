@@ -317,7 +317,7 @@ class Precision(metaclass=_Face):
         # 2. amp/: unscale and check, clip, the scale's update; the scaler is handed tensors
         scaler = self.scaler
         with record_function("mixprec.unscale"):           # fused with the inf/NaN check
-            inv_scale = scaler.unscale_grads_(optimizer, asked.grads, low=asked.low)
+            inv_scale = scaler.unscale_(optimizer, asked.grads, low=asked.low)
         scaler.last_grad_norm = clip_coef = None
         if clip_grad_norm or measure_grad_norm:            # clip sees unscaled gradients
             with record_function("mixprec.clip_grad_norm"):
