@@ -300,7 +300,13 @@ class Precision(metaclass=_Face):
         """Finish an optimizer step (issue #35's protocol, the same for every family): unscale once
         (fused with the inf/NaN check, agreed across ranks), clip the unscaled gradients to
         ``clip_grad_norm`` (or only measure them, ``measure_grad_norm``; ``scaler.last_grad_norm``),
-        step (FP32 masters copied back) or skip the whole step, update the loss scale.
+        update the loss scale, then step (FP32 masters copied back) or skip the whole step.
+
+        This is the one place that hands data between amp/ and optim/: the optimizer is asked for
+        its gradients here (the grad protocol), the scaler and the clip get them as tensors, and
+        the step gets the flag, the deferred unscale factor (a snapshot, untouched by the update)
+        and the clip coefficient as device tensors in ``StepInputs``; one step visits amp/ in one
+        stretch and optim/ around it (tests/precision/test_step_rooms.py).
 
         A mixprec master-weight optimizer gets the non-finite flag as a device tensor
         (:class:`~mixprec.optim.inputs.StepInputs`), torch's ``fused=True`` Adam/AdamW/SGD/Adagrad
