@@ -13,6 +13,8 @@ is inf/NaN the norm is too; the step is skipped by the scaler anyway.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -83,7 +85,7 @@ def clip_grad_norm_(scaler: GradScaler | torch.amp.GradScaler, optimizer: torch.
 @torch.no_grad()
 def clip_grads_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
                 grads: list[Tensor] | None = None, *, low: list[Tensor] | None = None,
-                order: list[Tensor] | None = None, factors: list[Tensor] = (),
+                order: list[Tensor] | None = None, factors: Sequence[Tensor] = (),
                 batches: list[tuple[list[int], list[Tensor]]] | None = None,
                 error_if_nonfinite: bool = False, foreach: bool | None = None
                 ) -> tuple[Tensor, Tensor | None]:
