@@ -22,7 +22,7 @@ from mixprec.amp.grad_norms import split_norms
 from mixprec.amp.grad_scaler import GradScaler
 from mixprec.amp.iteration import _Stage
 from mixprec.amp.grads import HasMasterGrads
-from mixprec.amp.unscale import _scale_, deferred_grads
+from mixprec.amp.unscale import deferred_grads, scale_grads_
 from mixprec.errors import ConfigError
 
 __all__ = ["clip_grad_norm_", "clip_grads_"]
@@ -119,7 +119,7 @@ def clip_grads_(optimizer: torch.optim.Optimizer, max_norm: float, norm_type: fl
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so "
                            "it cannot be clipped; pass error_if_nonfinite=False to skip this check")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    _scale_(own, lambda device: coef.to(device))
+    scale_grads_(own, lambda device: coef.to(device))
     return total, (coef.to(low[0].device) if low else None)
 
 

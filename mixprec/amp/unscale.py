@@ -21,7 +21,7 @@ from torch import Tensor
 from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
 
 __all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale", "unscale_optimizer",
-           "unscale_grads"]
+           "unscale_grads", "scale_grads_"]
 
 
 def _dtensor_type() -> type | None:
@@ -161,7 +161,7 @@ def unscale_grads(grads: list[Tensor], inv_scale_for: Callable[[torch.device], T
         found = check_and_unscale(grads, inv_scale_for, home)
     else:
         found = _check_split(low, grads, home)
-        _scale_(grads, inv_scale_for)
+        scale_grads_(grads, inv_scale_for)
     return _agreed(found, process_group), not grads and not low
 
 
@@ -171,7 +171,7 @@ def _check_split(low: list[Tensor], own: list[Tensor], home: torch.device | None
 
 
 @torch.no_grad()
-def _scale_(grads: list[Tensor], factor_for: Callable[[torch.device], Tensor | None]) -> None:
+def scale_grads_(grads: list[Tensor], factor_for: Callable[[torch.device], Tensor | None]) -> None:
     """Multiply ``grads`` by ``factor_for(device)`` in place, one foreach per (device, dtype)."""
     groups = torch._C._group_tensors_by_device_and_dtype([grads], False) if grads else {}
     for (device, _dtype), ([group], _) in groups.items():
