@@ -10,7 +10,12 @@
   (the whole fit, run folder included), and the distinct upward call edges among them;
   **during one step only**: the same, counted only inside the second ``Trainer.train_step`` of a
   ``max_steps=2`` fit (the path of a parameter through one step, after the first step's one-time
-  work); ``--list`` prints those files and edges.
+  work); ``--list`` prints those files and edges;
+* **the room sequence of one** ``Precision.step`` (``--visits``): the rooms below ``precision/``
+  whose functions run inside the second ``Precision.step`` of that fit, in the order they are
+  entered, consecutive repeats collapsed (``precision/`` itself, which hands data between them,
+  and files outside the rooms are left out), and the distinct call edges from ``amp/`` into
+  ``optim/`` (:func:`step_rooms`).
 
 ``ROOT`` is a checkout's directory holding ``mixprec/`` (default: this one), so an older commit
 can be measured from ``git archive <commit> mixprec tests | tar -x -C DIR``.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 RULES = {
     "tag read": re.compile(r"""getattr\([^)]*["']keep_in_fp32["']|\.keep_in_fp32\b(?!\s*=[^=])"""),
@@ -121,6 +127,87 @@ def visits(step_only: bool = False) -> tuple[int, int, int, list[str], list[tupl
     return len(seen), len(rooms), len(upward), rel, edges
 
 
+def step_rooms(step: Any, run: Any) -> tuple[list[str], list[tuple[str, str]]]:
+    """(rooms entered in order, consecutive repeats collapsed; distinct (amp file, optim file) call
+    edges) while ``run()`` runs, counted only inside calls whose code is ``step``'s
+    (``Precision.step``). ``precision/`` is the conductor and is left out of the sequence, as are
+    files outside the rooms of tests/test_layers.py's order."""
+    import mixprec as mp
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_layers import ORDER
+    pkg = str(Path(mp.__file__).parent)
+    code = step.__code__
+    rooms: list[str] = []
+    edges: set[tuple[str, str]] = set()
+    depth = [0]
+
+    def room(f: str) -> str | None:
+        if not f.startswith(pkg):
+            return None
+        parts = Path(f).relative_to(pkg).parts
+        return parts[0] if len(parts) > 1 and parts[0] in ORDER else None
+
+    def prof(frame, event, arg):
+        if frame.f_code is code:
+            depth[0] += 1 if event == "call" else -1 if event == "return" else 0
+            return
+        if event != "call" or depth[0] <= 0:
+            return
+        f = frame.f_code.co_filename
+        r = room(f)
+        if r is None or r == "precision":
+            return
+        if not rooms or rooms[-1] != r:
+            rooms.append(r)
+        back = frame.f_back
+        caller = back.f_code.co_filename if back is not None else ""
+        if r == "optim" and room(caller) == "amp":
+            edges.add((Path(caller).relative_to(pkg).as_posix(), Path(f).relative_to(pkg).as_posix()))
+
+    sys.setprofile(prof)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return rooms, sorted(edges)
+
+
+def step_room_sequence() -> tuple[list[str], list[tuple[str, str]]]:
+    """:func:`step_rooms` of the second ``Precision.step`` of ``fit(tiny, bf16-true, max_steps=2)``
+    (split masters, the default; the first step's one-time work left out)."""
+    import tempfile
+
+    import torch
+    import mixprec as mp
+    from mixprec.precision.precision import Precision
+    torch.manual_seed(0)
+    model = mp.Transformer.from_preset("tiny")
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (2, 33), generator=g) for _ in range(2)]
+    loader = [(x[:, :-1], x[:, 1:]) for x in data]
+    original = Precision.step
+    calls = {"n": 0}
+    out: dict[str, Any] = {}
+
+    def second(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] != 2:
+            return original(self, *args, **kwargs)
+        box = {}
+        out["rooms"], out["edges"] = step_rooms(
+            original, lambda: box.setdefault("r", original(self, *args, **kwargs)))
+        return box["r"]
+
+    Precision.step = second
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.fit(model, loader, precision="bf16-true", max_steps=2, run_dir=tmp, progress=False,
+                   ckpt_interval=0)
+    finally:
+        Precision.step = original
+    return out["rooms"], out["edges"]
+
+
 def main(argv: list[str]) -> None:
     root = Path(next((a for a in argv if not a.startswith("--")), Path(__file__).resolve().parents[1]))
     branches = rule_branches(root)
@@ -140,6 +227,12 @@ def main(argv: list[str]) -> None:
                 print("  files: " + ", ".join(files))
                 for a, b in edges:
                     print(f"  upward: {a} -> {b}")
+        rooms, amp_optim = step_room_sequence()
+        print(f"one Precision.step (the 2nd, bf16-true): rooms entered {' -> '.join(rooms)}; "
+              f"{len(amp_optim)} call edges amp/ -> optim/")
+        if "--list" in argv:
+            for a, b in amp_optim:
+                print(f"  amp -> optim: {a} -> {b}")
 
 
 if __name__ == "__main__":

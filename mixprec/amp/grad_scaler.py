@@ -253,15 +253,16 @@ class GradScaler:
         """Whether ``optimizer``'s gradients still carry the loss scale this iteration."""
         return self._scaling and self._iteration.stage(optimizer) is _Stage.READY
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[Tensor] | None = None, *,
+                 low: list[Tensor] | None = None) -> Tensor | None:
         """Divide ``optimizer``'s grads by the scale and check them for inf/NaN, once per step.
-
         Call it before inspecting or clipping gradients; ``step()`` calls it otherwise. No host sync.
-        """
+        ``grads``/``low``: the gradients ``mixprec.Precision.step`` asked the optimizer for (so the
+        scaler calls nothing of the optimizer's): :meth:`Iteration.unscale`, which returns ``low``'s factor."""
         if not self._active:
-            return
+            return None
         inv_for = (lambda dev: self._tensors_for(dev)[1]) if self._scaling else (lambda dev: None)
-        self._iteration.unscale(optimizer, inv_for, self._device, self._process_group)
+        return self._iteration.unscale(optimizer, inv_for, self._device, self._process_group, grads, low)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (if not done yet) and run ``optimizer.step(*args, **kwargs)`` unless a gradient

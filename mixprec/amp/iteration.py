@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec.amp.unscale import unscale_optimizer
+from mixprec.amp.unscale import optimizer_grads, unscale_grads, unscale_optimizer
 from mixprec.errors import ConfigError
 
 __all__ = ["NoGradientsError", "Counters", "Iteration"]
@@ -88,11 +88,25 @@ class Iteration:
 
     def unscale(self, optimizer: torch.optim.Optimizer,
                 inv_scale_for: Callable[[torch.device], Tensor | None],
-                home: torch.device | None, process_group: Any) -> None:
-        """``GradScaler.unscale_``: once per iteration (:func:`unscale.unscale_optimizer`)."""
+                home: torch.device | None, process_group: Any,
+                grads: list[Tensor] | None = None, low: list[Tensor] | None = None) -> Tensor | None:
+        """``GradScaler.unscale_``, once per iteration. torch's form (neither ``grads`` nor ``low``)
+        asks the optimizer for its gradients (:func:`unscale.unscale_optimizer`, the grad protocol).
+        Otherwise the caller asked it (``mixprec.Precision.step``) and hands the tensors over
+        (:func:`unscale.unscale_grads`): ``grads`` its ``master_grads()`` (None: the ``.grad`` of
+        its param groups), or with ``low`` (a split-master step's deferred model-dtype gradients,
+        checked as they are) its own FP32 ones. Returns the factor the step must apply to ``low``:
+        1/scale on their device, a snapshot a later update cannot change; None without ``low`` or
+        without scaling."""
         st = self.check_unscale(optimizer)
-        st.found_inf, st.no_grads = unscale_optimizer(optimizer, inv_scale_for, home, process_group)
+        if grads is None and low is None:
+            st.found_inf, st.no_grads = unscale_optimizer(optimizer, inv_scale_for, home, process_group)
+        else:
+            local = optimizer_grads(optimizer, grads) if low is None else grads or []
+            st.found_inf, st.no_grads = unscale_grads(local, inv_scale_for, home, process_group, low=low)
         st.stage = _Stage.UNSCALED
+        factor = inv_scale_for(low[0].device) if low else None
+        return None if factor is None else factor.clone()
 
     def check_step(self, optimizer: torch.optim.Optimizer,
                    unscale: Callable[[torch.optim.Optimizer], None], scaling: bool) -> _OptState:

@@ -20,7 +20,8 @@ from torch import Tensor
 
 from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
 
-__all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale", "unscale_optimizer"]
+__all__ = ["optimizer_grads", "deferred_grads", "check_and_unscale", "unscale_optimizer",
+           "unscale_grads", "scale_grads_"]
 
 
 def _dtensor_type() -> type | None:
@@ -34,16 +35,19 @@ def _dtensor_type() -> type | None:
 _LAYOUT = operator.attrgetter("layout")
 
 
-def optimizer_grads(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+def optimizer_grads(optimizer: torch.optim.Optimizer,
+                    master_grads: list[Tensor] | None = None) -> list[Tensor]:
     """The gradient tensors ``optimizer`` will step with, as plain local tensors.
 
     Follows the grad protocol of docs/CONTRACTS.md: an optimizer with ``master_grads()`` (FP32
-    masters) provides them; otherwise the ``.grad`` of its ``param_groups``. Sparse grads give their
-    values (FP16 ones coalesced first, as torch does), DTensor grads their local shard.
+    masters) provides them (``master_grads``: what it returned, asked by the caller); otherwise
+    the ``.grad`` of its ``param_groups``. Sparse grads give their values (FP16 ones coalesced
+    first, as torch does), DTensor grads their local shard.
     """
-    masters = isinstance(optimizer, HasMasterGrads)
+    masters = master_grads is not None or isinstance(optimizer, HasMasterGrads)
     if masters:
-        raw = [g for g in optimizer.master_grads() if g is not None]
+        given = optimizer.master_grads() if master_grads is None else master_grads
+        raw = [g for g in given if g is not None]
     else:
         raw = [g for group in optimizer.param_groups for p in group["params"]
                if (g := p.grad) is not None]
@@ -138,18 +142,48 @@ def unscale_optimizer(optimizer: torch.optim.Optimizer,
     with MAX over ``process_group`` under ``torch.distributed``) and whether it had no gradient."""
     deferred = deferred_grads(optimizer)
     if deferred is None:
-        grads = optimizer_grads(optimizer)
-        no_grads = not grads
+        return unscale_grads(optimizer_grads(optimizer), inv_scale_for, home, process_group)
+    # split masters: check the BF16 grads as they are, scale inside the step
+    found = _check_split(deferred.low, deferred.own, home)
+    deferred.scale_(inv_scale_for)
+    return _agreed(found, process_group), not deferred.entries
+
+
+def unscale_grads(grads: list[Tensor], inv_scale_for: Callable[[torch.device], Tensor | None],
+                  home: torch.device | None, process_group: Any = None, *,
+                  low: list[Tensor] | None = None) -> tuple[Tensor, bool]:
+    """What :func:`unscale_optimizer` does, over gradients the caller asked the optimizer for
+    (``mixprec.Precision.step``): ``grads`` unscaled in place and checked; ``low`` (split masters'
+    model-dtype gradients, whose factor the step applies) checked as they are, ``grads`` then
+    checked unscaled and multiplied, exactly as for the optimizer's deferred gradients. Returns
+    the agreed flag and whether there was no gradient."""
+    if low is None:
         found = check_and_unscale(grads, inv_scale_for, home)
-    else:   # split masters: check the BF16 grads as they are, scale inside the step
-        no_grads = not deferred.entries
-        found = check_and_unscale(deferred.low, lambda dev: None, home)
-        found = torch.maximum(found, check_and_unscale(deferred.own, lambda dev: None,
-                                                       home).to(found.device))
-        deferred.scale_(inv_scale_for)
+    else:
+        found = _check_split(low, grads, home)
+        scale_grads_(grads, inv_scale_for)
+    return _agreed(found, process_group), not grads and not low
+
+
+def _check_split(low: list[Tensor], own: list[Tensor], home: torch.device | None) -> Tensor:
+    found = check_and_unscale(low, lambda dev: None, home)
+    return torch.maximum(found, check_and_unscale(own, lambda dev: None, home).to(found.device))
+
+
+@torch.no_grad()
+def scale_grads_(grads: list[Tensor], factor_for: Callable[[torch.device], Tensor | None]) -> None:
+    """Multiply ``grads`` by ``factor_for(device)`` in place, one foreach per (device, dtype)."""
+    groups = torch._C._group_tensors_by_device_and_dtype([grads], False) if grads else {}
+    for (device, _dtype), ([group], _) in groups.items():
+        f = factor_for(device)
+        if f is not None:
+            torch._foreach_mul_(group, f)
+
+
+def _agreed(found: Tensor, process_group: Any) -> Tensor:
     pg = process_group
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size(pg) > 1:
         # Every rank must take the same skip decision, or their weights and scales diverge.
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=pg)
-    return found, no_grads
+    return found

@@ -21,22 +21,26 @@ from torch.autograd.profiler import record_function
 from mixprec.optim import inputs as _inputs, sharded as _sharded
 from mixprec.optim.flat import FlatSteps, Member
 
-__all__ = ["step_masters", "settle", "leave", "drop", "members", "make_twin", "flat_key", "ready", "step"]
+__all__ = ["step_masters", "settle", "leave", "drop", "members", "make_twin", "flat_key", "ready", "take_factors", "step"]
 
 MasterWeights = Any
 """The optimizer these serve: a :class:`mixprec.optim.MasterWeights` (not imported: master.py
 imports this module)."""
 
 
-def step_masters(opt: MasterWeights, found_inf: Tensor | None,
+def step_masters(opt: MasterWeights, inputs: _inputs.StepInputs | None,
                  parts: Sequence[Sequence[Tensor]] | None, around: Any) -> None:
     """``opt.step()`` after its grads are prepared: flat when it applies (:func:`ready`), else
     per master (``opt._step_per_master``); either way the step's transient memory goes after.
 
-    ``found_inf``: the flat step skips on the device (:func:`step`); the per-master step reads
-    the flag on the host first, except where torch's ``fused=True`` inner optimizer steps params
-    that are their own master (32-true, ``*-mixed``, no split masters): it gets the flag and
-    skips on the device itself (mixprec.optim.inputs)."""
+    ``inputs.found_inf``: the flat step skips on the device (:func:`step`); the per-master step
+    reads the flag on the host first, except where torch's ``fused=True`` inner optimizer steps
+    params that are their own master (32-true, ``*-mixed``, no split masters): it gets the flag
+    and skips on the device itself (mixprec.optim.inputs). ``inputs.grad_factors`` (the unscale
+    factor and clip coefficient of deferred gradients) join those :func:`take_factors` says."""
+    found_inf = inputs.found_inf if inputs is not None else None
+    if inputs is not None and inputs.grad_factors:
+        take_factors(opt, inputs.grad_factors)
     if parts is None and ready(opt):
         try:
             assert opt._flat is not None
@@ -53,6 +57,18 @@ def step_masters(opt: MasterWeights, found_inf: Tensor | None,
         opt._step_per_master(parts, around, found_inf if on_device else None)
     finally:
         opt._end_step()
+
+
+def take_factors(opt: MasterWeights, factors: list[Tensor]) -> None:
+    """``StepInputs``' factors (unscale, then clip) join the pending factors of the gradients
+    ``opt.deferred_grads()`` handed out this step (split masters), applied inside the step as the
+    scaler's and the clip's own would be. Full masters defer nothing (their FP32 grads were
+    unscaled and clipped in place): factors for them are a caller's mistake, refused."""
+    deferred = opt.deferred_grads()
+    if deferred is None or deferred.closed:
+        raise RuntimeError("StepInputs(inv_scale=/clip_coef=) are factors of deferred gradients "
+                           "(split masters' deferred_grads()); this optimizer defers none this step")
+    deferred.factors.extend(factors)
 
 
 def settle(opt: MasterWeights) -> None:

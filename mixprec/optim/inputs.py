@@ -31,6 +31,21 @@ class StepInputs:
     scaler's agreed flag): the step then leaves parameters, masters and optimizer state bitwise
     as they were. ``None``: always step."""
 
+    inv_scale: Tensor | None = None
+    """0-dim float32: the unscale factor (1/scale) of the gradients the optimizer deferred
+    (``deferred_grads()``: split masters' model-dtype gradients, which the scaler only checked),
+    applied inside the step, first; a snapshot, which a later scale update cannot change.
+    ``None``: nothing to unscale."""
+
+    clip_coef: Tensor | None = None
+    """0-dim float32: the clip coefficient of those deferred gradients, applied after
+    ``inv_scale``. ``None``: no clipping (or measuring) this step."""
+
+    @property
+    def grad_factors(self) -> list[Tensor]:
+        """The factors of the deferred gradients, in the order the step applies them."""
+        return [f for f in (self.inv_scale, self.clip_coef) if f is not None]
+
 
 def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is one of torch's own that skip on the device: ``fused=True`` Adam,

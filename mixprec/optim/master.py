@@ -261,8 +261,7 @@ class MasterWeights(torch.optim.Optimizer):
                 loss = closure()
             self._table.grads_ready = False
         self._table.prepare_grads()
-        flat_dispatch.step_masters(self, inputs.found_inf if inputs is not None else None,
-                                   parts, around)
+        flat_dispatch.step_masters(self, inputs, parts, around)
         return loss
 
     def _step_per_master(self, parts: Sequence[Sequence[Tensor]] | None,

@@ -201,12 +201,13 @@ class OverlappedUpdate:
             self._seen_order = None                   # fixed after the first forward
         return self.order
 
-    def issue(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer step, issued per module in forward order (side stream on CUDA)."""
+    def issue(self, optimizer: torch.optim.Optimizer, inputs: Any = None) -> None:
+        """The optimizer step, issued per module in forward order (side stream on CUDA);
+        ``inputs``: a master-weight optimizer's :class:`~mixprec.optim.inputs.StepInputs`."""
         order = [u for u in self._forward_order() if self.groups[u]]
         parts = [self.groups[u] for u in order]
         if self._side is None:
-            step_in_parts(optimizer, parts)           # CPU: the same schedule, in order
+            step_in_parts(optimizer, parts, inputs=inputs)   # CPU: the same schedule, in order
             return
         self.wait()                                   # a previous update not yet waited for
         side = self._side
@@ -222,7 +223,7 @@ class OverlappedUpdate:
             done[order[i]] = ev
 
         self._in_flight = True
-        step_in_parts(optimizer, parts, on_side)
+        step_in_parts(optimizer, parts, on_side, inputs=inputs)
         # The grads were allocated on the compute stream; keep their memory until the side stream
         # has read them, even when zero_grad() drops them before that.
         step_grads = getattr(optimizer, "step_grads", None)

@@ -70,17 +70,22 @@ def restricted_groups(groups: list[dict[str, Any]], params: Sequence[Tensor]) ->
 
 
 def step_in_parts(optimizer: torch.optim.Optimizer, parts: Sequence[Sequence[Tensor]],
-                  around: Callable[[int], contextlib.AbstractContextManager] | None = None) -> None:
+                  around: Callable[[int], contextlib.AbstractContextManager] | None = None, *,
+                  inputs: Any = None) -> None:
     """``optimizer.step()`` issued as one partial step per entry of ``parts`` (disjoint lists of
     the *model* parameters the optimizer was built over), each inside ``around(i)``.
 
     For :class:`mixprec.optim.MasterWeights` (and AdamW) each part steps its FP32 masters and
-    copies them back into its 16-bit parameters. Parameters in no part are not stepped.
+    copies them back into its 16-bit parameters, with ``inputs`` (its
+    :class:`~mixprec.optim.inputs.StepInputs`, or None). Parameters in no part are not stepped.
     """
     check_separable(optimizer)
     if hasattr(optimizer, "master_of") and hasattr(optimizer, "inner"):
-        optimizer.step(parts=parts, around=around)
+        optimizer.step(parts=parts, around=around, inputs=inputs)
         return
+    if inputs is not None:
+        raise TypeError("StepInputs are for mixprec's master-weight optimizers; "
+                        f"{type(optimizer).__name__}.step() takes none")
     whole = optimizer.param_groups
     try:
         for i, part in enumerate(parts):

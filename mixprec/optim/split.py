@@ -40,15 +40,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
+from mixprec.amp.grad_norms import CHUNK_NUMEL, split_norms, widen
 from mixprec.errors import ConfigError
 from mixprec.optim.parts import SEPARABLE
 
 __all__ = ["split_layout_applies", "splits", "join", "split_", "join_many", "split_many_", "widen", "empty_ties", "DeferredGrads", "CHUNK_NUMEL", "FLAT_CHUNKS", "FLAT_CHUNK_MAX", "CPU_CHUNK_NUMEL", "flat_chunk_numel", "chunks", "chunk_exact",
            "resolve_split"]
 
-CHUNK_NUMEL = 1 << 22  # 4 Mi elements: the FP32 widening costs at most 2 x 16 MiB at a time
 FLAT_CHUNKS = 8
 FLAT_CHUNK_MAX = 1 << 26
 """The flat step (mixprec.optim.flat) cuts a param group's masters on a device into about
@@ -194,18 +193,6 @@ def split_many_(ws: list[Tensor], his: list[Tensor], los: list[Tensor]) -> list[
     return out
 
 
-@torch.no_grad()
-def widen(grads: list[Tensor], factors: list[Tensor]) -> list[Tensor]:
-    """FP32 copies of ``grads`` multiplied by ``factors`` in order: the values today's FP32 master
-    gradients hold after unscaling (one FP32 multiply) and clipping (another)."""
-    out = [torch.empty_like(g, dtype=torch.float32) for g in grads]
-    if out:
-        torch._foreach_copy_(out, grads)
-        for f in factors:
-            torch._foreach_mul_(out, f.to(out[0].device))
-    return out
-
-
 @dataclass(eq=False)
 class DeferredGrads:
     """The gradients of one step of a split-master optimizer, for the scaler and clipping.
@@ -254,58 +241,8 @@ class DeferredGrads:
         bounded batch at a time: into the flat step's scratch views when the optimizer gave them
         (``batches``: a fixed number of ops whatever the number of tensors), else into fresh FP32
         copies of at most ``CHUNK_NUMEL`` elements."""
-        norm_of: dict[int, Tensor] = {}
-        if self.own:
-            for g, n in zip(self.own, _grouped_norms(self.own, norm_type, foreach)):
-                norm_of[id(g)] = n
-        if self.batches is not None:
-            for idx, views in self.batches:
-                grads = [self.low[i] for i in idx]
-                torch._foreach_copy_(views, grads)
-                for f in self.factors:
-                    torch._foreach_mul_(views, f.to(views[0].device))
-                for g, n in zip(grads, _tensor_norms(views, norm_type, foreach)):
-                    norm_of[id(g)] = n
-        else:
-            pending: list[Tensor] = []
-            budget = 0
-
-            def flush() -> None:
-                if pending:
-                    wide = widen(pending, self.factors)
-                    for g, n in zip(pending, _tensor_norms(wide, norm_type, foreach)):
-                        norm_of[id(g)] = n
-                    pending.clear()
-
-            for g in self.low:
-                if pending and budget + g.numel() > CHUNK_NUMEL:
-                    flush()
-                    budget = 0
-                pending.append(g)
-                budget += g.numel()
-            flush()
-        out = [(g.device, norm_of[id(g)]) for _, g in self.entries]
-        devices = list(dict.fromkeys(d for d, _ in out))
-        return [n for dev in devices for d, n in out if d == dev]
-
-
-def _grouped_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
-    """:func:`_tensor_norms` per (device, dtype) group, returned in the order of ``tensors``."""
-    groups = torch._C._group_tensors_by_device_and_dtype([tensors], True)
-    out: list[Tensor | None] = [None] * len(tensors)
-    for ([group], indices) in groups.values():
-        for i, n in zip(indices, _tensor_norms(group, norm_type, foreach)):
-            out[i] = n
-    return out  # type: ignore[return-value]
-
-
-def _tensor_norms(tensors: list[Tensor], norm_type: float, foreach: bool | None) -> list[Tensor]:
-    """The per-tensor norms exactly as ``torch.nn.utils.get_total_norm`` computes them."""
-    device = tensors[0].device
-    if (foreach is None and _has_foreach_support(tensors, device)) or (
-            foreach and _device_has_foreach_support(device)):
-        return list(torch._foreach_norm(tensors, norm_type))
-    return [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+        return split_norms(self.own, self.low, [g for _, g in self.entries], self.factors,
+                           self.batches, norm_type, foreach)
 
 
 def chunk_exact(optimizer_cls: type[torch.optim.Optimizer]) -> bool:

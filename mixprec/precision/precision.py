@@ -47,7 +47,9 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from mixprec import _moved
-from mixprec.amp import GradScaler, clip_grad_norm_
+from mixprec.amp import GradScaler
+from mixprec.amp.clip import clip_grads_
+from mixprec.amp.grads import HasDeferredGrads, HasMasterGrads
 from mixprec.errors import CheckpointError, ConfigError
 from mixprec.optim import MasterWeights
 from mixprec.optim.inputs import StepInputs, skips_on_device, step_skipping_on_device
@@ -298,7 +300,13 @@ class Precision(metaclass=_Face):
         """Finish an optimizer step (issue #35's protocol, the same for every family): unscale once
         (fused with the inf/NaN check, agreed across ranks), clip the unscaled gradients to
         ``clip_grad_norm`` (or only measure them, ``measure_grad_norm``; ``scaler.last_grad_norm``),
-        step (FP32 masters copied back) or skip the whole step, update the loss scale.
+        update the loss scale, then step (FP32 masters copied back) or skip the whole step.
+
+        This is the one place that hands data between amp/ and optim/: the optimizer is asked for
+        its gradients here (the grad protocol), the scaler and the clip get them as tensors, and
+        the step gets the flag, the deferred unscale factor (a snapshot, untouched by the update)
+        and the clip coefficient as device tensors in ``StepInputs``; one step visits amp/ in one
+        stretch and optim/ around it (tests/precision/test_step_rooms.py).
 
         A mixprec master-weight optimizer gets the non-finite flag as a device tensor
         (:class:`~mixprec.optim.inputs.StepInputs`), torch's ``fused=True`` Adam/AdamW/SGD/Adagrad
@@ -308,37 +316,47 @@ class Precision(metaclass=_Face):
         read for everything queued. Any other optimizer, or ``overlap`` (an
         :class:`~mixprec.optim.overlap.OverlappedUpdate`: a taken step issued per module on a side
         stream, bit-identical), reads the flag on the host first and returns a ``bool``."""
+        # 1. optim/: what the step needs from the optimizer, asked here once (the grad protocol)
+        masters = isinstance(optimizer, MasterWeights)
+        on_device = overlap is None and (masters or skips_on_device(optimizer))
+        asked = _StepGrads.of(optimizer)
+        # 2. amp/: unscale and check, clip, the scale's update; the scaler is handed tensors
+        scaler = self.scaler
         with record_function("mixprec.unscale"):           # fused with the inf/NaN check
-            self.scaler.unscale_(optimizer)
-        self.scaler.last_grad_norm = None
+            inv_scale = scaler.unscale_(optimizer, asked.grads, low=asked.low)
+        scaler.last_grad_norm = clip_coef = None
         if clip_grad_norm or measure_grad_norm:            # clip sees unscaled gradients
             with record_function("mixprec.clip_grad_norm"):
-                self.scaler.last_grad_norm = clip_grad_norm_(self.scaler, optimizer,
-                                                             clip_grad_norm or math.inf)
-        masters = isinstance(optimizer, MasterWeights)
-        found = (self.scaler.found_inf(optimizer)
-                 if overlap is None and (masters or skips_on_device(optimizer)) else None)
+                scaler.last_grad_norm, clip_coef = clip_grads_(
+                    optimizer, clip_grad_norm or math.inf, grads=asked.grads, low=asked.low,
+                    order=asked.order, factors=[inv_scale] if inv_scale is not None else [],
+                    batches=asked.batches)
+        found = scaler.found_inf(optimizer) if on_device else None
         if found is not None:
-            with record_function("mixprec.optimizer_step"):  # skipped on the device when found > 0
+            scaler.stepped_on_device(optimizer)            # no host read: the flag stays queued
+            scaler.update()                                # the scale moves on the device
+            taken = StepTaken(found, resolve=scaler.resolve)   # read only if the caller asks
+            scaler.tell_when_read(found, taken)
+            # 3. optim/: the step, with everything it needs (skipped on the device when found > 0)
+            with record_function("mixprec.optimizer_step"):
                 if masters:
-                    optimizer.step(inputs=StepInputs(found_inf=found))
+                    optimizer.step(inputs=StepInputs(found_inf=found, inv_scale=inv_scale,
+                                                     clip_coef=clip_coef))
                 else:                                      # torch's fused=True: as torch hands it
                     step_skipping_on_device(optimizer, found)
-            self.scaler.stepped_on_device(optimizer)       # no host read: the flag stays queued
-            self.scaler.update()                           # the scale moves on the device
-            taken = StepTaken(found, resolve=self.scaler.resolve)   # read only if the caller asks
-            self.scaler.tell_when_read(found, taken)
             return taken
-        else:
-            with record_function("mixprec.found_inf_sync"):  # the one host sync: step or skip
-                take = self.scaler.decide(optimizer)
-            if take:
-                with record_function("mixprec.optimizer_step"):
-                    if overlap is None:
-                        optimizer.step()                   # FP32 masters copied back inside
-                    else:
-                        overlap.issue(optimizer)           # per module, side stream (optim/overlap.py)
-        self.scaler.update()                               # back off at once, grow when clean
+        with record_function("mixprec.found_inf_sync"):      # the one host sync: step or skip
+            take = scaler.decide(optimizer)
+        scaler.update()                                    # back off at once, grow when clean
+        if take:                                           # 3. optim/: the step
+            inputs = StepInputs(inv_scale=inv_scale, clip_coef=clip_coef) if masters else None
+            with record_function("mixprec.optimizer_step"):
+                if overlap is not None:
+                    overlap.issue(optimizer, inputs)       # per module, side stream (optim/overlap.py)
+                elif masters:
+                    optimizer.step(inputs=inputs)          # FP32 masters copied back inside
+                else:
+                    optimizer.step()
         return take                                        # decided on the host: a bool
 
     # ------------------------------------------------------------------ checkpoints
@@ -354,6 +372,29 @@ class Precision(metaclass=_Face):
                                   f"this run uses {self.name}; use the same precision to resume")
         self.scaler.load_state_dict(state["scaler"])
 
+
+
+class _StepGrads:
+    """The gradients of one step, asked of the optimizer by :meth:`Precision.step` (the grad
+    protocol of docs/CONTRACTS.md, amp/grads.py) and handed to the scaler and the clip as tensors:
+    ``grads`` (its FP32 master grads; None: the ``.grad`` of its param groups, which the scaler
+    reads itself) and, for split masters, ``low`` (their deferred model-dtype grads), ``order``
+    (all in param-group order) and ``batches`` (the step's FP32 scratch views, for the norm)."""
+
+    __slots__ = ("grads", "low", "order", "batches")
+
+    def __init__(self, grads: list[torch.Tensor] | None, low: list[torch.Tensor] | None = None,
+                 order: list[torch.Tensor] | None = None, batches: Any = None) -> None:
+        self.grads, self.low, self.order, self.batches = grads, low, order, batches
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> _StepGrads:
+        deferred = optimizer.deferred_grads() if isinstance(optimizer, HasDeferredGrads) else None
+        if deferred is not None:
+            return cls(deferred.own, deferred.low, [g for _, g in deferred.entries], deferred.batches)
+        if isinstance(optimizer, HasMasterGrads):
+            return cls(optimizer.master_grads())
+        return cls(None)
 
 
 def _recipe_of(precision: Any, *, device: torch.device, overrides: Any, micro_options: Any,
