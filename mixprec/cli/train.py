@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec import hints
 from mixprec.errors import ConfigError, DataError, RunInterrupted, excerpt
+from mixprec.strategies.env import read_env
 from mixprec.train.config import TrainConfig, load_config, parse_overrides
 from mixprec.train.signals import exit_code
 
@@ -123,6 +124,16 @@ def _same_mode(a: str, b: str) -> bool:
         return get_policy(a, device="cpu").spec() == get_policy(b, device="cpu").spec()
     except (ValueError, OSError):
         return False
+
+
+def _finished_at(cfg: TrainConfig, resume_from: Path | None) -> int | None:
+    """The step a resumed run already reached when that is ``max_steps`` or more (None: there is
+    training to do, or the run is bounded by epochs)."""
+    if resume_from is None or cfg.max_steps is None:
+        return None
+    from mixprec.runs.checkpoint import checkpoint_step
+    step = checkpoint_step(resume_from)
+    return step if step is not None and step >= cfg.max_steps else None
 
 
 def _run_folder_of(path: Path) -> tuple[Path, Path]:
@@ -385,6 +396,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     hints.from_command_line()          # every hint from here on is a shell command for this launch
     cfg, source, resume_from = _resolve(args)
+    if (finished := _finished_at(cfg, resume_from)) is not None:
+        # Nothing to do is not an error (exit 0, docs/CONTRACTS.md); nothing is built or written.
+        if read_env().rank == 0:
+            print(f"[mixprec] run {cfg.run_dir} already finished at step {finished} of {cfg.max_steps}; "
+                  f"give a larger max_steps= to continue: "
+                  f"{hints.resume(cfg.run_dir, max_steps=2 * cfg.max_steps)}", file=sys.stderr)
+        return 0
     from mixprec.train.trainer import Trainer
 
     model, train_loader, val_loader, strategy = build_run(cfg)
