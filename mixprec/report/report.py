@@ -129,7 +129,7 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "skipped steps": skipped,
         TOKENS_PER_S: over_training_time(rows, "tokens_per_s"),
         MFU_PERCENT: None if (m := over_training_time(rows, "mfu")) is None else 100 * m,
-        "peak memory (MB)": max(mem) if mem else None,
+        "peak memory (MiB)": max(mem) if mem else None,   # metrics.csv's peak_mem_mb is MiB
         "wall time (s)": math.fsum(times + evals) if times else None,   # each interval's
         "events": len(events),
         "guard": guard_summary(events),
@@ -247,7 +247,7 @@ def _plot_lr(rows, events, out: Path) -> Path | None:
     if not lr:
         return None
     fig, ax = figure("learning rate", "lr")
-    plot_series(ax, steps, lr, lw=1.2)
+    plot_series(ax, steps, lr, lw=1.2, label="learning rate")
     ax.set_ylim(bottom=0)
     mark_events(ax, events, skips=False)
     legend_below(ax)

@@ -86,7 +86,7 @@ def test_summary_figures(tmp_path):
     assert s["last step"] == 9 and s["skipped steps"] == 1 and s["events"] == 1
     # rows of 1001..1009 tokens/s over 0.5..4.5 s: all tokens over all training seconds
     assert s[report.TOKENS_PER_S] == pytest.approx(sum((1000 + k) * k for k in range(1, 10)) / sum(range(1, 10)))
-    assert s["peak memory (MB)"] == 109.0 and s["final val loss"] == pytest.approx(2.15)
+    assert s["peak memory (MiB)"] == 109.0 and s["final val loss"] == pytest.approx(2.15)
     assert report._skipped_steps(read_metrics(tmp_path)) == [4]
     # a skip between two logged rows is known only from its event
     events = [{"step": 6, "kind": "skip", "message": "step 6 skipped"}, {"step": 7, "kind": "scale_growth", "message": "x"}]
@@ -223,3 +223,25 @@ def test_fp16_gradient_heat_map_without_recorded_scales_says_they_are_scaled(tmp
     _scaled_grads_run(tmp_path, record_scale=False)         # an older run's numerics.csv
     assert _run_cli(str(tmp_path)) == 0
     assert "times the loss scale" in figures["numerics_grad_absmax.png"].axes[0].get_title()
+
+
+def test_every_line_of_every_report_picture_is_named_in_its_legend(tmp_path, monkeypatch):
+    """README: "every line named in a legend" (lr.png had none)."""
+    figures = _capture_figures(monkeypatch)
+    _fake_run(tmp_path)
+    assert _run_cli(str(tmp_path)) == 0
+    assert "lr.png" in figures
+    for name, fig in figures.items():
+        lines = [ln for ax in fig.axes for ln in ax.get_lines()]
+        if not lines:
+            continue                                    # a heat map: its colour bar says it
+        legends = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        for line in lines:
+            assert line.get_label() in legends, f"{name}: a line named {line.get_label()!r} is not in its legend"
+
+
+def test_the_summary_names_memory_in_the_plots_unit(tmp_path):
+    _fake_run(tmp_path, numerics=False)
+    assert _run_cli(str(tmp_path)) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<th>peak memory (MiB)</th><td>109</td>" in page and "(MB)" not in page
