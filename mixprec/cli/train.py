@@ -136,6 +136,17 @@ def _finished_at(cfg: TrainConfig, resume_from: Path | None) -> int | None:
     return step if step is not None and step >= cfg.max_steps else None
 
 
+def _recorded_val_loss(run_dir: Path, step: int) -> float | None:
+    """The run's last validation loss up to ``step``, as its metrics.csv recorded it (None: none)."""
+    from mixprec.runs.metrics import is_finite_number, read_metrics
+    try:
+        rows = read_metrics(run_dir)
+    except (OSError, ValueError):
+        return None
+    return next((r["val_loss"] for r in reversed(rows) if r.get("step") is not None and r["step"] <= step
+                 and is_finite_number(r.get("val_loss"))), None)
+
+
 def _run_folder_of(path: Path) -> tuple[Path, Path]:
     """``(run folder, what to resume from)`` for a run folder, its checkpoints/ folder or one
     checkpoint folder inside it."""
@@ -399,7 +410,9 @@ def run(args: argparse.Namespace) -> int:
     if (finished := _finished_at(cfg, resume_from)) is not None:
         # Nothing to do is not an error (exit 0, docs/CONTRACTS.md); nothing is built or written.
         if read_env().rank == 0:
-            print(f"[mixprec] run {cfg.run_dir} already finished at step {finished} of {cfg.max_steps}; "
+            val = _recorded_val_loss(Path(cfg.run_dir), finished)
+            print(f"[mixprec] nothing to train: run {cfg.run_dir} already finished at step {finished} of "
+                  f"{cfg.max_steps}{f' (final validation loss {val:.4f})' if val is not None else ''}; "
                   f"give a larger max_steps= to continue: "
                   f"{hints.resume(cfg.run_dir, max_steps=2 * cfg.max_steps)}", file=sys.stderr)
         return 0

@@ -237,8 +237,9 @@ def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(tmp_path
     out = capsys.readouterr()
     lines = (out.out + out.err).splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith(f"[mixprec] run {run} already finished at step 2 of 2; give a larger "
-                               "max_steps= to continue: ")
+    assert lines[0].startswith(f"[mixprec] nothing to train: run {run} already finished at step 2 of 2 "
+                               "(final validation loss ")
+    assert "; give a larger max_steps= to continue: " in lines[0]
     assert shlex.split(lines[0].split("to continue: ")[1])[-4:] == ["train", "--resume", str(run), "max_steps=4"]
     assert _snapshot(run) == before        # no event, no metrics row, no checkpoint, no lock left
 
