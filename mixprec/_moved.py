@@ -165,6 +165,8 @@ MOVED_MEMBERS = {
     "Precision.casts_before_sharding": "mixprec.precision.plugins.Fsdp2Plugin(recipe).casts_before_sharding",
     "Precision.fsdp_mixed_precision": "mixprec.precision.plugins.Fsdp2Plugin(recipe).mixed_precision()",
     "Precision.fsdp_island_policy": "mixprec.precision.plugins.Fsdp2Plugin(recipe).island_policy()",
+    # no mode change after construction (#38, item 1): the recipe is built with the optimizer
+    "Precision.reconcile_with_optimizer": 'mixprec.precision.Precision("auto", optimizer=optimizer)',
 }
 """Old ``Class.member`` -> where it went (refused by the class's ``__getattr__``,
 :func:`refuse_member`)."""

@@ -41,7 +41,8 @@ def test_every_new_home_answers(old, mode):
     precision = Precision(mode, device="cpu")
     model = nn.Linear(4, 4)
     expr = re.sub(r"^Precision\.", "precision.", MOVED_MEMBERS[old])
-    env = {"mixprec": mixprec, "precision": precision, "recipe": precision.recipe, "model": model}
+    env = {"mixprec": mixprec, "precision": precision, "recipe": precision.recipe, "model": model,
+           "optimizer": torch.optim.AdamW(model.parameters())}
     if expr.endswith("forget_setup(model)"):
         precision.setup_module(model)
         assert mixprec.precision.setup_identity(model) == mixprec.precision.identity(precision.policy)
@@ -62,6 +63,16 @@ def test_the_new_homes_give_the_old_answers_for_a_16_bit_mode():
     assert p.scaler.get_scale() == 2.0 ** 16
     mixed = Precision("bf16-mixed", device="cpu").recipe
     assert mixed.autocasts and mixed.autocast_copies_weights and not mixed.stores_low_precision
+
+
+def test_reconcile_with_optimizer_of_0_3_names_precision_auto_with_the_optimizer():
+    """0.3's mode change after construction is gone: the recipe is built with the optimizer."""
+    with pytest.raises(MovedAttributeError, match=r"^Precision.reconcile_with_optimizer moved to "
+                       r'mixprec.precision.Precision\("auto", optimizer=optimizer\) in 0.4; see CHANGELOG.md$'):
+        Precision("auto", device="cpu").reconcile_with_optimizer
+    model = nn.Linear(4, 4)
+    home = mixprec.precision.Precision("auto", optimizer=torch.optim.AdamW(model.parameters()))
+    assert isinstance(home, Precision)
 
 
 def test_a_member_that_never_existed_is_a_plain_attribute_error():

@@ -11,10 +11,10 @@ __all__ = ["configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small",
+    parser.add_argument("--model", default=None,
                         help="model preset (tiny, small, gpt-ref), moe-67b (the 67B MoE of "
                              "docs/sources.md) or a Hugging Face config.json path (read, never "
-                             "downloaded), as for `mixprec estimate`")
+                             "downloaded), as for `mixprec estimate`; default small")
     parser.add_argument("--precision", default="32-true,bf16-mixed,bf16-true",
                         help="comma-separated precision modes")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
@@ -37,8 +37,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-chunk", type=int, default=0, metavar="TOKENS",
                         help="the loss computed TOKENS tokens at a time (Transformer.loss_chunk; default 0: off)")
     parser.add_argument("--gpus", type=int, default=1, help="devices the states are sharded over (FSDP)")
-    parser.add_argument("--params", type=float, default=None,
-                        help="target total parameters (e.g. 67e9): sets the number of layers")
+    parser.add_argument("--params", default=None,
+                        help="target total parameters (e.g. 7B, 67e9, as for `mixprec estimate`): with "
+                             "--model or --d-model sets the number of layers (that model, deeper), "
+                             "with --layers the width, else both (d_model = 128 x layers, as GPT-3)")
     parser.add_argument("--moe", type=int, default=None, help="experts per block (0: dense)")
     parser.add_argument("--overrides", default=None, metavar="PATTERN=FORMAT,...",
                         help="per-layer formats applied to every mode, e.g. 'blocks.0.*=fp32,head=bf16'")
@@ -49,17 +51,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _shape_from_args(args: argparse.Namespace) -> tuple[ModelShape, str]:
     """The model's shape and where its default sequence length comes from."""
     from mixprec.estimate.cluster import resolve_model   # presets, moe-67b and config.json: one loader
-    spec = resolve_model(args.model)
+    spec = resolve_model(args.model or "small")
     shape = spec.shape
-    changes = {k: v for k, v in (("num_experts", args.moe), ("num_layers", args.layers),
-                                 ("d_model", args.d_model)) if v is not None}
+    if args.moe is not None:
+        shape = dataclasses.replace(shape, num_experts=args.moe)
+    if args.params is not None:             # one parser with `mixprec estimate --params`
+        from mixprec.estimate.cluster import parse_count
+        from mixprec.estimate.sizing import shape_for_params
+        return shape_for_params(shape, parse_count(args.params, "--params"), layers=args.layers,
+                                d_model=args.d_model, keep_width=args.model is not None), spec.seq_source
+    changes = {k: v for k, v in (("num_layers", args.layers), ("d_model", args.d_model)) if v is not None}
     if changes:
         shape = dataclasses.replace(shape, **changes)
-    if args.params:
-        one = dataclasses.replace(shape, num_layers=1)
-        fixed = one.num_parameters() - one.layer_params()
-        layers = max(1, round((args.params - fixed) / one.layer_params()))
-        shape = dataclasses.replace(shape, num_layers=layers)
     return shape, spec.seq_source
 
 

@@ -19,6 +19,7 @@ that turns it into decisions: casting, masters, loss scaling, FP8, what strategi
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +209,7 @@ ALIASES: dict[str, str] = {
     "full": "32-true",
     "bf16": "bf16-mixed", "mixed_bfloat16": "bf16-mixed", "bf16-mixed": "bf16-mixed",
     "fp16": "16-mixed", "16": "16-mixed", "mixed_float16": "16-mixed", "16-mixed": "16-mixed",
+    "fp16-mixed": "16-mixed",
     "tf32": "tf32", "bf16-true": "bf16-true", "16-true": "16-true", "fp16-true": "16-true",
     **{n: n for n in FP8_RECIPES},
     **{n: n for n in MICRO_FORMATS},
@@ -284,5 +286,40 @@ def get_policy(name: str | Policy | bool | None = True, *,
     if key in ALIASES:
         return PRESETS[ALIASES[key]]
     valid = sorted(set(PRESETS) | set(ALIASES))
-    raise ConfigError(f"unknown precision '{name}'{closest(key, valid)}; valid: {', '.join(valid)}, "
+    raise ConfigError(f"unknown precision '{name}'{precision_hint(key)}; valid: {', '.join(valid)}, "
                       "or the compact form 'p=f32,c=bf16,o=f32'")
+
+
+# The number format a precision name (or a typo of one) is about, most specific first: a
+# "did you mean" must never cross formats (following it would train in another format).
+_FORMAT_OF: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("tf32", re.compile(r"tf32")),
+    ("bf16", re.compile(r"bf|bfloat")),
+    ("nvfp4", re.compile(r"^nv")),
+    ("mxfp4", re.compile(r"^mx\D*4")),
+    ("mxfp8", re.compile(r"^mx\D*8")),
+    ("fp8", re.compile(r"fp8|float8|e4m3|e5m2")),
+    ("fp16", re.compile(r"16|half")),
+    ("fp32", re.compile(r"32|^no$|^full$")),
+)
+
+
+def number_format_of(name: str) -> str | None:
+    """The number format a precision name is about (``"fp16"`` for ``fp16-mixd``), or None."""
+    return next((fmt for fmt, pattern in _FORMAT_OF if pattern.search(name.lower())), None)
+
+
+def precision_hint(key: str) -> str:
+    """The "did you mean" for an unknown precision name, never in another number format.
+
+    Only names of the format the typo names are candidates (``fp16-mixd`` -> ``fp16-mixed``, never
+    ``bf16-mixed``); a bare format with several modes (``fp8``) lists them all.
+    """
+    names = sorted(set(PRESETS) | set(ALIASES))
+    fmt = number_format_of(key)
+    same = [n for n in names if fmt is None or number_format_of(n) == fmt]
+    hint = closest(key, same)
+    if hint or fmt is None:
+        return hint
+    modes = [n for n in PRESETS if number_format_of(n) == fmt]
+    return f" (did you mean one of {', '.join(repr(m) for m in modes)}?)" if len(modes) > 1 else ""

@@ -20,7 +20,6 @@ import base64
 import html
 import math
 import os
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +104,6 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
     config = config or {}
     _, losses = _values(rows, "loss")
     val_steps, vals = _values(rows, "val_loss")
-    _, tps = _values(rows, "tokens_per_s")
-    _, mfu = _values(rows, "mfu")
     _, mem = _values(rows, "peak_mem_mb")
     _, times = _values(rows, "time_s")
     _, evals = _values(rows, "eval_s")      # evaluation time, kept out of time_s
@@ -130,13 +127,31 @@ def summarize(rows: list[dict[str, Any]], events: list[dict[str, Any]],
         "best val loss": vals[best] if best is not None else None,
         "best val loss at step": val_steps[best] if best is not None else None,
         "skipped steps": skipped,
-        "mean tokens/s": statistics.fmean(tps) if tps else None,
-        "mean MFU (%)": 100 * statistics.fmean(mfu) if mfu else None,
-        "peak memory (MB)": max(mem) if mem else None,
+        TOKENS_PER_S: over_training_time(rows, "tokens_per_s"),
+        MFU_PERCENT: None if (m := over_training_time(rows, "mfu")) is None else 100 * m,
+        "peak memory (MiB)": max(mem) if mem else None,   # metrics.csv's peak_mem_mb is MiB
         "wall time (s)": math.fsum(times + evals) if times else None,   # each interval's
         "events": len(events),
         "guard": guard_summary(events),
     }
+
+
+TOKENS_PER_S = "tokens/s (all tokens / training time)"
+MFU_PERCENT = "MFU (%) (over training time)"
+
+
+def over_training_time(rows: list[dict[str, Any]], key: str) -> float | None:
+    """A rate of the whole run from its rows' rates: each weighted by its row's training seconds.
+
+    For ``tokens_per_s`` that is all tokens over all training time (a row's tokens are its rate
+    times its ``time_s``), not the plain mean of the rows' rates (which counts a slow first row of
+    20 s and a fast one of 0.2 s alike); ``mfu`` is tokens/s times a constant, so the same.
+    Rows without the rate or the time are left out; None when no row has both.
+    """
+    pairs = [(float(r[key]), float(r["time_s"])) for r in rows
+             if is_finite_number(r.get(key)) and is_finite_number(r.get("time_s")) and r["time_s"] > 0]
+    seconds = math.fsum(t for _, t in pairs)
+    return math.fsum(v * t for v, t in pairs) / seconds if seconds else None
 
 
 def formats_over_run(events: list[dict[str, Any]], last: int) -> str | None:
@@ -232,7 +247,7 @@ def _plot_lr(rows, events, out: Path) -> Path | None:
     if not lr:
         return None
     fig, ax = figure("learning rate", "lr")
-    plot_series(ax, steps, lr, lw=1.2)
+    plot_series(ax, steps, lr, lw=1.2, label="learning rate")
     ax.set_ylim(bottom=0)
     mark_events(ax, events, skips=False)
     legend_below(ax)

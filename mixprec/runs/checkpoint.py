@@ -496,6 +496,17 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
                     f"incomplete-<name> if this run saves that step again)")
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step a resume from ``path`` (a run folder, its checkpoints/ folder or a step folder)
+    continues at: its chosen checkpoint's, as :func:`resolve_checkpoint` picks it; None when it
+    holds no complete checkpoint. Reads folder names only."""
+    try:
+        step_dir, _ = resolve_checkpoint(Path(path))
+    except CheckpointError:
+        return None
+    return _parse_step(step_dir.name)
+
+
 def _earlier_hint(step_dir: Path) -> str:
     step = _parse_step(step_dir.name)
     earlier = [p for s, p in list_checkpoints(step_dir.parent) if step is None or s < step]

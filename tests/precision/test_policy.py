@@ -124,3 +124,34 @@ def test_format_info_matches_ieee_facts():
     assert format_info("e4m3").max == 448.0 and format_info("e5m2").max == 57344.0
     assert format_info(BF16).mantissa_bits == 7
     assert parse_dtype("half") is F16
+
+
+@pytest.mark.parametrize("alias", ["fp16-mixed", "FP16-Mixed"])
+def test_fp16_mixed_is_an_alias_of_16_mixed_like_fp16_true(alias):
+    assert get_policy(alias) is PRESETS["16-mixed"]
+    assert get_policy("fp16-true") is PRESETS["16-true"]
+
+
+@pytest.mark.parametrize("typo, hint", [
+    ("fp16-mixd", "fp16-mixed"), ("fp16mixed", "fp16-mixed"), ("fp16-tru", "fp16-true"),
+    ("bf16-mixd", "bf16-mixed"), ("bf61", "bf16"), ("fp32-true", "32-true"),
+])
+def test_did_you_mean_stays_within_the_typed_number_format(typo, hint):
+    with pytest.raises(ValueError, match=f"did you mean '{hint}'"):
+        get_policy(typo)
+
+
+def test_did_you_mean_for_bare_fp8_lists_the_fp8_recipes_not_mxfp8():
+    with pytest.raises(ValueError) as e:
+        get_policy("fp8")
+    hint = str(e.value).split(";")[0]
+    assert "mxfp8" not in hint
+    for recipe in ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "fp8-blockwise"):
+        assert recipe in hint
+
+
+@pytest.mark.parametrize("typo", ["fp16-mixd", "fp16mixed", "half-mixd", "float16-mixed", "f16mixed"])
+def test_an_fp16_typo_never_suggests_a_bf16_mode(typo):
+    with pytest.raises(ValueError) as e:
+        get_policy(typo)
+    assert "bf16" not in str(e.value).split(";")[0]

@@ -84,8 +84,9 @@ def test_summary_figures(tmp_path):
     _fake_run(tmp_path, numerics=False)
     s = report.summarize(read_metrics(tmp_path), read_events(tmp_path))
     assert s["last step"] == 9 and s["skipped steps"] == 1 and s["events"] == 1
-    assert s["mean tokens/s"] == pytest.approx(1005.0)
-    assert s["peak memory (MB)"] == 109.0 and s["final val loss"] == pytest.approx(2.15)
+    # rows of 1001..1009 tokens/s over 0.5..4.5 s: all tokens over all training seconds
+    assert s[report.TOKENS_PER_S] == pytest.approx(sum((1000 + k) * k for k in range(1, 10)) / sum(range(1, 10)))
+    assert s["peak memory (MiB)"] == 109.0 and s["final val loss"] == pytest.approx(2.15)
     assert report._skipped_steps(read_metrics(tmp_path)) == [4]
     # a skip between two logged rows is known only from its event
     events = [{"step": 6, "kind": "skip", "message": "step 6 skipped"}, {"step": 7, "kind": "scale_growth", "message": "x"}]
@@ -128,7 +129,19 @@ def test_mfu_is_shown_in_percent_in_the_summary(tmp_path):
     _fake_run(tmp_path, numerics=False)          # mfu = 0.2 in metrics.csv
     assert _run_cli(str(tmp_path)) == 0
     page = (tmp_path / "report" / "report.html").read_text()
-    assert "<th>mean MFU (%)</th><td>20</td>" in page
+    assert "<th>MFU (%) (over training time)</th><td>20</td>" in page
+
+
+def test_summary_throughput_is_all_tokens_over_training_time_not_the_mean_of_row_rates(tmp_path):
+    # a slow first row (900 tokens in 9 s) and a fast one (9,100 tokens in 1 s): 10,000 tokens in
+    # 10 s is 1,000 tokens/s (the rows' plain mean, 4,600, is no rate the run ever had)
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        log.log(10, loss=2.0, tokens_per_s=100.0, mfu=0.01, time_s=9.0)
+        log.log(20, loss=1.9, tokens_per_s=9100.0, mfu=0.91, time_s=1.0)
+        log.log(30, loss=1.8, tokens_per_s=None, mfu=None, time_s=None)   # nothing measured: left out
+    s = report.summarize(read_metrics(tmp_path), read_events(tmp_path))
+    assert s["tokens/s (all tokens / training time)"] == pytest.approx(1000.0, rel=1e-12)
+    assert s["MFU (%) (over training time)"] == pytest.approx(10.0, rel=1e-12)
 
 
 def test_summary_names_precision_and_model_from_the_run_config(tmp_path):
@@ -210,3 +223,25 @@ def test_fp16_gradient_heat_map_without_recorded_scales_says_they_are_scaled(tmp
     _scaled_grads_run(tmp_path, record_scale=False)         # an older run's numerics.csv
     assert _run_cli(str(tmp_path)) == 0
     assert "times the loss scale" in figures["numerics_grad_absmax.png"].axes[0].get_title()
+
+
+def test_every_line_of_every_report_picture_is_named_in_its_legend(tmp_path, monkeypatch):
+    """README: "every line named in a legend" (lr.png had none)."""
+    figures = _capture_figures(monkeypatch)
+    _fake_run(tmp_path)
+    assert _run_cli(str(tmp_path)) == 0
+    assert "lr.png" in figures
+    for name, fig in figures.items():
+        lines = [ln for ax in fig.axes for ln in ax.get_lines()]
+        if not lines:
+            continue                                    # a heat map: its colour bar says it
+        legends = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        for line in lines:
+            assert line.get_label() in legends, f"{name}: a line named {line.get_label()!r} is not in its legend"
+
+
+def test_the_summary_names_memory_in_the_plots_unit(tmp_path):
+    _fake_run(tmp_path, numerics=False)
+    assert _run_cli(str(tmp_path)) == 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "<th>peak memory (MiB)</th><td>109</td>" in page and "(MB)" not in page

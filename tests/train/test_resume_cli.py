@@ -217,3 +217,37 @@ def test_the_printed_resume_line_pastes_whole_into_a_shell_for_a_folder_with_spa
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["train", "--resume", str(run), "max_steps=4"]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["--resume", "resume=auto"])
+def test_resuming_a_finished_run_says_so_in_one_line_and_writes_nothing(tmp_path, capsys, how):
+    from mixprec.cli import main
+    run = tmp_path / "run"
+    tiny = [s for s in TINY if not s.startswith("eval_batches=")]
+    assert main(["train", *tiny, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
+    capsys.readouterr()
+    before = _snapshot(run)
+    argv = ["train", "--resume", str(run)] if how == "--resume" else ["train", *tiny, "max_steps=2",
+                                                                      "eval_batches=1", f"run_dir={run}", "resume=auto"]
+    assert main(argv) == 0                 # nothing to do is not an error (docs/CONTRACTS.md)
+    out = capsys.readouterr()
+    lines = (out.out + out.err).splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"[mixprec] nothing to train: run {run} already finished at step 2 of 2 "
+                               "(final validation loss ")
+    assert "; give a larger max_steps= to continue: " in lines[0]
+    assert shlex.split(lines[0].split("to continue: ")[1])[-4:] == ["train", "--resume", str(run), "max_steps=4"]
+    assert _snapshot(run) == before        # no event, no metrics row, no checkpoint, no lock left
+
+
+def test_resuming_a_finished_run_with_a_larger_max_steps_trains_on(tmp_path, capsys):
+    from mixprec.cli import main
+    run = tmp_path / "run"
+    tiny = [s for s in TINY if not s.startswith("eval_batches=")]
+    assert main(["train", *tiny, "max_steps=2", "eval_batches=1", f"run_dir={run}"]) == 0
+    assert main(["train", "--resume", str(run), "max_steps=3"]) == 0
+    assert "done: 3 steps" in capsys.readouterr().err
