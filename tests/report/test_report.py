@@ -245,3 +245,9 @@ def test_the_summary_names_memory_in_the_plots_unit(tmp_path):
     assert _run_cli(str(tmp_path)) == 0
     page = (tmp_path / "report" / "report.html").read_text()
     assert "<th>peak memory (MiB)</th><td>109</td>" in page and "(MB)" not in page
+
+
+def test_the_summary_writes_a_rate_of_tens_of_thousands_without_scientific_notation():
+    """A trial's report showed "1.581e+04" tokens/s: `.4g` switches to exponents at 10^4."""
+    from mixprec.report.report import _fmt
+    assert _fmt(15810.4) == "15,810" and _fmt(9876.5) == "9876" and _fmt(2.773) == "2.773"
