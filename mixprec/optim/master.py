@@ -139,9 +139,7 @@ class MasterWeights(torch.optim.Optimizer):
         master_params: Iterable[Tensor] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        check_master_args(optimizer_cls, master_dtype, param_dtype)
-        if split:                 # the user's flag: True is refused where it cannot be exact
-            _split.resolve_split(split, optimizer_cls, master_dtype)
+        check_master_args(optimizer_cls, master_dtype, param_dtype, split=split, layout=layout)
         if layout is None:
             layout = MasterWeights if split is False else type(self)
         if not isinstance(self, layout):

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 
 from mixprec.errors import ConfigError
+from mixprec.optim.master_table import Masters
+from mixprec.optim.split import resolve_split
 
 __all__ = ["normalise_groups", "check_master_args"]
 
@@ -34,9 +36,12 @@ def normalise_groups(params: Iterable[Tensor] | Iterable[dict[str, Any]]) -> lis
 
 
 def check_master_args(optimizer_cls: Any, master_dtype: torch.dtype,
-                      param_dtype: torch.dtype | None) -> None:
+                      param_dtype: torch.dtype | None, *, split: bool | None = None,
+                      layout: Any = None) -> None:
     """Refuse, with the fix, what ``MasterWeights(optimizer_cls, ..., master_dtype=...,
-    param_dtype=...)`` cannot do."""
+    param_dtype=..., split=..., layout=...)`` cannot do: among it a ``split`` flag that says
+    otherwise than the ``layout`` class given with it (``split=False`` with the split layout, or
+    ``split=True`` with the full one), and ``split=True`` where split masters cannot be exact."""
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise ConfigError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}; "
                           "pass e.g. torch.optim.AdamW (the class, not an instance)")
@@ -49,3 +54,8 @@ def check_master_args(optimizer_cls: Any, master_dtype: torch.dtype,
     if param_dtype is not None and not param_dtype.is_floating_point:
         raise ConfigError(f"param_dtype must be a floating-point dtype, got {param_dtype}; "
                           "use torch.float16 or torch.bfloat16")
+    if split is not None and layout is not None and split != (layout._table_cls is not Masters):
+        raise ConfigError(f"split (split_masters)={split} and layout={layout.__name__} disagree; "
+                          "give one of them")
+    if split:
+        resolve_split(split, optimizer_cls, master_dtype)

@@ -131,3 +131,17 @@ def test_a_layout_its_class_cannot_step_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="cannot step the SplitMasterWeights layout; use SplitMasterWeights"):
         Mine(torch.optim.SGD, [nn.Parameter(torch.ones(2, dtype=torch.bfloat16))],
              layout=SplitMasterWeights, lr=0.1)
+
+
+@pytest.mark.parametrize("split, layout", [(False, "SplitMasterWeights"), (True, "MasterWeights")])
+def test_a_split_flag_that_contradicts_the_layout_class_is_refused_in_one_line(split, layout):
+    # Both given used to let the layout win silently (found in review, 2026-12-05).
+    from mixprec.errors import ConfigError
+    from mixprec.optim import AdamW, MasterWeights, SplitMasterWeights
+    cls = {"SplitMasterWeights": SplitMasterWeights, "MasterWeights": MasterWeights}[layout]
+    params = [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))]
+    with pytest.raises(ConfigError, match=f"split \\(split_masters\\)={split} and layout={layout} disagree"):
+        AdamW(params, split_masters=split, layout=cls)
+    with pytest.raises(ConfigError, match="disagree"):
+        MasterWeights(torch.optim.AdamW, [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))],
+                      split=split, layout=cls)
