@@ -298,13 +298,17 @@ def _grad_scaling(rows: list[dict[str, Any]], numerics: list[dict[str, Any]]) ->
     return "scaled" if scaled else "none"
 
 
-def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = None) -> list[Path]:
+def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = None,
+                   events: list[dict[str, Any]] = ()) -> list[Path]:
     """One heat map per (kind, statistic): rows are modules, columns logged steps. The gradients'
     largest magnitudes are the gradients' own: each row's loss scale divided out (an FP16 run's
     scale moves 2^24 -> 2^16 -> 2^18, and colours that followed it would show the scale, not the
     gradients); the overflow fraction stays that of the loss-scaled values, which are what
-    overflows."""
+    overflows. Cells whose tensor held inf/NaN, and the layer each skipped step's trace named, are
+    drawn over the colours (:mod:`mixprec.report.heat_marks`)."""
     import numpy as np
+
+    from mixprec.report.heat_marks import draw_nonfinite, draw_skips, nonfinite_cells, skip_cells
 
     grad_scaling = _grad_scaling(metrics or [], numerics)
 
@@ -322,6 +326,8 @@ def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = N
         steps = sorted({r["step"] for r in rows})
         col = {s: i for i, s in enumerate(steps)}
         row = {m: i for i, m in enumerate(modules)}
+        skips = skip_cells(list(events), kind, row, col)
+        what = "output gradients" if kind == "grad" else kind
         for stat, label, transform in (("absmax", "log10 |x| max", _log10),
                                        ("overflow_frac", "overflow fraction", float)):
             note = ""
@@ -336,10 +342,12 @@ def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = N
                     if kind == "grad" and stat == "absmax" and grad_scaling == "divided":
                         value = value / r["loss_scale"]
                     grid[row[r["module"]], col[r["step"]]] = transform(value)
-            if np.isnan(grid).all() or (stat == "overflow_frac" and not np.nanmax(grid) > 0):
+            held = nonfinite_cells(rows, stat, row, col)
+            if not held and not skips and (np.isnan(grid).all() or (
+                    stat == "overflow_frac" and not np.nanmax(grid) > 0)):
                 continue
             height = min(12.0, 1.5 + 0.25 * len(modules))
-            fig, ax = figure(f"{kind}: {label} per module over time{note}", figsize=(8.0, height))
+            fig, ax = figure(f"{what}: {label} per module over time{note}", figsize=(8.0, height))
             ax.grid(False)
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest",
                               cmap="magma" if stat == "overflow_frac" else "viridis")
@@ -348,6 +356,9 @@ def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = N
             ax.set_xticks(ticks, labels=[str(steps[i]) for i in ticks])
             ax.set_xlabel("step")
             fig.colorbar(image, ax=ax, label=label)
+            draw_nonfinite(ax, held)
+            draw_skips(ax, skips)
+            legend_below(ax, ncol=1)
             paths.append(save(fig, out / f"numerics_{kind}_{stat}.png"))
     return paths
 
@@ -441,7 +452,7 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
                           _plot_lr(rows, events, out), _plot_grad_norm(rows, events, out),
                           _plot_throughput(rows, events, out), _plot_memory(rows, events, out))
               if p is not None]
-    images += _plot_numerics(numerics, out, rows)
+    images += _plot_numerics(numerics, out, rows, events)
     from mixprec.report.format_timeline import plot_formats
     last = max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)
     images += [p for p in (plot_formats(events, last, out),) if p is not None]
