@@ -55,10 +55,14 @@ def caption(path: Path) -> str:
         kind, _, stat = stem.removeprefix("numerics_").partition("_")
         what = {"act": "activations", "grad": "gradients", "update": "updates"}.get(kind, kind)
         stat = {"absmax": "largest magnitude (log10)", "overflow_frac": "overflow fraction"}.get(stat, stat)
-        if kind == "grad" and stat.startswith("largest"):
-            return ("Per-layer gradients: largest magnitude (log10) over time, the loss scale divided out "
-                    "(a run that did not record it says so in the title)")
-        return f"Per-layer {what}: {stat} over time"
+        marks = ("; hatched cells held inf/NaN, an outlined cell is the layer a skipped step's trace named "
+                 "(at logged steps only)")
+        if kind == "grad":
+            what = ("output gradients (w.r.t. each layer's output, as backward held them: a weight- or "
+                    "input-gradient GEMM's inf is not among them, only its skipped step's outline shows it)")
+            if stat.startswith("largest"):
+                stat += ", the loss scale divided out (a run that did not record it says so in the title)"
+        return f"Per-layer {what}: {stat} over time{marks}"
     return stem.replace("_", " ")
 
 

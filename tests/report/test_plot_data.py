@@ -4,6 +4,7 @@ legends outside the curves, events marked, honest axes."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -223,3 +224,95 @@ def test_an_overlay_tells_a_runs_resume_from_its_stop_by_line_style(tmp_path, dr
     resumed, stopped = marks["a: resumed"], marks["a: stopped"]
     assert resumed.get_color() == stopped.get_color()               # the run's colour, both
     assert resumed.get_linestyle() != stopped.get_linestyle()
+
+
+_HEAT_MODULES = ("wte", "blocks.1.mlp.proj", "head")
+_GEMM_SKIP = {"kind": "skip", "step": 20, "module": "blocks.1.mlp.proj", "direction": "backward",
+              "tensor": "grad of weight", "made_by": "weight-gradient GEMM", "nonfinite": "inf",
+              "message": "step 20 skipped: inf first at blocks.1.mlp.proj (backward, fp16 weight-gradient GEMM)"}
+
+
+def _heat_run(path, steps=(10, 20), events=()) -> None:
+    """A run as ``init_scale=1e12 monitor_every=10`` logs it: at step 10 the head's output gradient
+    overflowed (absmax inf, 0.0039 of it), every layer below it got NaN; later steps finite, no overflow."""
+    _run(path, steps=max(steps), max_steps=max(steps), final=3.0, events=events)
+    bad = {"wte": (math.nan, 1.0), "blocks.1.mlp.proj": (math.nan, 1.0), "head": (math.inf, 0.00390625)}
+    with MetricsLogger(path, tensorboard=False, resume_step=max(steps)) as log:    # appends
+        for step in steps:
+            rows = [{"step": step, "module": m, "kind": "act", "absmax": 1.0 + i, "overflow_frac": 0.0,
+                     "underflow_frac": 0.0, "dtype": "fp16"} for i, m in enumerate(_HEAT_MODULES)]
+            for m in reversed(_HEAT_MODULES):
+                absmax, over = bad[m] if step == 10 else (100.0, 0.0)
+                rows.append({"step": step, "module": m, "kind": "grad", "absmax": absmax, "overflow_frac": over,
+                             "underflow_frac": 0.0, "dtype": "fp16", "loss_scale": 1024.0})
+            log.log_numerics(rows)
+
+
+def _cell(ax, column: int, module: str) -> tuple[float, float]:
+    return (float(column), float([t.get_text() for t in ax.get_yticklabels()].index(module)))
+
+
+def _cells_drawn(ax, label: str) -> set[tuple[float, float]]:
+    """Centres of the squares of the collection labelled ``label`` (nothing when none)."""
+    return {tuple(path.vertices[:4].mean(axis=0)) for c in ax.collections if c.get_label() == label
+            for path in c.get_paths()}
+
+
+def test_heat_map_cells_that_held_inf_or_nan_are_drawn_hatched_and_named_in_the_legend(tmp_path, drawn):
+    """The head's inf gradient was a blank cell on the absmax map and a black one (0.0039) on the
+    overflow map, drawn like any finite value; the NaN below it was blank too."""
+    _heat_run(tmp_path / "run")
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    for name in ("numerics_grad_absmax.png", "numerics_grad_overflow_frac.png"):
+        ax = drawn[name].axes[0]
+        assert _cells_drawn(ax, "tensor held inf") == {_cell(ax, 0, "head")}, name
+        assert _cells_drawn(ax, "tensor held NaN") == {_cell(ax, 0, m) for m in ("wte", "blocks.1.mlp.proj")}, name
+        inf, nan = (next(c for c in ax.collections if c.get_label() == label)
+                    for label in ("tensor held inf", "tensor held NaN"))
+        assert inf.get_hatch() and nan.get_hatch() and inf.get_hatch() != nan.get_hatch(), name
+        assert list(inf.get_facecolor()[0]) != list(nan.get_facecolor()[0]), name
+        assert {"tensor held inf", "tensor held NaN"} <= _legend_names(drawn[name]), name
+    act = drawn["numerics_act_absmax.png"].axes[0]                          # finite throughout: nothing over it
+    assert not act.collections and not _legend_names(drawn["numerics_act_absmax.png"])
+
+
+def test_a_skipped_steps_column_outlines_the_layer_its_trace_named_with_the_gemm_in_the_legend(tmp_path, drawn):
+    head = {"kind": "skip", "step": 10, "module": "head", "direction": "backward", "tensor": "grad_output",
+            "made_by": None, "nonfinite": "inf", "message": "step 10 skipped: inf first at head"}
+    between = {**head, "step": 15}                                          # no logged column: no cell
+    _heat_run(tmp_path / "run", events=(head, between, _GEMM_SKIP))
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    output_label = "skipped step: first inf in this layer's output gradient"
+    gemm_label = "skipped step: first inf in this layer's weight-gradient GEMM (not on this map)"
+    for name in ("numerics_grad_absmax.png", "numerics_grad_overflow_frac.png"):
+        ax = drawn[name].axes[0]
+        marks = {line.get_label(): set(zip(line.get_xdata(), line.get_ydata())) for line in ax.lines}
+        assert marks == {output_label: {_cell(ax, 0, "head")}, gemm_label: {_cell(ax, 1, "blocks.1.mlp.proj")}}
+        assert {output_label, gemm_label} <= _legend_names(drawn[name]), name
+    assert not drawn["numerics_act_absmax.png"].axes[0].lines               # backward origins: grad maps only
+
+
+def test_an_overflow_map_without_overflow_is_drawn_when_a_skipped_step_is_traced_to_a_layer(tmp_path, drawn):
+    """Step 20's inf was in a weight-gradient GEMM: every output gradient's overflow is 0, and the
+    overflow map, drawn only when some fraction was above 0, was not drawn at all."""
+    _heat_run(tmp_path / "run", steps=(20, 30), events=(_GEMM_SKIP,))
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    ax = drawn["numerics_grad_overflow_frac.png"].axes[0]
+    assert [set(zip(line.get_xdata(), line.get_ydata())) for line in ax.lines] == [{_cell(ax, 0, "blocks.1.mlp.proj")}]
+    _heat_run(tmp_path / "clean", steps=(20, 30))
+    drawn.clear()
+    report.write_report(tmp_path / "clean", tmp_path / "out2")
+    assert "numerics_grad_overflow_frac.png" not in drawn                   # nothing to show: still skipped
+
+
+def test_the_gradient_heat_maps_say_they_show_output_gradients_and_what_they_cannot_show(tmp_path, drawn):
+    from pathlib import Path
+
+    from mixprec.report.figures import caption
+    for stem in ("numerics_grad_absmax", "numerics_grad_overflow_frac"):
+        text = caption(Path(f"{stem}.png"))
+        assert "output gradients" in text and "weight- or input-gradient GEMM" in text, stem
+        assert "hatched cells held inf/NaN" in text and "at logged steps only" in text, stem
+    _heat_run(tmp_path / "run")
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    assert drawn["numerics_grad_absmax.png"].axes[0].get_title().startswith("output gradients:")
