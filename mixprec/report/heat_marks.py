@@ -18,7 +18,7 @@ from typing import Any
 
 from mixprec.report.figures import skip_events
 
-__all__ = ["nonfinite_cells", "skip_cells", "draw_nonfinite", "draw_skips", "NONFINITE_LABELS"]
+__all__ = ["nonfinite_cells", "skip_cells", "draw_nonfinite", "draw_skips", "legend_under", "NONFINITE_LABELS"]
 
 NONFINITE_LABELS = {"inf": "tensor held inf", "nan": "tensor held NaN"}
 _NONFINITE_STYLE = {"inf": {"facecolor": "#d62728", "hatch": "xxx", "edgecolor": "white"},
@@ -85,3 +85,13 @@ def draw_skips(ax, cells: dict[str, list[tuple[int, int]]]) -> None:
         ax.plot([c for _, c in where], [r for r, _ in where], linestyle="none", marker=marker, ms=11,
                 markerfacecolor="none", markeredgecolor="#00e5ff", markeredgewidth=2.2, label=label,
                 zorder=3)
+
+
+def legend_under(fig, ax) -> None:
+    """The marks' legend under the whole figure, one entry a line: under the axes (as
+    :func:`~mixprec.report.figures.legend_below` puts it) a short map's legend covered its
+    ``step`` label. Nothing when nothing is marked."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8,
+                   frameon=False, ncol=1)

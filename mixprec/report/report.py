@@ -308,7 +308,8 @@ def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = N
     drawn over the colours (:mod:`mixprec.report.heat_marks`)."""
     import numpy as np
 
-    from mixprec.report.heat_marks import draw_nonfinite, draw_skips, nonfinite_cells, skip_cells
+    from mixprec.report.heat_marks import (draw_nonfinite, draw_skips, legend_under, nonfinite_cells,
+                                           skip_cells)
 
     grad_scaling = _grad_scaling(metrics or [], numerics)
 
@@ -346,7 +347,7 @@ def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = N
             if not held and not skips and (np.isnan(grid).all() or (
                     stat == "overflow_frac" and not np.nanmax(grid) > 0)):
                 continue
-            height = min(12.0, 1.5 + 0.25 * len(modules))
+            height = min(12.0, 2.5 + 0.25 * len(modules))   # room for the title over a few rows
             fig, ax = figure(f"{what}: {label} per module over time{note}", figsize=(8.0, height))
             ax.grid(False)
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest",
@@ -358,7 +359,8 @@ def _plot_numerics(numerics, out: Path, metrics: list[dict[str, Any]] | None = N
             fig.colorbar(image, ax=ax, label=label)
             draw_nonfinite(ax, held)
             draw_skips(ax, skips)
-            legend_below(ax, ncol=1)
+            fig.tight_layout()                  # the figure's bottom edge, then the legend under it
+            legend_under(fig, ax)
             paths.append(save(fig, out / f"numerics_{kind}_{stat}.png"))
     return paths
 

@@ -167,7 +167,8 @@ def test_a_run_with_one_logged_row_draws_its_point(tmp_path, drawn):
 
 
 def _legend_names(fig) -> set[str]:
-    return {t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()}
+    legends = [*(ax.get_legend() for ax in fig.axes if ax.get_legend()), *fig.legends]
+    return {t.get_text() for legend in legends for t in legend.get_texts()}
 
 
 _RESUMED = ({"kind": "start", "step": 20, "message": "resumed"},)
@@ -316,3 +317,14 @@ def test_the_gradient_heat_maps_say_they_show_output_gradients_and_what_they_can
     _heat_run(tmp_path / "run")
     report.write_report(tmp_path / "run", tmp_path / "out")
     assert drawn["numerics_grad_absmax.png"].axes[0].get_title().startswith("output gradients:")
+
+
+def test_a_forward_origin_is_outlined_on_the_activation_maps_not_the_gradient_maps(tmp_path, drawn):
+    forward = {"kind": "skip", "step": 20, "module": "blocks.1.mlp.proj", "direction": "forward",
+               "tensor": "output", "made_by": None, "nonfinite": "nan", "message": "step 20 skipped: nan first"}
+    _heat_run(tmp_path / "run", events=(forward,))
+    report.write_report(tmp_path / "run", tmp_path / "out")
+    ax = drawn["numerics_act_absmax.png"].axes[0]
+    assert {line.get_label(): set(zip(line.get_xdata(), line.get_ydata())) for line in ax.lines} == {
+        "skipped step: first nan in this layer's output": {_cell(ax, 1, "blocks.1.mlp.proj")}}
+    assert not drawn["numerics_grad_absmax.png"].axes[0].lines
