@@ -157,8 +157,8 @@ class Resumed:
 def restore(trainer: Any, resume: str | Path | bool, train_loader: Any, total: int, *,
             group_settings: list[dict[str, Any]], own_scheduler: bool, notes: Notes) -> Resumed:
     """Load the checkpoint ``resume`` names into what ``trainer`` built (model, optimizer,
-    precision, scheduler, loader, re-planner, guard); refuse one past ``total`` steps, say a
-    finished one, and re-stretch mixprec's schedule (``own_scheduler``) to this run's settings."""
+    precision, scheduler, loader, re-planner, guard); refuse one past ``total`` steps (a finished
+    one never gets here: train/finished.py), and re-stretch mixprec's schedule (``own_scheduler``) to this run's settings."""
     # This run's peak LR per group, as prepare() built the schedule (cfg.lr for mixprec's
     # optimizer; your optimizer's own LRs for one you passed).
     peaks = list(trainer.scheduler.base_lrs) if own_scheduler else []
@@ -171,10 +171,6 @@ def restore(trainer: Any, resume: str | Path | bool, train_loader: Any, total: i
     if step > total:
         raise ConfigError(f"the checkpoint is at step {step}, past max_steps={total}; "
                           f"resume with max_steps={step} or more")
-    if step == total and trainer.strategy.is_main:     # a finished run resumed as it was: say so
-        notes.append((f"nothing to train: the run is already at step {step} of "
-                      f"max_steps={total}; to train on, give a larger max_steps: "
-                      f"{hints.resume(trainer.run_dir, max_steps=2 * step)}", "nothing"))
     if own_scheduler:
         reschedule(trainer.scheduler, trainer.optimizer, trainer.config, total, peaks,
                    restored.saved_lr, step=step, group_settings=group_settings, notes=notes)

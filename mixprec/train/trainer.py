@@ -10,6 +10,7 @@ that update runs at it.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,12 @@ from mixprec.train.checkpoints import save
 from mixprec.train.config import FitConfig, given_settings
 from mixprec.train.ending import stop_agreed, stop_if_diverged, stop_now
 from mixprec.train.evaluation import evaluate
+from mixprec.train.finished import finished_run
 from mixprec.train.health import seed_everything
 from mixprec.train.hooks import StepHook, around
 from mixprec.train.outcome import Outcomes, outcome_lags, replay_forward, trace_nonfinite
-from mixprec.train.run import FitResult, audit_first_step, open_run, result, running, total_steps
+from mixprec.train.run import (FitResult, audit_first_step, finished_result, open_run, result, running,
+                               total_steps)
 from mixprec.train.setup import (activations_in_fp8, apply_precision, build_optimizer, build_scheduler,
                                  choose_precision, compiled_first_step, overlapped_update,
                                  refuse_swaps_when_sharded, step_hooks, watch_formats, watch_numbers,
@@ -250,6 +253,12 @@ class Trainer:
         # A loader without its own position gets one (DataLoader, list), or fit() says it cannot.
         train_loader = resumable(train_loader, seed=self.config.seed)
         total = total_steps(train_loader, self.config)
+        if (finished := finished_run(self.config.run_dir, resume, total)) is not None:
+            # Nothing to train: nothing built, nothing written to the run folder, one line.
+            if self.strategy.is_main:
+                print(f"[mixprec] {finished.line()}", file=sys.stderr)
+            self.step, self.run_dir = finished.step, finished.run_dir
+            return finished_result(finished)
         seed_everything(self.config.seed)          # dropout, data order of plain loaders
         self.prepare(total)
         run = open_run(self, train_loader, total, resume)   # the folder, a restore, the logs
