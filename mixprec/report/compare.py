@@ -219,8 +219,8 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         # The steps the runs reached, not an axis around one shared step (9.6 to 10.4).
         ax.set_xlim(0, max(r["last"] for r in runs) or 1)
         if len(shared) == 1:
-            ax.set_title(f"{ax.get_title()}\nat step {min(shared)} only, the one step the runs logged in common",
-                         fontsize=10)
+            ax.set_title(f"{ax.get_title()}\nat step {min(shared)} only, the one step the runs "
+                         "logged in common", fontsize=10)
         legend_below(ax)
         paths.append(save(fig, out / "compare_loss_relative.png"))
     fig, ax = figure("skipped steps (cumulative)", "skipped steps")

@@ -14,7 +14,7 @@ from mixprec.runs import checkpoint as ckpt
 from mixprec.runs.metrics import is_finite_number, read_metrics
 from mixprec.runs.read import read_run_config
 
-__all__ = ["Finished", "finished_run"]
+__all__ = ["Finished", "finished_run", "past_the_end"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,12 @@ class Finished:
                 f"{hints.resume(self.run_dir, max_steps=2 * self.step)}")
 
 
+def past_the_end(step: int, total: int) -> ConfigError:
+    """The refusal of a checkpoint at ``step`` for a run that ends at ``total`` (< ``step``)."""
+    return ConfigError(f"the checkpoint is at step {step}, past max_steps={total}; "
+                       f"resume with max_steps={step} or more")
+
+
 def finished_run(run_dir: str | Path | None, resume: str | Path | bool | None,
                  total: int | None) -> Finished | None:
     """The run a resume continues when its checkpoint is at ``total`` steps already (None: there
@@ -53,8 +59,7 @@ def finished_run(run_dir: str | Path | None, resume: str | Path | bool | None,
     if step is None or step < total:
         return None
     if step > total:
-        raise ConfigError(f"the checkpoint is at step {step}, past max_steps={total}; "
-                          f"resume with max_steps={step} or more")
+        raise past_the_end(step, total)
     run = ckpt.run_of_checkpoint(source) or source
     try:
         rows = [r for r in read_metrics(run) if r.get("step") is not None and r["step"] <= step]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from mixprec.runs.checkpointer import Checkpointer
 from mixprec.train.checkpoints import open_run_dir, refuse_another_models_run, restore
 from mixprec.train.config import FitConfig
 from mixprec.train.ending import warmup_not_left
-from mixprec.train.finished import Finished
+from mixprec.train.finished import finished_run
 from mixprec.train.health import RunHealth
 from mixprec.train.hooks import ProfilerHook
 from mixprec.train.run_log import RunLog
@@ -33,7 +34,7 @@ from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput, micro_batch_groups
 
 __all__ = ["FitResult", "Run", "total_steps", "open_run", "audit_first_step", "running", "result",
-           "finished_result"]
+           "nothing_to_train"]
 
 
 @dataclass
@@ -162,7 +163,14 @@ def result(trainer: Any, run: Run, last_out: StepOutput | None, last_val: float 
                      last_val, trainer.precision.layers.ran())
 
 
-def finished_result(finished: Finished) -> FitResult:
-    """What ``fit()`` returns for a resume with nothing to train: the run's recorded numbers."""
+def nothing_to_train(trainer: Any, total: int, resume: str | Path | bool | None) -> FitResult | None:
+    """A resume of a run already at ``total`` steps (train/finished.py): the one line said (rank
+    0), ``trainer``'s step and run folder the run's, and what its files record; None: train."""
+    finished = finished_run(trainer.config.run_dir, resume, total)
+    if finished is None:
+        return None
+    if trainer.strategy.is_main:
+        print(f"[mixprec] {finished.line()}", file=sys.stderr)
+    trainer.step, trainer.run_dir = finished.step, finished.run_dir
     return FitResult(finished.run_dir, finished.step, finished.skipped_steps, finished.final_loss,
                      finished.final_val_loss, finished.precision, nothing_to_train=True)

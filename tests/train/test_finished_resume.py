@@ -51,6 +51,7 @@ def test_fit_resuming_a_finished_run_writes_nothing_and_says_so_in_one_line(fini
     assert lines[0].endswith(f"; give a larger max_steps= to continue: fit(..., run_dir={str(run)!r}, "
                              "resume=True, max_steps=8)")
     assert _snapshot(run) == before        # no event, no row, no checkpoint, no config.toml rewrite
+    assert result.nothing_to_train and result.steps == 4
 
 
 def test_fit_resuming_a_finished_run_returns_what_its_files_record(finished):
