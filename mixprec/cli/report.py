@@ -7,7 +7,7 @@ import errno
 from pathlib import Path
 
 from mixprec.errors import DataError
-from mixprec.report.compare import compare_summary, load_run, write_comparison
+from mixprec.report.compare import compare_notes, compare_summary, load_run, write_comparison
 from mixprec.report.report import formats_over_run, guard_summary, write_report
 from mixprec.runs.read import format_counts, layer_formats_over_run
 from mixprec.runs.metrics import read_events
@@ -67,6 +67,8 @@ def _compare(args: argparse.Namespace) -> int:
     print(" | ".join(k.ljust(w) for k, w in zip(keys, widths)).rstrip())
     for c in cells:
         print(" | ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+    for note in compare_notes(runs):
+        print(f"note: {note}")
     print("precision of each run:")
     for r in runs:
         print(f"  {r['name']}: {r['precision']}")

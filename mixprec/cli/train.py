@@ -126,27 +126,6 @@ def _same_mode(a: str, b: str) -> bool:
         return False
 
 
-def _finished_at(cfg: TrainConfig, resume_from: Path | None) -> int | None:
-    """The step a resumed run already reached when that is ``max_steps`` or more (None: there is
-    training to do, or the run is bounded by epochs)."""
-    if resume_from is None or cfg.max_steps is None:
-        return None
-    from mixprec.runs.checkpoint import checkpoint_step
-    step = checkpoint_step(resume_from)
-    return step if step is not None and step >= cfg.max_steps else None
-
-
-def _recorded_val_loss(run_dir: Path, step: int) -> float | None:
-    """The run's last validation loss up to ``step``, as its metrics.csv recorded it (None: none)."""
-    from mixprec.runs.metrics import is_finite_number, read_metrics
-    try:
-        rows = read_metrics(run_dir)
-    except (OSError, ValueError):
-        return None
-    return next((r["val_loss"] for r in reversed(rows) if r.get("step") is not None and r["step"] <= step
-                 and is_finite_number(r.get("val_loss"))), None)
-
-
 def _run_folder_of(path: Path) -> tuple[Path, Path]:
     """``(run folder, what to resume from)`` for a run folder, its checkpoints/ folder or one
     checkpoint folder inside it."""
@@ -407,14 +386,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     hints.from_command_line()          # every hint from here on is a shell command for this launch
     cfg, source, resume_from = _resolve(args)
-    if (finished := _finished_at(cfg, resume_from)) is not None:
+    from mixprec.train.finished import finished_run
+    if (finished := finished_run(cfg.run_dir, resume_from, cfg.max_steps)) is not None:
         # Nothing to do is not an error (exit 0, docs/CONTRACTS.md); nothing is built or written.
         if read_env().rank == 0:
-            val = _recorded_val_loss(Path(cfg.run_dir), finished)
-            print(f"[mixprec] nothing to train: run {cfg.run_dir} already finished at step {finished} of "
-                  f"{cfg.max_steps}{f' (final validation loss {val:.4f})' if val is not None else ''}; "
-                  f"give a larger max_steps= to continue: "
-                  f"{hints.resume(cfg.run_dir, max_steps=2 * cfg.max_steps)}", file=sys.stderr)
+            print(f"[mixprec] {finished.line()}", file=sys.stderr)
         return 0
     from mixprec.train.trainer import Trainer
 
@@ -433,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         # The DDP/FSDP wrappers hold the process group: drop them before teardown destroys it
         # (Strategy.teardown: a group still alive at interpreter exit can abort or hang the process).
         del trainer, model, train_loader, val_loader
-        if strategy.is_main:
+        if strategy.is_main and not result.nothing_to_train:    # (an epochs= run: fit() said so)
             val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
             print(f"[mixprec] done: {result.steps} steps ({result.skipped_steps} skipped), "
                   f"final validation loss {val}, precision {result.policy}", file=sys.stderr)

@@ -6,12 +6,14 @@ labelled with its run's folder name, the table maps names to what ran, ``Precisi
 loss, learning rate, the relative difference of each run's loss from the reference's
 (``loss / loss_ref - 1`` at the steps both logged), skipped steps (cumulative), the loss scale
 (log axis), and the share of Linear layers in FP8 over time (when any run used FP8). The summary
-table has one row per run: precision, the training settings unlike the first run's (config.toml,
-besides where it wrote and what it logged; also in each plot's line labels), how far it got
+table has one row per run: precision, the settings unlike the first run's (config.toml: the
+training ones, also in each plot's line labels, then "not training: ..." for those that only
+watch or save the run), how far it got
 (``320 of 2000`` and whether it completed, stopped, diverged, or is still running or was
-killed), final train and validation loss, each
-against the reference's final value and at the last step every run reached (named in the column
-header), skipped steps, final loss scale, and the final layer formats.
+killed), final train and validation loss, each against the reference's at the last step every
+run reached (named in the column header) and, when every run's last logged step is the same,
+final against final (otherwise a note, :func:`compare_notes`, names each run's last step),
+skipped steps, final loss scale, and the final layer formats.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from mixprec.report.format_timeline import format_timeline
 from mixprec.runs.metrics import is_finite_number
 from mixprec.runs.read import read_run, run_progress, run_scales_loss
 
-__all__ = ["write_comparison", "compare_summary", "load_run", "settings_that_differ"]
+__all__ = ["write_comparison", "compare_summary", "compare_notes", "load_run", "settings_that_differ"]
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -54,13 +56,19 @@ def reference_words(ref: dict[str, Any]) -> str:
     return "the reference"
 
 
-_NOT_SETTINGS = frozenset({
-    "precision", "run_dir", "overwrite", "resume", "progress", "audit", "log_interval",
-    "ckpt_interval", "keep_last", "export_hf", "profile", "monitor_every", "trace_nonfinite",
-    "overlap_optimizer", "num_workers", "recipe"})
-"""``config.toml`` keys that are not a difference in training: where it was written and what was
-logged (``precision`` has its own column; ``overlap_optimizer`` is bit-identical; ``[recipe]``
-records the precision choices whose keys above already show)."""
+_UNLISTED = frozenset({"precision", "run_dir", "overwrite", "resume", "recipe"})
+"""``config.toml`` keys never listed: ``precision`` has its own column, ``run_dir`` differs for
+every run, ``overwrite``/``resume`` say how the folder was opened, and ``[recipe]`` records the
+precision choices whose own keys are listed."""
+
+_NOT_TRAINING = frozenset({
+    "progress", "audit", "ckpt_interval", "keep_last", "export_hf", "profile", "monitor_every",
+    "trace_nonfinite", "overlap_optimizer", "num_workers"})
+"""Settings that watch or save a run but do not change its numbers (``monitor_every`` samples
+statistics, ``trace_nonfinite`` replays a skipped step and restores the RNG, ``overlap_optimizer``
+is bit-identical): listed apart ("not training: ...") and kept out of the plots' line labels.
+``log_interval`` is not among them: a metrics row's ``loss`` is the mean over its interval, so
+runs logged at other intervals compare other means."""
 
 
 def _setting(value: Any) -> str:
@@ -75,13 +83,20 @@ def _setting(value: Any) -> str:
     return str(value)
 
 
-def settings_that_differ(config: dict[str, Any], ref: dict[str, Any]) -> str:
-    """The training settings of ``config`` unlike the first run's (``ref``), as ``key=value`` in
+def settings_that_differ(config: dict[str, Any], ref: dict[str, Any], *, training: bool = True) -> str:
+    """The settings of ``config`` unlike the first run's (``ref``), as ``key=value`` in
     ``config.toml``'s order (``lr=0.005 moments=int8 loss_chunk=64``); ``""`` when none: two runs
-    labelled alike that differ by their learning rate must not read as a precision effect."""
-    keys = [k for k in ref if k not in _NOT_SETTINGS] + \
-        [k for k in config if k not in ref and k not in _NOT_SETTINGS]
+    labelled alike that differ by their learning rate must not read as a precision effect.
+    ``training=False``: the ones that do not change a run's numbers (``_NOT_TRAINING``) instead."""
+    keep = lambda k: k not in _UNLISTED and (k in _NOT_TRAINING) != training  # noqa: E731
+    keys = [k for k in ref if keep(k)] + [k for k in config if k not in ref and keep(k)]
     return " ".join(f"{k}={_setting(config.get(k))}" for k in keys if config.get(k) != ref.get(k))
+
+
+def _settings_column(config: dict[str, Any], ref: dict[str, Any]) -> str:
+    """Every setting unlike the first's: the training ones, then ``not training: ...``."""
+    train, other = settings_that_differ(config, ref), settings_that_differ(config, ref, training=False)
+    return "; ".join(filter(None, [train, other and f"not training: {other}"])) or "-"
 
 
 def _last_common(runs: list[dict[str, Any]], key: str) -> int | None:
@@ -90,11 +105,39 @@ def _last_common(runs: list[dict[str, Any]], key: str) -> int | None:
     return max(common) if common else None
 
 
+def _final_steps(runs: list[dict[str, Any]], key: str) -> list[int | None]:
+    """Each run's last step that logged ``key`` (None: never)."""
+    return [max(s) if (s := _series(r["rows"], key)) else None for r in runs]
+
+
+def _same_final_step(runs: list[dict[str, Any]], key: str) -> bool:
+    return len(set(_final_steps(runs, key))) == 1
+
+
+def compare_notes(runs: list[dict[str, Any]]) -> list[str]:
+    """What the summary's columns do not say themselves: runs whose last logged steps differ are
+    compared at the last step every run logged only (a final loss at step 30 against one at step
+    16 is no precision effect), naming each run's last step."""
+    notes = []
+    for key, name in (("loss", "loss"), ("val_loss", "validation loss")):
+        finals = _final_steps(runs, key)
+        if any(f is not None for f in finals) and not _same_final_step(runs, key):
+            at = _last_common(runs, key)
+            where = (f"compared at step {at} only, the last step every run logged" if at is not None
+                     else "no step logged by every run, so no comparison")
+            notes.append(f"the runs' last {name} steps differ ("
+                         + ", ".join(f"{r['name']}: {'none' if f is None else f'step {f}'}"
+                                     for r, f in zip(runs, finals)) + f"): {where}")
+    return notes
+
+
 def compare_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run; differences are against the first run, each column saying what it
-    compares: final against final, and at the last step every run reached (named in the header)."""
+    compares: at the last step every run reached (named in the header), and final against final
+    only when every run's final is at the same step (:func:`compare_notes` says when not)."""
     ref = runs[0]
     at = {key: _last_common(runs, key) for key in ("loss", "val_loss")}
+    same_end = {key: _same_final_step(runs, key) for key in ("loss", "val_loss")}
 
     def pct(a: float | None, b: float | None) -> float | None:
         return 100 * (a / b - 1) if a is not None and b else None
@@ -105,13 +148,13 @@ def compare_summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in runs:
         row: dict[str, Any] = {"run": r["name"], "precision": r["label"],
-                               "settings unlike the first's": (
-                                   settings_that_differ(r["config"], ref["config"]) or "-"),
+                               "settings unlike the first's": _settings_column(r["config"], ref["config"]),
                                "steps": run_progress(r["config"], r["events"], r["last"])}
         for key, name in (("loss", "loss"), ("val_loss", "val loss")):
             s, rs = _series(r["rows"], key), _series(ref["rows"], key)
             row[f"final {name}"] = final(s)
-            row[f"final {name} vs first's final (%)"] = pct(final(s), final(rs))
+            if same_end[key]:
+                row[f"final {name} vs first's final (%)"] = pct(final(s), final(rs))
             if at[key] is not None:
                 row[f"{name} vs first at step {at[key]} (%)"] = pct(s[at[key]], rs[at[key]])
         scales = _series(r["rows"], "loss_scale")
@@ -160,14 +203,24 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     fig, ax = figure(f"train loss relative to {ref['name']} ({reference_words(ref)})",
                      "loss / first run - 1 (%)")
     rs = _series(ref["rows"], "loss")
+    shared: set[int] = set()
     for r in runs[1:]:
         s = _series(r["rows"], "loss")
         common = sorted(set(s) & set(rs))
+        shared.update(common)
         if common:
-            plot_series(ax, common, [100 * (s[c] / rs[c] - 1) for c in common], label=r["legend"],
-                        color=r["colour"])
+            ys = [100 * (s[c] / rs[c] - 1) for c in common]
+            plot_series(ax, common, ys, label=r["legend"], color=r["colour"])
+            if len(common) == 1:      # a lone dot: its value beside it, not a bare mark
+                ax.annotate(f"{ys[0]:+.2f} %", (common[0], ys[0]), xytext=(6, 4),
+                            textcoords="offset points", fontsize=8, color=r["colour"])
     if ax.lines:
         ax.axhline(0, color="#888", lw=0.8)
+        # The steps the runs reached, not an axis around one shared step (9.6 to 10.4).
+        ax.set_xlim(0, max(r["last"] for r in runs) or 1)
+        if len(shared) == 1:
+            ax.set_title(f"{ax.get_title()}\nat step {min(shared)} only, the one step the runs "
+                         "logged in common", fontsize=10)
         legend_below(ax)
         paths.append(save(fig, out / "compare_loss_relative.png"))
     fig, ax = figure("skipped steps (cumulative)", "skipped steps")
@@ -214,6 +267,7 @@ def write_comparison(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLi
     images = _plots(runs, out)
     summary = compare_summary(runs)
     esc = html.escape
+    notes = "\n".join(f"<p><strong>Note:</strong> {esc(n)}</p>" for n in compare_notes(runs))
 
     head = "".join(f"<th>{esc(k)}</th>" for k in summary[0])
     body = "\n".join("<tr>" + "".join(f"<td>{_fmt(k, v)}</td>" for k, v in row.items()) + "</tr>"
@@ -235,6 +289,7 @@ th {{ background: #f4f4f4; }} img {{ max-width: 100%; }} figcaption {{ color: #6
 <table><tr>{head}</tr>
 {body}
 </table>
+{notes}
 <h2>Plots</h2>
 {figures}
 </body></html>

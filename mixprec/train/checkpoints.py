@@ -21,6 +21,7 @@ from mixprec.runs.read import read_run_config
 from mixprec.runs.run_dir import claim_locked_run_dir, deleted_note
 from mixprec.strategies import Strategy
 from mixprec.train.config import FitConfig
+from mixprec.train.finished import past_the_end
 from mixprec.train.setup import fit_model_name
 
 __all__ = ["save", "Resumed", "open_run_dir", "claim_run_dir", "resume_into_its_run", "start_over",
@@ -157,8 +158,9 @@ class Resumed:
 def restore(trainer: Any, resume: str | Path | bool, train_loader: Any, total: int, *,
             group_settings: list[dict[str, Any]], own_scheduler: bool, notes: Notes) -> Resumed:
     """Load the checkpoint ``resume`` names into what ``trainer`` built (model, optimizer,
-    precision, scheduler, loader, re-planner, guard); refuse one past ``total`` steps, say a
-    finished one, and re-stretch mixprec's schedule (``own_scheduler``) to this run's settings."""
+    precision, scheduler, loader, re-planner, guard); refuse one past ``total`` steps (a finished
+    one never gets here: train/finished.py), and re-stretch mixprec's schedule
+    (``own_scheduler``) to this run's settings."""
     # This run's peak LR per group, as prepare() built the schedule (cfg.lr for mixprec's
     # optimizer; your optimizer's own LRs for one you passed).
     peaks = list(trainer.scheduler.base_lrs) if own_scheduler else []
@@ -169,12 +171,7 @@ def restore(trainer: Any, resume: str | Path | bool, train_loader: Any, total: i
     step = restored.step
     notes.extend((n, "checkpoint") for n in restored.notes)
     if step > total:
-        raise ConfigError(f"the checkpoint is at step {step}, past max_steps={total}; "
-                          f"resume with max_steps={step} or more")
-    if step == total and trainer.strategy.is_main:     # a finished run resumed as it was: say so
-        notes.append((f"nothing to train: the run is already at step {step} of "
-                      f"max_steps={total}; to train on, give a larger max_steps: "
-                      f"{hints.resume(trainer.run_dir, max_steps=2 * step)}", "nothing"))
+        raise past_the_end(step, total)     # (train/finished.py refuses it before anything is built)
     if own_scheduler:
         reschedule(trainer.scheduler, trainer.optimizer, trainer.config, total, peaks,
                    restored.saved_lr, step=step, group_settings=group_settings, notes=notes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,17 +23,18 @@ from mixprec.errors import ConfigError
 from mixprec.monitor import StuckScaleWarning, audit, audit_after_first_step
 from mixprec.monitor.profile import StepProfiler
 from mixprec.runs.checkpointer import Checkpointer
-from mixprec.runs.metrics import is_finite_number, read_metrics
 from mixprec.train.checkpoints import open_run_dir, refuse_another_models_run, restore
 from mixprec.train.config import FitConfig
 from mixprec.train.ending import warmup_not_left
+from mixprec.train.finished import finished_run
 from mixprec.train.health import RunHealth
 from mixprec.train.hooks import ProfilerHook
 from mixprec.train.run_log import RunLog
 from mixprec.train.signals import StopRequest
 from mixprec.train.step import Batch, StepOutput, micro_batch_groups
 
-__all__ = ["FitResult", "Run", "total_steps", "open_run", "audit_first_step", "running", "result"]
+__all__ = ["FitResult", "Run", "total_steps", "open_run", "audit_first_step", "running", "result",
+           "nothing_to_train"]
 
 
 @dataclass
@@ -45,6 +47,9 @@ class FitResult:
     policy: str
     """What ran (``Precision.layers.ran``): the mode, ``32-true+plan (8 nvfp4, 1 fp32)`` for a plan, or
     ``fp8-tensorwise+switched (5 bf16)`` when layers changed format while training (the guard)."""
+    nothing_to_train: bool = False
+    """The resumed run was already at its last step: this call built, trained and wrote nothing,
+    and the fields above are what the run's files record (train/finished.py)."""
 
 
 @dataclass
@@ -153,12 +158,19 @@ def running(trainer: Any, run: Run) -> Iterator[Run]:
 
 def result(trainer: Any, run: Run, last_out: StepOutput | None, last_val: float | None) -> FitResult:
     """What ``fit()`` returns once ``run`` ended."""
-    if last_val is None and run.resumed and trainer.run_dir is not None:
-        # Resumed with nothing left to train (a finished run): its recorded final validation
-        # loss, not "n/a".
-        last_val = next((r["val_loss"] for r in reversed(read_metrics(trainer.run_dir))
-                         if r.get("step") is not None and r["step"] <= trainer.step
-                         and is_finite_number(r.get("val_loss"))), None)
     final_loss = float(last_out.loss) if last_out is not None else None
     return FitResult(trainer.run_dir, trainer.step, trainer.precision.scaler.num_skipped_steps, final_loss,
                      last_val, trainer.precision.layers.ran())
+
+
+def nothing_to_train(trainer: Any, total: int, resume: str | Path | bool | None) -> FitResult | None:
+    """A resume of a run already at ``total`` steps (train/finished.py): the one line said (rank
+    0), ``trainer``'s step and run folder the run's, and what its files record; None: train."""
+    finished = finished_run(trainer.config.run_dir, resume, total)
+    if finished is None:
+        return None
+    if trainer.strategy.is_main:
+        print(f"[mixprec] {finished.line()}", file=sys.stderr)
+    trainer.step, trainer.run_dir = finished.step, finished.run_dir
+    return FitResult(finished.run_dir, finished.step, finished.skipped_steps, finished.final_loss,
+                     finished.final_val_loss, finished.precision, nothing_to_train=True)

@@ -37,7 +37,8 @@ from mixprec.train.evaluation import evaluate
 from mixprec.train.health import seed_everything
 from mixprec.train.hooks import StepHook, around
 from mixprec.train.outcome import Outcomes, outcome_lags, replay_forward, trace_nonfinite
-from mixprec.train.run import FitResult, audit_first_step, open_run, result, running, total_steps
+from mixprec.train.run import (FitResult, audit_first_step, nothing_to_train, open_run, result, running,
+                               total_steps)
 from mixprec.train.setup import (activations_in_fp8, apply_precision, build_optimizer, build_scheduler,
                                  choose_precision, compiled_first_step, overlapped_update,
                                  refuse_swaps_when_sharded, step_hooks, watch_formats, watch_numbers,
@@ -250,11 +251,12 @@ class Trainer:
         # A loader without its own position gets one (DataLoader, list), or fit() says it cannot.
         train_loader = resumable(train_loader, seed=self.config.seed)
         total = total_steps(train_loader, self.config)
+        if (finished := nothing_to_train(self, total, resume)) is not None:
+            return finished      # said in one line; nothing built or written (train/finished.py)
         seed_everything(self.config.seed)          # dropout, data order of plain loaders
         self.prepare(total)
         run = open_run(self, train_loader, total, resume)   # the folder, a restore, the logs
-        cfg, events, meter = self.config, run.log.events, run.log.meter
-        last_val, last_out = None, None
+        cfg, events, meter, last_val, last_out = self.config, run.log.events, run.log.meter, None, None
         compiling = cfg.compile                    # the first step of this process compiles
         lags = self.outcome_lags
         with running(self, run):

@@ -79,3 +79,63 @@ def test_runs_labelled_alike_show_the_settings_they_differ_by(tmp_path, capsys):
     (tmp_path / "plots").mkdir()
     _plots(loaded, tmp_path / "plots")
     assert [r["legend"] for r in loaded] == ["A", "B (lr=0.005 moments=int8)"]   # the plots' labels
+
+
+def _two_runs_ending_at_different_steps(tmp_path, **b_extra):
+    """A logs at 10, 20, 30; B stops at step 16 (rows at 10 and 16): one common step, 10."""
+    g = torch.Generator().manual_seed(0)
+    loader = [(x, (3 * x) % 256) for x in (torch.randint(0, 256, (4, 8), generator=g) for _ in range(4))]
+    runs = [tmp_path / "A", tmp_path / "B"]
+    for run, steps, extra in zip(runs, (30, 16), ({}, b_extra)):
+        mp.train.fit(_Net(), loader, mixed_precision="32-true", max_steps=steps, run_dir=str(run),
+                     progress=False, audit=False, log_interval=10, eval_interval=0, ckpt_interval=0,
+                     **extra)
+    return runs
+
+
+def test_runs_whose_last_steps_differ_are_compared_at_the_last_common_step_and_say_so(tmp_path, capsys):
+    """It printed "final loss vs first's final -29.65 %": step 30 of one run against step 16 of a
+    run stopped early, with nothing saying the steps differ."""
+    runs = _two_runs_ending_at_different_steps(tmp_path)
+    assert main(["report", str(runs[0]), str(runs[1]), "-o", str(tmp_path / "cmp")]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "final loss vs first's final" not in header and "loss vs first at step 10 (%)" in header
+    note = "note: the runs' last loss steps differ (A: step 30, B: step 16): compared at step 10 only, " \
+           "the last step every run logged"
+    assert note in out.splitlines()
+    page = (tmp_path / "cmp" / "compare.html").read_text()
+    assert "final loss vs first&#x27;s final" not in page and "A: step 30, B: step 16" in page
+
+
+def test_a_relative_loss_plot_with_one_common_step_spans_the_runs_and_says_so(tmp_path):
+    """It drew one dot on an x-axis from 9.6 to 10.4, titled as if it were a curve."""
+    from mixprec.report.compare import _plots, load_run
+    loaded = [load_run(r) for r in _two_runs_ending_at_different_steps(tmp_path)]
+    (tmp_path / "plots").mkdir()
+    captured = {}
+    import mixprec.report.compare as compare
+    real_save = compare.save
+    compare.save = lambda fig, path: captured.setdefault(path.name, fig) and real_save(fig, path)
+    try:
+        _plots(loaded, tmp_path / "plots")
+    finally:
+        compare.save = real_save
+    ax = captured["compare_loss_relative.png"].axes[0]
+    assert ax.get_xlim() == (0, 30)
+    assert ax.get_title().endswith("at step 10 only, the one step the runs logged in common")
+    assert [t.get_text() for t in ax.texts] and ax.texts[0].get_text().endswith(" %")
+
+
+def test_settings_that_do_not_change_training_are_listed_apart_not_left_out(tmp_path, capsys):
+    """monitor_every=10 was left out of "settings unlike the first's" without a word; log_interval
+    (which changes what a row's mean loss covers) was left out too."""
+    from mixprec.report.compare import settings_that_differ
+    ref = {"lr": 1e-3, "log_interval": 10, "monitor_every": 0, "run_dir": "a", "precision": "32-true"}
+    other = {"lr": 1e-3, "log_interval": 5, "monitor_every": 10, "run_dir": "b", "precision": "bf16-true"}
+    assert settings_that_differ(other, ref) == "log_interval=5"
+    assert settings_that_differ(other, ref, training=False) == "monitor_every=10"
+    runs = _two_runs_ending_at_different_steps(tmp_path, monitor_every=10)
+    assert main(["report", str(runs[0]), str(runs[1]), "-o", str(tmp_path / "cmp")]) == 0
+    b = capsys.readouterr().out.splitlines()[2]
+    assert b.split(" | ")[2].strip() == "max_steps=16; not training: monitor_every=10"
