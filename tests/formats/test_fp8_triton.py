@@ -36,6 +36,8 @@ from mixprec.errors import ConfigError
 from mixprec.formats import Fp8Config, Fp8Linear, emulated_mm, fp8_gemm, fp8_path, quantize
 from mixprec.formats.fp8_quantize import Fp8Tensor
 
+from tests.triton_interpreter import INTERPRETER_SHIMS
+
 REPO = Path(__file__).resolve().parents[2]
 FP32_REL_TOL = 1e-5
 
@@ -58,27 +60,7 @@ CASES = [
     ("ragged-k-in-wider-buffers", 72, 200, 200, (128, 128), "wide"),
 ]
 
-_SCRIPT = r'''
-import ast
-import sys
-import numpy as np
-import torch
-import triton.language as tl
-import triton.runtime.interpreter as ti
-
-_patch_tensor = ti._patch_lang_tensor
-def _patch(tensor):                       # scalars are 1-element arrays; numpy >= 2.3 won't int() them
-    _patch_tensor(tensor)
-    tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-ti._patch_lang_tensor = _patch
-
-_trunc = ti.InterpreterBuilder.create_fp_trunc
-def _fp_trunc(self, src, dst_type):       # FP32 -> BF16 rounds to nearest even, as on the GPU
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-        t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-        return ti.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-    return _trunc(self, src, dst_type)
-ti.InterpreterBuilder.create_fp_trunc = _fp_trunc
+_SCRIPT = INTERPRETER_SHIMS + r'''
 
 from torch import nn
 from mixprec.formats import Fp8Config, Fp8Linear, GemmPlan, fp8_gemm, quantize

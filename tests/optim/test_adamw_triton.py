@@ -43,6 +43,7 @@ from mixprec.optim import AdamW, flat_kernel as flat_mod
 from mixprec.optim.adamw import _AdamWFP32Math
 
 from tests.optim.test_step_cost import LAYOUTS, _count_step, _syncs
+from tests.triton_interpreter import INTERPRETER_SHIMS
 
 REPO = Path(__file__).resolve().parents[2]
 TWIN_REL_TOL = 1e-6
@@ -63,27 +64,7 @@ CASES = [
 ]
 STEPS, SKIP_AT = 4, 2          # four steps; the third is skipped (found_inf = 1)
 
-_SCRIPT = r'''
-import ast
-import sys
-import numpy as np
-import torch
-import triton.language as tl
-import triton.runtime.interpreter as ti
-
-_patch_tensor = ti._patch_lang_tensor
-def _patch(tensor):                       # scalars are 1-element arrays; numpy >= 2.3 won't int() them
-    _patch_tensor(tensor)
-    tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
-ti._patch_lang_tensor = _patch
-
-_trunc = ti.InterpreterBuilder.create_fp_trunc
-def _fp_trunc(self, src, dst_type):       # FP32 -> BF16 rounds to nearest even, as on the GPU
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-        t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-        return ti.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-    return _trunc(self, src, dst_type)
-ti.InterpreterBuilder.create_fp_trunc = _fp_trunc
+_SCRIPT = INTERPRETER_SHIMS + r'''
 
 def fma32(x, y, z):                       # one rounding, as the GPU's fma.rn.f32
     return (x.astype(np.float64) * y.astype(np.float64) + z.astype(np.float64)).astype(np.float32)
