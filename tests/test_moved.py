@@ -203,8 +203,9 @@ def _retired_patterns() -> dict[str, re.Pattern]:
     return patterns
 
 
-def _retired_mentions(root: Path) -> list[str]:
-    patterns, found = _retired_patterns(), []
+def _scanned_lines(root: Path):
+    """``(where, line)`` of every line of the docs, the benchmarks and the package (``_moved.py``
+    aside, which names every old path), ``where`` as ``file:number``."""
     for where in SCANNED:
         path = root / where
         files = [path] if path.is_file() else sorted([*path.rglob("*.md"), *path.rglob("*.py")])
@@ -212,10 +213,14 @@ def _retired_mentions(root: Path) -> list[str]:
             if file.name == "_moved.py" and file.parent.name == "mixprec":
                 continue
             for number, line in enumerate(file.read_text().splitlines(), 1):
-                if "0.4" in line:                 # a line about the retirement itself
-                    continue
-                found += [f"{file.relative_to(root)}:{number}: {old}" for old, p in patterns.items() if p.search(line)]
-    return found
+                yield f"{file.relative_to(root)}:{number}", line
+
+
+def _retired_mentions(root: Path) -> list[str]:
+    patterns = _retired_patterns()
+    return [f"{where}: {old}" for where, line in _scanned_lines(root)
+            if "0.4" not in line                   # a line about the retirement itself
+            for old, p in patterns.items() if p.search(line)]
 
 
 def test_no_doc_benchmark_or_docstring_names_a_retired_path():
@@ -236,43 +241,14 @@ def test_a_retired_path_in_a_doc_is_found(tmp_path):
 
 # ------------------------------------------------------------------ members of a class (Precision)
 
-def _member_home(precision, new: str):
-    """What ``Precision.layers.formats`` names on ``precision``: each step an attribute."""
-    obj = precision
-    for part in new.split(".")[1:]:
-        obj = getattr(obj, part)
-    return obj
-
-
-@pytest.mark.parametrize("old", sorted(MOVED_MEMBERS))
-def test_a_retired_precision_member_is_an_attribute_error_naming_its_new_home(old):
-    precision = mixprec.Precision("fp8-tensorwise", device="cpu")
-    name = old.partition(".")[2]
-    with pytest.raises(AttributeError) as caught:
-        getattr(precision, name)
-    assert isinstance(caught.value, MovedAttributeError)
-    assert str(caught.value) == f"{old} moved to {MOVED_MEMBERS[old]} in 0.4; see CHANGELOG.md"
-    assert not hasattr(precision, name) and getattr(precision, name, "default") == "default"
-    assert not hasattr(mixprec.Precision, name)
-
-
 def _retired_member_mentions(root: Path) -> list[str]:
     """``precision.layer_formats``, ``Precision.set_layer_format(``: a retired member named on a
     Precision (a receiver whose name ends in ``precision``, or ``prec``) in the docs, the
     benchmarks and the package's docstrings."""
     members = "|".join(re.escape(old.partition(".")[2]) for old in MOVED_MEMBERS)
     pattern = re.compile(rf"(?<![\w.])(?:[\w.]*[pP]recision|prec)\.({members})(?!\w)")
-    found = []
-    for where in SCANNED:
-        path = root / where
-        files = [path] if path.is_file() else sorted([*path.rglob("*.md"), *path.rglob("*.py")])
-        for file in files:
-            if file.name == "_moved.py" and file.parent.name == "mixprec":
-                continue
-            for number, line in enumerate(file.read_text().splitlines(), 1):
-                found += [f"{file.relative_to(root)}:{number}: {m.group(0)}" for m in pattern.finditer(line)
-                          if not m.group(0).startswith("mixprec.precision.")]
-    return found
+    return [f"{where}: {m.group(0)}" for where, line in _scanned_lines(root)
+            for m in pattern.finditer(line) if not m.group(0).startswith("mixprec.precision.")]
 
 
 def test_no_doc_benchmark_or_docstring_names_a_retired_precision_member():
